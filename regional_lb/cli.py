@@ -1,0 +1,2 @@
+from typer import Typer
+app = Typer()
