@@ -1,2 +1,3 @@
 from typer import Typer
+
 app = Typer()

@@ -1,0 +1,200 @@
+"""GeoIP: where a client is, from a MaxMind-format City database.
+
+:class:`GeoDatabase` wraps one opened file and memoises lookups by the database's own network,
+so the answering path pays for the reader once per network, not once per query.
+:class:`GeoIPSource` owns the file path and swaps in a new :class:`GeoDatabase` when the file
+changes; a new file that cannot be opened is refused and the last good database stays in use.
+
+An address that the database does not know is located at :data:`UNKNOWN`: never an exception.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
+from pathlib import Path
+
+import geoip2.database
+import geoip2.errors
+import maxminddb
+import structlog
+
+from gtm.errors import GeoIPError
+
+log = structlog.get_logger(__name__)
+
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
+
+SETTING = "GTM_GEOIP_PATH"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    country: str | None  # ISO 3166-1 alpha-2
+    continent: str | None  # two-letter continent code
+    lat: float | None
+    lon: float | None
+    # The database network this location holds for (the ECS scope of a location-based answer);
+    # None when the address was not looked up in any database.
+    network: IPNetwork | None
+
+    @property
+    def known(self) -> bool:
+        return self.lat is not None and self.lon is not None
+
+
+UNKNOWN = Location(None, None, None, None, None)
+
+# Buckets of the first-level cache: a database network at least this wide covers the whole
+# bucket, so every address in it shares the entry; narrower networks go to a per-address cache.
+_V4_BUCKET = 24
+_V6_BUCKET = 48
+_SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds several networks
+_CACHE_LIMIT = 200_000
+
+
+class GeoDatabase:
+    """One opened City database. Thread-safe for lookups; close() when swapped out."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._reader = geoip2.database.Reader(str(path))
+        except FileNotFoundError as exc:
+            raise GeoIPError(f"GeoIP database {path} does not exist (set {SETTING})") from exc
+        except (OSError, ValueError, maxminddb.InvalidDatabaseError) as exc:
+            raise GeoIPError(f"GeoIP database {path} cannot be read: {exc}") from exc
+        meta = self._reader.metadata()
+        if "City" not in meta.database_type:
+            self._reader.close()
+            raise GeoIPError(
+                f"GeoIP database {path} is a {meta.database_type!r} database; a City database"
+                " (GeoIP2-City, GeoLite2-City or compatible) is needed for coordinates"
+            )
+        self.path = path
+        self.database_type: str = meta.database_type
+        self.build_epoch: int = meta.build_epoch
+        built = datetime.fromtimestamp(meta.build_epoch, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.build = f"{meta.database_type}@{built}"
+        self._buckets4: dict[int, Location] = {}
+        self._buckets6: dict[int, Location] = {}
+        self._exact: dict[IPAddress, Location] = {}
+        self.lookups = 0  # reader calls (cache misses), for metrics and the benchmark
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def locate(self, address: IPAddress) -> Location:
+        """The client's location; :data:`UNKNOWN` (with its network) if not in the database."""
+        if address.version == 4:
+            buckets, key = self._buckets4, int(address) >> (32 - _V4_BUCKET)
+            bucket_len = _V4_BUCKET
+        else:
+            buckets, key = self._buckets6, int(address) >> (128 - _V6_BUCKET)
+            bucket_len = _V6_BUCKET
+        hit = buckets.get(key)
+        if hit is not None and hit is not _SPLIT:
+            return hit
+        if hit is _SPLIT:
+            exact = self._exact.get(address)
+            if exact is not None:
+                return exact
+        loc = self._lookup(address)
+        if len(buckets) >= _CACHE_LIMIT or len(self._exact) >= _CACHE_LIMIT:
+            # A full clear is cheap and keeps memory bounded; the working set refills quickly.
+            buckets.clear()
+            self._exact.clear()
+        if loc.network is not None and loc.network.prefixlen <= bucket_len:
+            buckets[key] = loc
+        else:
+            buckets[key] = _SPLIT
+            self._exact[address] = loc
+        return loc
+
+    def _lookup(self, address: IPAddress) -> Location:
+        self.lookups += 1
+        try:
+            city = self._reader.city(address)
+        except geoip2.errors.AddressNotFoundError as exc:
+            network = exc.network
+            return Location(None, None, None, None, ip_network(network) if network else None)
+        except (ValueError, maxminddb.InvalidDatabaseError) as exc:
+            # A database corrupt past its metadata: this address is unknown, nothing crashes.
+            log.warning("geoip.lookup_failed", address=str(address), error=str(exc))
+            return UNKNOWN
+        net = city.traits.network
+        return Location(
+            country=city.country.iso_code,
+            continent=city.continent.code,
+            lat=city.location.latitude,
+            lon=city.location.longitude,
+            network=ip_network(net) if net is not None else None,
+        )
+
+
+def default_database_path() -> Path:
+    """The GeoLite2-City file shipped by the optional ``maxminddb-geolite2`` package."""
+    try:
+        from _maxminddb_geolite2 import geolite2_database
+    except ImportError as exc:
+        raise GeoIPError(
+            f"no GeoIP database configured: set {SETTING} (or --geoip-path) to a GeoIP2/GeoLite2"
+            " City file, or install the 'geolite' extra for the bundled 2018 GeoLite2-City"
+        ) from exc
+    return Path(geolite2_database())
+
+
+@dataclass(frozen=True, slots=True)
+class _FileStamp:
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+def _stamp(path: Path) -> _FileStamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _FileStamp(st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class GeoIPSource:
+    """The configured GeoIP file and the database currently in force.
+
+    ``poll()`` is called beside the answering path (from a thread: it reads the file). It
+    compares the file's stamp with the one loaded; a changed file is opened and returned for
+    the caller to swap into a new snapshot, while a file that fails to open is reported once
+    and the last good database stays current. Polling the stamp, rather than watching inotify
+    events, also catches files replaced by rename on bind mounts and network filesystems.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.current = GeoDatabase(path)
+        self._stamp = _stamp(path)
+        self._rejected: _FileStamp | None = None
+        self.last_error: str | None = None
+
+    def poll(self) -> GeoDatabase | None:
+        stamp = _stamp(self.path)
+        if stamp is None:
+            if self.last_error is None:
+                self.last_error = f"{self.path} disappeared; keeping {self.current.build}"
+                log.error("geoip.missing", path=str(self.path), keeping=self.current.build)
+            return None
+        if stamp == self._stamp or stamp == self._rejected:
+            return None
+        try:
+            fresh = GeoDatabase(self.path)
+        except GeoIPError as exc:
+            self._rejected = stamp
+            self.last_error = f"{exc}; keeping {self.current.build}"
+            log.error("geoip.reload_rejected", error=str(exc), keeping=self.current.build)
+            return None
+        previous = self.current
+        self.current, self._stamp, self._rejected, self.last_error = fresh, stamp, None, None
+        log.info("geoip.reloaded", build=fresh.build, previous=previous.build)
+        return fresh

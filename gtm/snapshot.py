@@ -1,0 +1,135 @@
+"""The snapshot: everything one decision reads, immutable, replaced as a whole.
+
+Health probing, capacity intake, policy activation and GeoIP reloads each build a new
+:class:`Snapshot` from the current one and swap the single reference held by
+:class:`SnapshotStore`; the DNS and HTTP paths read ``store.current`` and never wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import TypeVar
+
+from gtm.geoip import GeoDatabase
+from gtm.policy import PolicySet
+from gtm.topology import Spillover, Topology
+
+
+class HealthState(StrEnum):
+    UP = "up"
+    DOWN = "down"
+    DRAINING = "draining"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionHealth:
+    state: HealthState
+    since: float  # unix seconds of the last state change
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionCapacity:
+    """The last capacity report of a region, as the decision sees it."""
+
+    utilisation: float
+    reported_at: float  # unix seconds
+    # Hysteresis state: set when utilisation reached the high watermark, cleared only below the
+    # low one, so a region hovering at the threshold does not flip its clients back and forth.
+    spilling: bool
+    can_take_work: bool = True
+
+
+def next_capacity(
+    previous: RegionCapacity | None,
+    utilisation: float,
+    reported_at: float,
+    can_take_work: bool,
+    watermarks: Spillover,
+) -> RegionCapacity:
+    """Fold one report into the region's capacity state (pure; used by capacity intake)."""
+    was_spilling = previous.spilling if previous is not None else False
+    if utilisation >= watermarks.high_watermark:
+        spilling = True
+    elif utilisation <= watermarks.low_watermark:
+        spilling = False
+    else:
+        spilling = was_spilling
+    return RegionCapacity(utilisation, reported_at, spilling, can_take_work)
+
+
+@dataclass(frozen=True, slots=True)
+class Versions:
+    """What a decision was made from; recorded with it so it can be explained and replayed."""
+
+    snapshot: int
+    topology: str
+    policy: str
+    geoip: str
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _frozen(mapping: Mapping[K, V]) -> Mapping[K, V]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    version: int
+    topology: Topology
+    policy: PolicySet
+    geo: GeoDatabase
+    health: Mapping[str, RegionHealth] = field(default_factory=dict)
+    capacity: Mapping[str, RegionCapacity] = field(default_factory=dict)
+    built_at: float = 0.0
+    versions: Versions = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "health", _frozen(self.health))
+        object.__setattr__(self, "capacity", _frozen(self.capacity))
+        object.__setattr__(
+            self,
+            "versions",
+            Versions(
+                self.version,
+                self.topology.fingerprint(),
+                self.policy.version,
+                self.geo.build,
+            ),
+        )
+
+    def evolve(self, built_at: float, **changes: object) -> Snapshot:
+        """A successor with the given fields replaced and the version bumped."""
+        return dataclasses.replace(
+            self,
+            version=self.version + 1,
+            built_at=built_at,
+            **changes,  # type: ignore[arg-type]
+        )
+
+
+class SnapshotStore:
+    """Holds the current snapshot. Replacing the reference is the only write (atomic)."""
+
+    def __init__(self, initial: Snapshot) -> None:
+        self._current = initial
+
+    @property
+    def current(self) -> Snapshot:
+        return self._current
+
+    def swap(self, snapshot: Snapshot) -> Snapshot:
+        if snapshot.version <= self._current.version:
+            raise ValueError(
+                f"snapshot {snapshot.version} is not newer than {self._current.version}"
+            )
+        self._current = snapshot
+        return snapshot

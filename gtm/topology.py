@@ -1,0 +1,281 @@
+"""The topology document: the DNS zone, the regions and the services they serve.
+
+Loaded from YAML and validated as a whole; cross-references (a service naming an unknown region,
+a DNS name outside the zone, a duplicate id) are reported together with field errors.
+
+Example (see ``examples/demo.yaml`` for a complete one)::
+
+    zone:
+      apex: gtm.example.
+      soa: {mname: ns1.gtm.example., rname: hostmaster.gtm.example., serial: 1}
+      nameservers: [{name: ns1.gtm.example., ipv4: [192.0.2.53]}]
+    regions:
+      - {id: eu-west, name: Dublin, lat: 53.35, lon: -6.26, jurisdiction: EU,
+         ipv4: [192.0.2.30], base_url: "https://eu-west.gtm.example"}
+    services:
+      - {id: chat, dns_names: [chat.gtm.example.], regions: [eu-west]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+
+from gtm.documents import read_yaml, validate_document
+from gtm.errors import ConfigError, Problem
+
+RegionId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+
+
+def normalise_dns_name(value: str) -> str:
+    """Lower-case, absolute (trailing dot) form used as the key of every DNS name."""
+    name = value.strip().lower()
+    if not name or name == ".":
+        raise ValueError("a DNS name must not be empty")
+    if not name.endswith("."):
+        name += "."
+    labels = name[:-1].split(".")
+    if any(not label or len(label) > 63 for label in labels):
+        raise ValueError(f"{value!r} is not a valid DNS name (empty or over-long label)")
+    if len(name) > 254:
+        raise ValueError(f"{value!r} is longer than 253 characters")
+    return name
+
+
+def in_zone(name: str, apex: str) -> bool:
+    return name == apex or name.endswith("." + apex)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SOA(_Strict):
+    mname: str
+    rname: str
+    serial: int = Field(ge=0, lt=2**32)
+    refresh: int = Field(default=3600, ge=0)
+    retry: int = Field(default=600, ge=0)
+    expire: int = Field(default=1_209_600, ge=0)
+    # RFC 2308: the negative-caching TTL is min(SOA TTL, SOA minimum).
+    minimum: int = Field(default=60, ge=0)
+
+    @field_validator("mname", "rname")
+    @classmethod
+    def _names(cls, v: str) -> str:
+        return normalise_dns_name(v)
+
+
+class NameServer(_Strict):
+    name: str
+    ipv4: tuple[IPv4Address, ...] = ()
+    ipv6: tuple[IPv6Address, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return normalise_dns_name(v)
+
+
+class Zone(_Strict):
+    apex: str
+    soa: SOA
+    nameservers: tuple[NameServer, ...] = Field(min_length=1)
+    ttl: int = Field(default=3600, ge=0, description="TTL of the SOA and NS records")
+
+    @field_validator("apex")
+    @classmethod
+    def _apex(cls, v: str) -> str:
+        return normalise_dns_name(v)
+
+    @model_validator(mode="after")
+    def _glue(self) -> Self:
+        for i, ns in enumerate(self.nameservers):
+            # Glue is only needed (and only allowed to be served) for names inside the zone.
+            if in_zone(ns.name, self.apex) and not (ns.ipv4 or ns.ipv6):
+                raise ValueError(
+                    f"nameservers[{i}] {ns.name} is inside the zone and needs glue (ipv4/ipv6)"
+                )
+        return self
+
+
+class Region(_Strict):
+    id: RegionId
+    name: str
+    lat: float = Field(ge=-90, le=90)
+    lon: float = Field(ge=-180, le=180)
+    jurisdiction: str = Field(min_length=1)
+    ipv4: tuple[IPv4Address, ...] = ()
+    ipv6: tuple[IPv6Address, ...] = ()
+    base_url: HttpUrl
+    probe_url: HttpUrl | None = None
+    weight: float = Field(default=1.0, ge=0, description="0 takes the region out of ranking")
+
+    @model_validator(mode="after")
+    def _answers(self) -> Self:
+        if not (self.ipv4 or self.ipv6):
+            raise ValueError(f"region {self.id} needs at least one answer address (ipv4/ipv6)")
+        return self
+
+
+class Service(_Strict):
+    id: RegionId
+    dns_names: tuple[str, ...] = ()
+    http_hosts: tuple[str, ...] = ()
+    regions: tuple[RegionId, ...] = Field(min_length=1)
+    residency_class: str | None = None
+    ttl: int = Field(default=30, ge=0, le=86_400)
+
+    @field_validator("dns_names")
+    @classmethod
+    def _dns_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(normalise_dns_name(n) for n in v)
+
+    @field_validator("http_hosts")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(h.strip().lower().rstrip(".") for h in v)
+
+    @model_validator(mode="after")
+    def _reachable(self) -> Self:
+        if not (self.dns_names or self.http_hosts):
+            raise ValueError(f"service {self.id} needs at least one DNS name or HTTP host")
+        return self
+
+
+class Spillover(_Strict):
+    high_watermark: float = Field(default=0.85, gt=0)
+    low_watermark: float = Field(default=0.70, gt=0)
+    stale_after_s: float = Field(default=10.0, gt=0)
+    max_share: float = Field(default=0.9, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> Self:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark (hysteresis band)")
+        return self
+
+
+class Routing(_Strict):
+    spillover: Spillover = Spillover()
+    # Regions whose health has not been established yet: treated as up (cold start serves
+    # traffic) unless configured otherwise.
+    unknown_health_is_up: bool = True
+    # TTL used while the answer is degraded (fail-static, spill) so clients come back soon.
+    degraded_ttl: int = Field(default=10, ge=0)
+    # Preferred region order for clients in a country or continent, ahead of distance. Keys are
+    # "country:DE" or "continent:EU" (the prefixes keep "AS", Asia, apart from American Samoa);
+    # a country entry wins over its continent's.
+    latency_map: dict[
+        Annotated[str, Field(pattern=r"^(country|continent):[A-Z]{2}$")], tuple[RegionId, ...]
+    ] = Field(default_factory=dict)
+    # Clients whose location is unknown are ranked by distance from this point when given,
+    # else in the service's configured region order.
+    unknown_location: tuple[float, float] | None = None
+
+
+class Topology(_Strict):
+    zone: Zone
+    regions: tuple[Region, ...] = Field(min_length=1)
+    services: tuple[Service, ...] = Field(min_length=1)
+    routing: Routing = Routing()
+
+    _regions_by_id: dict[str, Region] = PrivateAttr(default_factory=dict)
+    _by_name: dict[str, Service] = PrivateAttr(default_factory=dict)
+    _by_host: dict[str, Service] = PrivateAttr(default_factory=dict)
+    _by_id: dict[str, Service] = PrivateAttr(default_factory=dict)
+    _fingerprint: str = PrivateAttr(default="")
+
+    def model_post_init(self, context: object, /) -> None:
+        # Indexes for the answering path, built once (the model is frozen).
+        self._regions_by_id = {r.id: r for r in self.regions}
+        self._by_name = {n: s for s in self.services for n in s.dns_names}
+        self._by_host = {h: s for s in self.services for h in s.http_hosts}
+        self._by_id = {s.id: s for s in self.services}
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        self._fingerprint = hashlib.sha256(canonical).hexdigest()[:16]
+
+    def region(self, region_id: str) -> Region:
+        return self._regions_by_id[region_id]
+
+    def has_region(self, region_id: str) -> bool:
+        return region_id in self._regions_by_id
+
+    def service_by_dns_name(self, name: str) -> Service | None:
+        return self._by_name.get(name)
+
+    def service_by_host(self, host: str) -> Service | None:
+        return self._by_host.get(host.lower().rstrip("."))
+
+    def service(self, service_id: str) -> Service | None:
+        return self._by_id.get(service_id)
+
+    def fingerprint(self) -> str:
+        """A short content hash: the topology version recorded with every decision."""
+        return self._fingerprint
+
+
+def _duplicates(values: list[str]) -> list[str]:
+    return sorted({v for v in values if values.count(v) > 1})
+
+
+def cross_reference_problems(topo: Topology) -> list[tuple[str, str]]:
+    """Checks that span several parts of the document, as (location, message) pairs."""
+    problems: list[tuple[str, str]] = []
+    for dup in _duplicates([r.id for r in topo.regions]):
+        problems.append(("regions", f"region id {dup!r} is defined more than once"))
+    for dup in _duplicates([s.id for s in topo.services]):
+        problems.append(("services", f"service id {dup!r} is defined more than once"))
+    seen_names: dict[str, str] = {}
+    seen_hosts: dict[str, str] = {}
+    for i, svc in enumerate(topo.services):
+        for j, r in enumerate(svc.regions):
+            if not topo.has_region(r):
+                problems.append((f"services[{i}].regions[{j}]", f"unknown region {r!r}"))
+        for j, name in enumerate(svc.dns_names):
+            loc = f"services[{i}].dns_names[{j}]"
+            if not in_zone(name, topo.zone.apex):
+                problems.append((loc, f"{name} is outside the zone {topo.zone.apex}"))
+            if name in seen_names:
+                problems.append((loc, f"{name} is already used by service {seen_names[name]!r}"))
+            seen_names[name] = svc.id
+        for j, host in enumerate(svc.http_hosts):
+            if host in seen_hosts:
+                problems.append(
+                    (
+                        f"services[{i}].http_hosts[{j}]",
+                        f"{host} is already used by service {seen_hosts[host]!r}",
+                    )
+                )
+            seen_hosts[host] = svc.id
+    for key, order in topo.routing.latency_map.items():
+        for r in order:
+            if not topo.has_region(r):
+                problems.append((f"routing.latency_map.{key}", f"unknown region {r!r}"))
+    return problems
+
+
+def load_topology(path: Path) -> Topology:
+    """Read and validate a topology file; :class:`ConfigError` lists every problem."""
+    return parse_topology(read_yaml(path), str(path))
+
+
+def parse_topology(data: object, source: str = "<string>") -> Topology:
+    topo = validate_document(Topology, data, source)
+    problems = cross_reference_problems(topo)
+    if problems:
+        raise ConfigError([Problem(source, loc, msg) for loc, msg in problems])
+    return topo
