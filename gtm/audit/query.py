@@ -1,0 +1,75 @@
+"""Reading the audit log back: the newest rows, an export over a time range, chain checks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm.audit.record import ChainBreak, verify_chain
+from gtm.audit.schema import decisions
+
+_COLUMNS = [c for c in decisions.c if c.name != "id"]
+
+
+def _as_dict(row: Any) -> dict[str, Any]:
+    return {c.name: getattr(row, c.name) for c in _COLUMNS} | {"id": row.id}
+
+
+def iso(us: int) -> str:
+    return datetime.fromtimestamp(us / 1_000_000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+async def tail(engine: AsyncEngine, limit: int = 20, after_id: int = 0) -> list[dict[str, Any]]:
+    """The newest ``limit`` rows (oldest first), or every row after ``after_id``."""
+    query = select(decisions)
+    if after_id:
+        query = query.where(decisions.c.id > after_id).order_by(decisions.c.id)
+    else:
+        query = query.order_by(decisions.c.id.desc()).limit(limit)
+    async with engine.connect() as conn:
+        rows = [_as_dict(r) for r in (await conn.execute(query))]
+    return sorted(rows, key=lambda r: r["id"])
+
+
+async def export(
+    engine: AsyncEngine,
+    since_us: int | None = None,
+    until_us: int | None = None,
+    batch: int = 5000,
+) -> AsyncIterator[dict[str, Any]]:
+    """Every row in a time range, in id order, streamed in batches."""
+    last_id = 0
+    async with engine.connect() as conn:
+        while True:
+            query = select(decisions).where(decisions.c.id > last_id)
+            if since_us is not None:
+                query = query.where(decisions.c.last_at_us >= since_us)
+            if until_us is not None:
+                query = query.where(decisions.c.first_at_us < until_us)
+            rows = (await conn.execute(query.order_by(decisions.c.id).limit(batch))).all()
+            if not rows:
+                return
+            for row in rows:
+                yield _as_dict(row)
+            last_id = rows[-1].id
+
+
+async def verify(engine: AsyncEngine) -> tuple[int, list[ChainBreak]]:
+    """Check every node's chain; returns (rows checked, breaks)."""
+    async with engine.connect() as conn:
+        result = await conn.execute(
+            select(decisions).order_by(decisions.c.node, decisions.c.node_seq)
+        )
+        rows = [_as_dict(r) for r in result]
+    return len(rows), verify_chain(rows)
+
+
+async def total_count(engine: AsyncEngine) -> int:
+    """Answers accounted for in the store (the sum of row counts)."""
+    async with engine.connect() as conn:
+        value = await conn.scalar(select(func.coalesce(func.sum(decisions.c.count), 0)))
+    return int(value or 0)

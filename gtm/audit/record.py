@@ -1,0 +1,203 @@
+"""What one audit row holds, and the hash chain that makes the log tamper-evident.
+
+An :class:`AuditRecord` is the content of a decision as the audit keeps it: hashable, so the
+writer counts identical decisions in one flush window into a single row. Each node chains its
+rows: ``row_hash = sha256(prev_hash || canonical JSON of the row)``, so deleting, reordering or
+editing a row breaks every later hash of that node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gtm.routing import Decision
+
+GENESIS = "0" * 64
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    channel: str
+    query_type: str | None
+    response: str | None
+    client_network: str
+    ecs_prefix: str | None
+    country: str | None
+    continent: str | None
+    name: str
+    service: str | None
+    residency_classes: tuple[str, ...]
+    tenant: str | None
+    matched_rules: tuple[str, ...]
+    snapshot_version: int
+    topology_version: str
+    policy_version: str
+    geoip_build: str
+    candidates: tuple[tuple[str, str, str, str], ...]  # (region, status, reason, detail)
+    region: str | None
+    answer: tuple[str, ...]
+    outcome: str
+    ttl: int
+
+
+def record_of(
+    decision: Decision,
+    *,
+    channel: str,
+    name: str,
+    ecs: str | None = None,
+    tenant: str | None = None,
+    query_type: str | None = None,
+    response: str | None = None,
+    answer: tuple[str, ...] | None = None,
+) -> AuditRecord:
+    """The audit content of ``decision`` as answered on a channel.
+
+    ``answer`` is what the client was actually given (the addresses of the type asked, or a
+    redirect URL); by default every address of the decision.
+    """
+    v = decision.versions
+    return AuditRecord(
+        channel=channel,
+        query_type=query_type,
+        response=response,
+        client_network=str(decision.client_network),
+        ecs_prefix=ecs,
+        country=decision.location.country,
+        continent=decision.location.continent,
+        name=name,
+        service=decision.service,
+        residency_classes=decision.residency_classes,
+        tenant=tenant,
+        matched_rules=decision.matched_rules,
+        snapshot_version=v.snapshot,
+        topology_version=v.topology,
+        policy_version=v.policy,
+        geoip_build=v.geoip,
+        candidates=tuple(
+            (c.region, c.status.value, c.reason.value, c.detail) for c in decision.candidates
+        ),
+        region=decision.region,
+        answer=answer if answer is not None else decision.ipv4 + decision.ipv6,
+        outcome=decision.outcome.value,
+        ttl=decision.ttl,
+    )
+
+
+def row_of(
+    record: AuditRecord,
+    *,
+    node: str,
+    node_seq: int,
+    first_at_us: int,
+    last_at_us: int,
+    count: int,
+) -> dict[str, Any]:
+    """A ``decisions`` row (without the chain columns) in its JSON-compatible form."""
+    return {
+        "node": node,
+        "node_seq": node_seq,
+        "first_at_us": first_at_us,
+        "last_at_us": last_at_us,
+        "count": count,
+        "channel": record.channel,
+        "query_type": record.query_type,
+        "response": record.response,
+        "client_network": record.client_network,
+        "ecs_prefix": record.ecs_prefix,
+        "country": record.country,
+        "continent": record.continent,
+        "name": record.name,
+        "service": record.service,
+        "residency_classes": list(record.residency_classes),
+        "tenant": record.tenant,
+        "matched_rules": list(record.matched_rules),
+        "snapshot_version": record.snapshot_version,
+        "topology_version": record.topology_version,
+        "policy_version": record.policy_version,
+        "geoip_build": record.geoip_build,
+        "candidates": [
+            {"region": r, "status": s, "reason": why, "detail": d}
+            for r, s, why, d in record.candidates
+        ],
+        "region": record.region,
+        "answer": list(record.answer),
+        "outcome": record.outcome,
+        "ttl": record.ttl,
+    }
+
+
+# Columns covered by the hash: everything but the database's own id and the chain columns.
+HASHED_COLUMNS = (
+    "node",
+    "node_seq",
+    "first_at_us",
+    "last_at_us",
+    "count",
+    "channel",
+    "query_type",
+    "response",
+    "client_network",
+    "ecs_prefix",
+    "country",
+    "continent",
+    "name",
+    "service",
+    "residency_classes",
+    "tenant",
+    "matched_rules",
+    "snapshot_version",
+    "topology_version",
+    "policy_version",
+    "geoip_build",
+    "candidates",
+    "region",
+    "answer",
+    "outcome",
+    "ttl",
+)
+
+
+def row_hash(prev_hash: str, row: dict[str, Any]) -> str:
+    body = json.dumps(
+        {k: row[k] for k in HASHED_COLUMNS},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(prev_hash.encode() + body.encode()).hexdigest()
+
+
+def chain(rows: list[dict[str, Any]], prev_hash: str) -> str:
+    """Fill ``prev_hash``/``row_hash`` of ``rows`` in order; return the last hash."""
+    for row in rows:
+        row["prev_hash"] = prev_hash
+        prev_hash = row["row_hash"] = row_hash(prev_hash, row)
+    return prev_hash
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBreak:
+    node: str
+    node_seq: int
+    problem: str
+
+
+def verify_chain(rows: list[dict[str, Any]]) -> list[ChainBreak]:
+    """Check rows of one or more nodes (each node's rows in ``node_seq`` order)."""
+    breaks: list[ChainBreak] = []
+    last: dict[str, tuple[int, str]] = {}
+    for row in rows:
+        node, seq = row["node"], row["node_seq"]
+        prev_seq, prev_hash = last.get(node, (0, GENESIS))
+        if seq != prev_seq + 1:
+            breaks.append(ChainBreak(node, seq, f"sequence jumps from {prev_seq} to {seq}"))
+        if row["prev_hash"] != prev_hash:
+            breaks.append(ChainBreak(node, seq, "prev_hash does not match the previous row"))
+        if row_hash(row["prev_hash"], row) != row["row_hash"]:
+            breaks.append(ChainBreak(node, seq, "row content does not match its hash"))
+        last[node] = (seq, row["row_hash"])
+    return breaks

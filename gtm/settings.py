@@ -1,0 +1,50 @@
+"""Process settings: one object, built once at start-up from ``GTM_*`` variables and CLI flags.
+
+Documents (topology, policies) hold what the fleet looks like; settings hold how this process
+runs (where it listens, which database, which GeoIP file, how it logs).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gtm.documents import problems_from_validation
+from gtm.errors import ConfigError
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GTM_", extra="forbid", frozen=True)
+
+    config: Path = Field(default=Path("examples/demo.yaml"), description="topology file")
+    policies: tuple[Path, ...] = Field(
+        default=(Path("policies"),), description="policy files or directories"
+    )
+    database_url: str = "sqlite:///var/gtm.sqlite3"
+    migrate_on_start: bool = True
+    geoip_path: Path | None = Field(
+        default=None, description="GeoIP2/GeoLite2 City file; unset: the bundled GeoLite2-City"
+    )
+    geoip_poll_interval_s: float = Field(default=2.0, gt=0)
+    dns_listen: str | None = None
+    http_listen: str | None = None
+    admin_listen: str | None = None
+    node_id: str = Field(default_factory=socket.gethostname, max_length=64)
+    spool_dir: Path = Path("var/spool")
+    audit_flush_interval_s: float = Field(default=1.0, gt=0)
+    audit_max_pending: int = Field(default=10_000, gt=0)
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with CLI flags (non-None ``overrides``) on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise ConfigError(problems_from_validation(exc, "settings")) from exc
