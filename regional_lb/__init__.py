@@ -1,0 +1,1 @@
+"""Regional tier of GTM: a cost-aware least-outstanding-work balancer for inference instances."""

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from ipaddress import ip_address
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import delete, text, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm import migrate
+from gtm.audit import query
+from gtm.audit.database import make_async_engine, make_sync_engine
+from gtm.audit.record import AuditRecord, record_of
+from gtm.audit.schema import decisions, metadata
+from gtm.audit.spool import Spool
+from gtm.audit.writer import AuditWriter
+from gtm.routing import Channel, DecisionRequest, decide
+from gtm.snapshot import Snapshot
+
+DEAD_DB = "postgresql://postgres@127.0.0.1:1/nothing"  # nothing listens on port 1
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'audit.sqlite3'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+        migrate.downgrade(url, "base")  # each test starts from an empty schema
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = make_async_engine(database_url)
+    yield eng
+    await eng.dispose()
+
+
+def records(snapshot: Snapshot) -> list[AuditRecord]:
+    out = []
+    for client, service in (("198.51.100.9", "chat"), ("203.0.113.5", "chat-eu"),
+                            ("100.99.1.1", "chat")):
+        req = DecisionRequest(Channel.DNS, ip_address(client), service, service)
+        out.append(record_of(decide(req, snapshot, 1000.0), channel="dns", name=service,
+                             query_type="A", response="NOERROR"))
+    return out
+
+
+async def test_identical_decisions_share_a_row_and_the_chain_verifies(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+) -> None:
+    writer = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
+    await writer.start()
+    a, b, c = records(snapshot)
+    for _ in range(5):
+        writer.count(a)
+    writer.count(b, n=2)
+    assert await writer.flush() == 2
+    writer.count(a)
+    writer.count(c)
+    await writer.stop()
+    rows = await query.tail(engine, 10)
+    assert [(r["node_seq"], r["count"]) for r in rows] == [(1, 5), (2, 2), (3, 1), (4, 1)]
+    assert await query.total_count(engine) == writer.counted == 9
+    first = rows[0]
+    assert first["name"] == "chat" and first["region"] == "eu-central"
+    assert first["client_network"] == "198.51.100.0/24" and first["country"] == "DE"
+    assert first["policy_version"] == snapshot.policy.version
+    assert first["candidates"][0]["region"] == "us-east"
+    assert rows[1]["matched_rules"] == ["eu-personal-stays-in-eu"]
+    checked, breaks = await query.verify(engine)
+    assert checked == 4 and breaks == []
+
+
+async def test_tampering_is_detected(engine: AsyncEngine, snapshot: Snapshot,
+                                     tmp_path: Path) -> None:
+    writer = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
+    await writer.start()
+    for rec in records(snapshot):
+        writer.count(rec)
+        await writer.flush()
+    await writer.stop()
+    async with engine.begin() as conn:
+        await conn.execute(update(decisions).where(decisions.c.node_seq == 1).values(count=99))
+    _, breaks = await query.verify(engine)
+    assert [(b.node_seq, b.problem) for b in breaks] == [(1, "row content does not match its hash")]
+    async with engine.begin() as conn:
+        await conn.execute(delete(decisions).where(decisions.c.node_seq == 2))
+    _, breaks = await query.verify(engine)
+    assert any(b.node_seq == 3 and "sequence jumps" in b.problem for b in breaks)
+
+
+async def test_database_outage_spools_and_a_restart_replays_everything(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+) -> None:
+    spool_dir = tmp_path / "spool"
+    dead = make_async_engine(DEAD_DB)
+    down = AuditWriter(dead, "node-a", Spool(spool_dir, "node-a"))
+    await down.start()  # no database: starts anyway, chain from genesis
+    a, b, c = records(snapshot)
+    down.count(a, 3)
+    assert await down.flush() == 0
+    assert down.last_error is not None
+    down.count(b)
+    down.count(c, 2)
+    await down.stop()  # shutdown with the database away: rows stay in the spool
+    await dead.dispose()
+    assert len(Spool(spool_dir, "node-a").pending()) == 3
+
+    up = AuditWriter(engine, "node-a", Spool(spool_dir, "node-a"))
+    await up.start()  # replays the spool before anything else
+    assert Spool(spool_dir, "node-a").pending() == []
+    up.count(a)
+    await up.stop()
+    assert await query.total_count(engine) == down.counted + up.counted == 7
+    rows = await query.tail(engine, 10)
+    assert [r["node_seq"] for r in rows] == [1, 2, 3, 4]
+    assert (await query.verify(engine))[1] == []
+
+
+async def test_replay_after_a_crash_does_not_duplicate(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+) -> None:
+    spool = Spool(tmp_path / "spool", "node-a")
+    writer = AuditWriter(engine, "node-a", spool)
+    await writer.start()
+    writer.count(records(snapshot)[0], 4)
+    await writer.flush()
+    committed = await query.tail(engine, 10)
+    # A crash between the commit and emptying the spool leaves the rows in both places.
+    spool.append([{k: v for k, v in r.items() if k != "id"} for r in committed])
+    with open(spool.path, "a", encoding="utf-8") as f:
+        f.write('{"torn": ')  # and a torn final line from the crash
+    restarted = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
+    await restarted.start()
+    await restarted.stop()
+    assert await query.total_count(engine) == 4
+    assert (await query.verify(engine))[1] == []
+
+
+async def test_two_nodes_keep_separate_chains(engine: AsyncEngine, snapshot: Snapshot,
+                                              tmp_path: Path) -> None:
+    w1 = AuditWriter(engine, "node-1", Spool(tmp_path / "s1", "node-1"))
+    w2 = AuditWriter(engine, "node-2", Spool(tmp_path / "s2", "node-2"))
+    await w1.start()
+    await w2.start()
+    for rec in records(snapshot):
+        w1.count(rec)
+        w2.count(replace(rec, channel="http"))
+        await w1.flush()
+        await w2.flush()
+    await w1.stop()
+    await w2.stop()
+    checked, breaks = await query.verify(engine)
+    assert checked == 6 and breaks == []
+    exported = [r async for r in query.export(engine)]
+    assert len(exported) == 6 and json.dumps(exported)
+
+
+def test_migrations_match_the_models_and_go_down_and_up(database_url: str) -> None:
+    engine = make_sync_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+        assert diff == []
+        migrate.downgrade(database_url, "base")
+        with engine.connect() as conn:
+            tables = conn.execute(text(
+                "SELECT name FROM sqlite_master WHERE type='table'" if engine.dialect.name ==
+                "sqlite" else "SELECT tablename FROM pg_tables WHERE schemaname='public'"
+            )).scalars().all()
+        assert "decisions" not in tables
+        assert migrate.current_revision(database_url) is None
+        migrate.upgrade(database_url)
+        assert migrate.current_revision(database_url) == migrate.head_revision(database_url)
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'wal.sqlite3'}"
+    migrate.upgrade(url)
+    engine = make_sync_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+    engine.dispose()
