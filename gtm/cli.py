@@ -162,6 +162,10 @@ def _apply_state(snapshot: Snapshot, state_file: Path, now: float) -> Snapshot:
     return snapshot.evolve(now, health=health, capacity=capacity)
 
 
+def _km(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None
+
+
 def decision_json(decision: Decision) -> dict[str, Any]:
     loc = decision.location
     return {
@@ -192,7 +196,7 @@ def decision_json(decision: Decision) -> dict[str, Any]:
                 "region": c.region,
                 "status": c.status.value,
                 "reason": c.reason.value,
-                "distance_km": round(c.distance_km, 1) if c.distance_km is not None else None,
+                "distance_km": _km(decision.distances.get(c.region)),
                 "detail": c.detail,
             }
             for c in decision.candidates

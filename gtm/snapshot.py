@@ -8,15 +8,16 @@ Health probing, capacity intake, policy activation and GeoIP reloads each build 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gtm.geoip import GeoDatabase
+from gtm.geometry import UnitVector, unit_vector
 from gtm.policy import PolicySet
-from gtm.topology import Spillover, Topology
+from gtm.topology import Service, Spillover, Topology
 
 
 class HealthState(StrEnum):
@@ -82,6 +83,20 @@ def _frozen(mapping: Mapping[K, V]) -> Mapping[K, V]:
 
 
 @dataclass(frozen=True, slots=True)
+class RegionView:
+    """A region as the answering path reads it: plain values, rendered once per snapshot."""
+
+    id: str
+    lat: float
+    lon: float
+    weight: float
+    ipv4: tuple[str, ...]
+    ipv6: tuple[str, ...]
+    base_url: str
+    point: UnitVector
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     version: int
     topology: Topology
@@ -91,6 +106,19 @@ class Snapshot:
     capacity: Mapping[str, RegionCapacity] = field(default_factory=dict)
     built_at: float = 0.0
     versions: Versions = field(init=False)
+    regions: Mapping[str, RegionView] = field(init=False, repr=False)
+    services: Mapping[str, Service] = field(init=False, repr=False)
+    # Memo of rankings (gtm.plan): they depend on the topology and the client's location only,
+    # so successors that keep the topology share it across health and capacity swaps.
+    ranks: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Memo of policy verdicts (gtm.plan), shared by successors that keep the policy.
+    verdicts: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Memo of routing plans (steps 1-4 of a decision, gtm.plan): derived from this snapshot
+    # alone; evolve() hands it on only where it stays true.
+    plans: dict[Hashable, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
+    # Memo of spillover outcomes per plan (gtm.routing): they read this snapshot's capacity,
+    # so unlike plans they never carry over.
+    spills: dict[int, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "health", _frozen(self.health))
@@ -99,21 +127,56 @@ class Snapshot:
             self,
             "versions",
             Versions(
-                self.version,
-                self.topology.fingerprint(),
-                self.policy.version,
-                self.geo.build,
+                self.version, self.topology.fingerprint(), self.policy.version, self.geo.build
             ),
         )
+        object.__setattr__(
+            self,
+            "regions",
+            _frozen(
+                {
+                    r.id: RegionView(
+                        r.id,
+                        r.lat,
+                        r.lon,
+                        r.weight,
+                        tuple(str(a) for a in r.ipv4),
+                        tuple(str(a) for a in r.ipv6),
+                        str(r.base_url).rstrip("/"),
+                        unit_vector(r.lat, r.lon),
+                    )
+                    for r in self.topology.regions
+                }
+            ),
+        )
+        object.__setattr__(self, "services", _frozen({s.id: s for s in self.topology.services}))
 
     def evolve(self, built_at: float, **changes: object) -> Snapshot:
-        """A successor with the given fields replaced and the version bumped."""
-        return dataclasses.replace(
+        """A successor with the given fields replaced and the version bumped.
+
+        Memos carry over where they stay true: rankings while the topology is the same, plans
+        when only capacity changed and no region's "cannot take work" report did (the routine
+        case: every region reports each second or so, and spillover is worked out per query).
+        """
+        if "topology" in changes:
+            changes["ranks"] = {}  # rankings of another topology do not carry over
+        if "policy" in changes:
+            changes["verdicts"] = {}
+        successor = dataclasses.replace(
             self,
             version=self.version + 1,
             built_at=built_at,
             **changes,  # type: ignore[arg-type]
         )
+        if set(changes) <= {"capacity"} and _refusals(successor.capacity) == _refusals(
+            self.capacity
+        ):
+            object.__setattr__(successor, "plans", self.plans)
+        return successor
+
+
+def _refusals(capacity: Mapping[str, RegionCapacity]) -> dict[str, float]:
+    return {r: c.reported_at for r, c in capacity.items() if not c.can_take_work}
 
 
 class SnapshotStore:

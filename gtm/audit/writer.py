@@ -114,11 +114,12 @@ class AuditWriter:
                     )
                 )
             self._last_hash = chain(rows, self._last_hash)
-            self.spool.append(rows)
+            # File writes and fsync run in a thread: the answering paths share this loop.
+            await asyncio.to_thread(self.spool.append, rows)
             return await self._drain()
 
     async def _drain(self) -> int:
-        rows = self.spool.pending()
+        rows = await asyncio.to_thread(self.spool.pending)
         if not rows:
             metrics.AUDIT_SPOOLED_ROWS.set(0)
             return 0
@@ -139,7 +140,7 @@ class AuditWriter:
             metrics.AUDIT_SPOOLED_ROWS.set(len(rows))
             log.warning("audit.flush_failed", spooled=len(rows), error=self.last_error)
             return 0
-        self.spool.clear()
+        await asyncio.to_thread(self.spool.clear)
         self.last_error = None
         metrics.AUDIT_SPOOLED_ROWS.set(0)
         metrics.AUDIT_ROWS_WRITTEN.inc(len(fresh))

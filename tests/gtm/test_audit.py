@@ -45,16 +45,28 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 def records(snapshot: Snapshot) -> list[AuditRecord]:
     out = []
-    for client, service in (("198.51.100.9", "chat"), ("203.0.113.5", "chat-eu"),
-                            ("100.99.1.1", "chat")):
+    for client, service in (
+        ("198.51.100.9", "chat"),
+        ("203.0.113.5", "chat-eu"),
+        ("100.99.1.1", "chat"),
+    ):
         req = DecisionRequest(Channel.DNS, ip_address(client), service, service)
-        out.append(record_of(decide(req, snapshot, 1000.0), channel="dns", name=service,
-                             query_type="A", response="NOERROR"))
+        out.append(
+            record_of(
+                decide(req, snapshot, 1000.0),
+                channel="dns",
+                name=service,
+                query_type="A",
+                response="NOERROR",
+            )
+        )
     return out
 
 
 async def test_identical_decisions_share_a_row_and_the_chain_verifies(
-    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+    engine: AsyncEngine,
+    snapshot: Snapshot,
+    tmp_path: Path,
 ) -> None:
     writer = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
     await writer.start()
@@ -70,17 +82,21 @@ async def test_identical_decisions_share_a_row_and_the_chain_verifies(
     assert [(r["node_seq"], r["count"]) for r in rows] == [(1, 5), (2, 2), (3, 1), (4, 1)]
     assert await query.total_count(engine) == writer.counted == 9
     first = rows[0]
-    assert first["name"] == "chat" and first["region"] == "eu-central"
-    assert first["client_network"] == "198.51.100.0/24" and first["country"] == "DE"
+    assert first["name"] == "chat"
+    assert first["region"] == "eu-central"
+    assert first["client_network"] == "198.51.100.0/24"
+    assert first["country"] == "DE"
     assert first["policy_version"] == snapshot.policy.version
     assert first["candidates"][0]["region"] == "us-east"
     assert rows[1]["matched_rules"] == ["eu-personal-stays-in-eu"]
     checked, breaks = await query.verify(engine)
-    assert checked == 4 and breaks == []
+    assert checked == 4
+    assert breaks == []
 
 
-async def test_tampering_is_detected(engine: AsyncEngine, snapshot: Snapshot,
-                                     tmp_path: Path) -> None:
+async def test_tampering_is_detected(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
+) -> None:
     writer = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
     await writer.start()
     for rec in records(snapshot):
@@ -98,7 +114,9 @@ async def test_tampering_is_detected(engine: AsyncEngine, snapshot: Snapshot,
 
 
 async def test_database_outage_spools_and_a_restart_replays_everything(
-    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+    engine: AsyncEngine,
+    snapshot: Snapshot,
+    tmp_path: Path,
 ) -> None:
     spool_dir = tmp_path / "spool"
     dead = make_async_engine(DEAD_DB)
@@ -125,8 +143,15 @@ async def test_database_outage_spools_and_a_restart_replays_everything(
     assert (await query.verify(engine))[1] == []
 
 
+def tear(spool: Spool) -> None:
+    with open(spool.path, "a", encoding="utf-8") as f:
+        f.write('{"torn": ')
+
+
 async def test_replay_after_a_crash_does_not_duplicate(
-    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path,
+    engine: AsyncEngine,
+    snapshot: Snapshot,
+    tmp_path: Path,
 ) -> None:
     spool = Spool(tmp_path / "spool", "node-a")
     writer = AuditWriter(engine, "node-a", spool)
@@ -136,8 +161,7 @@ async def test_replay_after_a_crash_does_not_duplicate(
     committed = await query.tail(engine, 10)
     # A crash between the commit and emptying the spool leaves the rows in both places.
     spool.append([{k: v for k, v in r.items() if k != "id"} for r in committed])
-    with open(spool.path, "a", encoding="utf-8") as f:
-        f.write('{"torn": ')  # and a torn final line from the crash
+    tear(spool)  # and a torn final line from the crash
     restarted = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
     await restarted.start()
     await restarted.stop()
@@ -145,8 +169,9 @@ async def test_replay_after_a_crash_does_not_duplicate(
     assert (await query.verify(engine))[1] == []
 
 
-async def test_two_nodes_keep_separate_chains(engine: AsyncEngine, snapshot: Snapshot,
-                                              tmp_path: Path) -> None:
+async def test_two_nodes_keep_separate_chains(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
+) -> None:
     w1 = AuditWriter(engine, "node-1", Spool(tmp_path / "s1", "node-1"))
     w2 = AuditWriter(engine, "node-2", Spool(tmp_path / "s2", "node-2"))
     await w1.start()
@@ -159,9 +184,11 @@ async def test_two_nodes_keep_separate_chains(engine: AsyncEngine, snapshot: Sna
     await w1.stop()
     await w2.stop()
     checked, breaks = await query.verify(engine)
-    assert checked == 6 and breaks == []
+    assert checked == 6
+    assert breaks == []
     exported = [r async for r in query.export(engine)]
-    assert len(exported) == 6 and json.dumps(exported)
+    assert len(exported) == 6
+    assert json.dumps(exported)
 
 
 def test_migrations_match_the_models_and_go_down_and_up(database_url: str) -> None:
@@ -172,10 +199,17 @@ def test_migrations_match_the_models_and_go_down_and_up(database_url: str) -> No
         assert diff == []
         migrate.downgrade(database_url, "base")
         with engine.connect() as conn:
-            tables = conn.execute(text(
-                "SELECT name FROM sqlite_master WHERE type='table'" if engine.dialect.name ==
-                "sqlite" else "SELECT tablename FROM pg_tables WHERE schemaname='public'"
-            )).scalars().all()
+            tables = (
+                conn.execute(
+                    text(
+                        "SELECT name FROM sqlite_master WHERE type='table'"
+                        if engine.dialect.name == "sqlite"
+                        else "SELECT tablename FROM pg_tables WHERE schemaname='public'"
+                    )
+                )
+                .scalars()
+                .all()
+            )
         assert "decisions" not in tables
         assert migrate.current_revision(database_url) is None
         migrate.upgrade(database_url)

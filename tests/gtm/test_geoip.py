@@ -9,7 +9,6 @@ import pytest
 
 from gtm.errors import GeoIPError
 from gtm.geoip import GeoDatabase, GeoIPSource
-
 from tests.support.geoip import UNKNOWN_V4, build_city_db
 
 
@@ -19,13 +18,16 @@ def test_locates_known_addresses_with_their_network(geoip_path: Path) -> None:
     assert (loc.country, loc.continent, loc.lat, loc.lon) == ("DE", "EU", 50.11, 8.68)
     assert str(loc.network) == "198.51.100.0/24"
     v6 = db.locate(ip_address("2001:db8:aaaa:1::9"))
-    assert v6.country == "FR" and str(v6.network) == "2001:db8:aaaa::/48"
+    assert v6.country == "FR"
+    assert str(v6.network) == "2001:db8:aaaa::/48"
 
 
 def test_unknown_address_is_located_nowhere_without_error(geoip_path: Path) -> None:
     loc = GeoDatabase(geoip_path).locate(ip_address(UNKNOWN_V4))
-    assert not loc.known and loc.country is None
-    assert loc.network is not None and ip_address(UNKNOWN_V4) in loc.network
+    assert not loc.known
+    assert loc.country is None
+    assert loc.network is not None
+    assert ip_address(UNKNOWN_V4) in loc.network
 
 
 def test_cache_reads_each_network_once_and_keeps_narrow_networks_apart(geoip_path: Path) -> None:
@@ -64,7 +66,9 @@ def test_reload_swaps_a_good_file_and_keeps_the_last_good_on_a_bad_one(tmp_path:
     build_city_db(staged, {"198.51.100.0/24": ("AT", "EU", 48.2, 16.4)}, description="v2")
     os.replace(staged, live)
     fresh = source.poll()
-    assert fresh is not None and fresh is source.current and fresh is not first
+    assert fresh is not None
+    assert fresh is source.current
+    assert fresh is not first
     assert fresh.locate(ip_address("198.51.100.1")).country == "AT"
 
     # A truncated copy: refused, reported, the last good database stays in force.
@@ -73,18 +77,21 @@ def test_reload_swaps_a_good_file_and_keeps_the_last_good_on_a_bad_one(tmp_path:
     os.replace(truncated, live)
     assert source.poll() is None
     assert source.current is fresh
-    assert source.last_error is not None and "keeping" in source.last_error
+    assert source.last_error is not None
+    assert "keeping" in source.last_error
     assert source.poll() is None  # the same bad file is not retried every poll
 
     # The file disappears: still the last good one.
     live.unlink()
-    assert source.poll() is None and source.current is fresh
+    assert source.poll() is None
+    assert source.current is fresh
 
     staged = tmp_path / "staged.mmdb"
     build_city_db(staged, {"198.51.100.0/24": ("CH", "EU", 46.9, 7.4)}, description="v3")
     shutil.move(staged, live)
     again = source.poll()
-    assert again is not None and again.locate(ip_address("198.51.100.1")).country == "CH"
+    assert again is not None
+    assert again.locate(ip_address("198.51.100.1")).country == "CH"
     assert source.last_error is None
 
 

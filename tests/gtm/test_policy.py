@@ -9,7 +9,6 @@ import yaml
 
 from gtm.errors import ConfigError
 from gtm.policy import Action, DnsFailure, json_schema, load_policy
-
 from tests.conftest import POLICIES
 
 EU = frozenset({"eu-west", "eu-central"})
@@ -39,12 +38,14 @@ def test_eu_personal_stays_in_eu(policy) -> None:  # type: ignore[no-untyped-def
     v = policy.evaluate(frozenset({"eu-personal"}), None, "US", "NA")
     assert v.allowed == EU
     assert v.matched_rules == ("eu-personal-stays-in-eu",)
-    assert v.restricted and v.dns_failure is DnsFailure.REFUSED
+    assert v.restricted
+    assert v.dns_failure is DnsFailure.REFUSED
 
 
 def test_unrestricted_traffic_is_unconstrained_and_fails_static(policy) -> None:  # type: ignore[no-untyped-def]
     v = policy.evaluate(frozenset(), None, "DE", "EU")
-    assert v.allowed is None and not v.restricted
+    assert v.allowed is None
+    assert not v.restricted
     assert v.action is Action.FAIL_STATIC
 
 
@@ -54,12 +55,14 @@ def test_matching_rules_intersect(policy) -> None:  # type: ignore[no-untyped-de
     assert v.allowed == frozenset()
     assert set(v.matched_rules) == {"eu-personal-stays-in-eu", "tenant-usgov-us-only"}
     v = policy.evaluate(frozenset(), "usgov", "DE", "EU")
-    assert v.allowed == frozenset({"us-east", "us-west"}) and v.restricted
+    assert v.allowed == frozenset({"us-east", "us-west"})
+    assert v.restricted
 
 
 def test_a_class_no_rule_names_is_allowed_nowhere(policy) -> None:  # type: ignore[no-untyped-def]
     v = policy.evaluate(frozenset({"eu-personnal"}), None, "DE", "EU")
-    assert v.allowed == frozenset() and v.unknown_classes == ("eu-personnal",)
+    assert v.allowed == frozenset()
+    assert v.unknown_classes == ("eu-personnal",)
     assert v.restricted
 
 
@@ -70,11 +73,21 @@ def _write(tmp_path: Path, name: str, doc: object) -> Path:
 
 
 def test_geographic_rules_match_on_country_and_never_on_unknown(tmp_path: Path) -> None:
-    _write(tmp_path, "a.yaml", {
-        "version": "1", "jurisdictions": {"JP": ["ap-northeast"]},
-        "rules": [{"id": "jp-local", "match": {"client_country": ["jp"]},
-                   "allow": {"jurisdictions": ["JP"]}}],
-    })
+    _write(
+        tmp_path,
+        "a.yaml",
+        {
+            "version": "1",
+            "jurisdictions": {"JP": ["ap-northeast"]},
+            "rules": [
+                {
+                    "id": "jp-local",
+                    "match": {"client_country": ["jp"]},
+                    "allow": {"jurisdictions": ["JP"]},
+                }
+            ],
+        },
+    )
     p = load_policy([tmp_path])
     assert p.uses_location
     assert p.evaluate(frozenset(), None, "JP", "AS").allowed == frozenset({"ap-northeast"})
@@ -82,17 +95,38 @@ def test_geographic_rules_match_on_country_and_never_on_unknown(tmp_path: Path) 
 
 
 def test_every_problem_in_every_file_at_once(tmp_path: Path, topology) -> None:  # type: ignore[no-untyped-def]
-    _write(tmp_path, "a.yaml", {"version": "1", "jurisdictions": {"EU": ["eu-west", "atlantis"]},
-                                "rules": [{"id": "r1", "match": {"residency_class": ["x"]},
-                                           "allow": {"regions": ["mars"]}}]})
-    _write(tmp_path, "b.yaml", {"version": "1", "rules": [
-        {"id": "r2", "match": {"residency_class": ["y"]}, "allow": {"regions": ["eu-west"]},
-         "on_unavailable": "fail_static"},
-        {"id": "Bad Id", "match": {}, "allow": {"regions": ["eu-west"]}}]})
+    _write(
+        tmp_path,
+        "a.yaml",
+        {
+            "version": "1",
+            "jurisdictions": {"EU": ["eu-west", "atlantis"]},
+            "rules": [
+                {"id": "r1", "match": {"residency_class": ["x"]}, "allow": {"regions": ["mars"]}}
+            ],
+        },
+    )
+    _write(
+        tmp_path,
+        "b.yaml",
+        {
+            "version": "1",
+            "rules": [
+                {
+                    "id": "r2",
+                    "match": {"residency_class": ["y"]},
+                    "allow": {"regions": ["eu-west"]},
+                    "on_unavailable": "fail_static",
+                },
+                {"id": "Bad Id", "match": {}, "allow": {"regions": ["eu-west"]}},
+            ],
+        },
+    )
     with pytest.raises(ConfigError) as info:
         load_policy([tmp_path], topology)
     text = str(info.value)
-    assert "b.yaml: rules[0]" in text and "never fails open" in text
+    assert "b.yaml: rules[0]" in text
+    assert "never fails open" in text
     assert "b.yaml: rules[1].id" in text
     # File-level problems stop before cross-references; fix b.yaml and the rest shows.
     (tmp_path / "b.yaml").unlink()
@@ -107,15 +141,23 @@ def test_every_problem_in_every_file_at_once(tmp_path: Path, topology) -> None: 
 
 def test_conflicting_jurisdictions_and_duplicate_rules(tmp_path: Path) -> None:
     rule = {"id": "same", "match": {"tenant": ["t"]}, "allow": {"jurisdictions": ["EU"]}}
-    _write(tmp_path, "a.yaml", {"version": "1", "jurisdictions": {"EU": ["eu-west"]},
-                                "rules": [rule], "default": {}})
-    _write(tmp_path, "b.yaml", {"version": "1", "jurisdictions": {"EU": ["eu-central"]},
-                                "rules": [rule], "default": {}})
+    _write(
+        tmp_path,
+        "a.yaml",
+        {"version": "1", "jurisdictions": {"EU": ["eu-west"]}, "rules": [rule], "default": {}},
+    )
+    _write(
+        tmp_path,
+        "b.yaml",
+        {"version": "1", "jurisdictions": {"EU": ["eu-central"]}, "rules": [rule], "default": {}},
+    )
     with pytest.raises(ConfigError) as info:
         load_policy([tmp_path])
     text = str(info.value)
-    assert "jurisdictions.EU" in text and "conflicts" in text
-    assert "rule id 'same' is also used" in text and "a default is already set" in text
+    assert "jurisdictions.EU" in text
+    assert "conflicts" in text
+    assert "rule id 'same' is also used" in text
+    assert "a default is already set" in text
 
 
 def test_version_is_a_content_hash(tmp_path: Path) -> None:

@@ -18,65 +18,121 @@ from gtm.topology import parse_topology
 
 NOW = 10_000.0
 JURISDICTIONS = ["A", "B", "C"]
-CLIENTS = ["198.51.100.9", "203.0.113.7", "192.0.2.3", "100.64.3.3", "100.65.9.9",
-           "100.66.1.1", "100.70.0.3", "100.70.0.20", "100.73.4.4", "100.99.1.1",
-           "2001:db8:aaaa::1", "2001:db8:bbbb::2", "2001:db8:cccc::3"]
+CLIENTS = [
+    "198.51.100.9",
+    "203.0.113.7",
+    "192.0.2.3",
+    "100.64.3.3",
+    "100.65.9.9",
+    "100.66.1.1",
+    "100.70.0.3",
+    "100.70.0.20",
+    "100.73.4.4",
+    "100.99.1.1",
+    "2001:db8:aaaa::1",
+    "2001:db8:bbbb::2",
+    "2001:db8:cccc::3",
+]
 
 
 @st.composite
 def worlds(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 6))
-    regions = [{
-        "id": f"r{i}", "name": f"R{i}",
-        "lat": draw(st.floats(-80, 80)), "lon": draw(st.floats(-179, 179)),
-        "jurisdiction": draw(st.sampled_from(JURISDICTIONS)),
-        "ipv4": [f"192.0.2.{100 + i}"], "base_url": f"http://127.0.0.1:{9000 + i}",
-        "weight": draw(st.sampled_from([1.0, 1.0, 2.0, 0.5, 0.0])),
-    } for i in range(n)]
+    regions = [
+        {
+            "id": f"r{i}",
+            "name": f"R{i}",
+            "lat": draw(st.floats(-80, 80)),
+            "lon": draw(st.floats(-179, 179)),
+            "jurisdiction": draw(st.sampled_from(JURISDICTIONS)),
+            "ipv4": [f"192.0.2.{100 + i}"],
+            "base_url": f"http://127.0.0.1:{9000 + i}",
+            "weight": draw(st.sampled_from([1.0, 1.0, 2.0, 0.5, 0.0])),
+        }
+        for i in range(n)
+    ]
     ids = [r["id"] for r in regions]
     served = draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))
     residency = draw(st.sampled_from([None, "rc"]))
     topology = {
-        "zone": {"apex": "t.example.", "soa": {"mname": "ns.t.example.", "rname": "h.t.example.",
-                                                "serial": 1},
-                 "nameservers": [{"name": "ns.t.example.", "ipv4": ["192.0.2.1"]}]},
+        "zone": {
+            "apex": "t.example.",
+            "soa": {"mname": "ns.t.example.", "rname": "h.t.example.", "serial": 1},
+            "nameservers": [{"name": "ns.t.example.", "ipv4": ["192.0.2.1"]}],
+        },
         "regions": regions,
-        "services": [{"id": "svc", "dns_names": ["svc.t.example."], "regions": served,
-                      "residency_class": residency}],
-        "routing": {"unknown_health_is_up": draw(st.booleans()),
-                    "unknown_location": draw(st.sampled_from([None, (0.0, 0.0)])),
-                    "spillover": {"high_watermark": 0.85, "low_watermark": 0.7,
-                                  "stale_after_s": 10}},
+        "services": [
+            {
+                "id": "svc",
+                "dns_names": ["svc.t.example."],
+                "regions": served,
+                "residency_class": residency,
+            }
+        ],
+        "routing": {
+            "unknown_health_is_up": draw(st.booleans()),
+            "unknown_location": draw(st.sampled_from([None, (0.0, 0.0)])),
+            "spillover": {"high_watermark": 0.85, "low_watermark": 0.7, "stale_after_s": 10},
+        },
     }
     groups = {j: [r["id"] for r in regions if r["jurisdiction"] == j] for j in JURISDICTIONS}
     groups = {j: members for j, members in groups.items() if members}
-    rules = [{"id": "class-rule", "match": {"residency_class": ["rc"]},
-              "allow": {"jurisdictions": draw(st.lists(st.sampled_from(sorted(groups)),
-                                                       min_size=1, unique=True))}}]
+    rules = [
+        {
+            "id": "class-rule",
+            "match": {"residency_class": ["rc"]},
+            "allow": {
+                "jurisdictions": draw(
+                    st.lists(st.sampled_from(sorted(groups)), min_size=1, unique=True)
+                )
+            },
+        }
+    ]
     if draw(st.booleans()):
-        rules.append({"id": "tenant-rule", "match": {"tenant": ["t1"]},
-                      "allow": {"regions": draw(st.lists(st.sampled_from(ids), min_size=1,
-                                                         unique=True))},
-                      "on_unavailable": draw(st.sampled_from(["reject", "fail_static"]))})
+        rules.append(
+            {
+                "id": "tenant-rule",
+                "match": {"tenant": ["t1"]},
+                "allow": {"regions": draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))},
+                "on_unavailable": draw(st.sampled_from(["reject", "fail_static"])),
+            }
+        )
     if draw(st.booleans()):
-        rules.append({"id": "geo-rule", "match": {"client_continent": ["EU"]},
-                      "allow": {"regions": draw(st.lists(st.sampled_from(ids), min_size=1,
-                                                         unique=True))},
-                      "on_unavailable": draw(st.sampled_from(["reject", "fail_static"]))})
-    policy = {"version": "p", "jurisdictions": groups, "rules": rules,
-              "default": {"on_unavailable": draw(st.sampled_from(["reject", "fail_static"]))}}
-    health = {r: draw(st.sampled_from(list(HealthState))) for r in ids
-              if draw(st.booleans())}
+        rules.append(
+            {
+                "id": "geo-rule",
+                "match": {"client_continent": ["EU"]},
+                "allow": {"regions": draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))},
+                "on_unavailable": draw(st.sampled_from(["reject", "fail_static"])),
+            }
+        )
+    policy = {
+        "version": "p",
+        "jurisdictions": groups,
+        "rules": rules,
+        "default": {"on_unavailable": draw(st.sampled_from(["reject", "fail_static"]))},
+    }
+    health = {r: draw(st.sampled_from(list(HealthState))) for r in ids if draw(st.booleans())}
     capacity = {}
     for r in ids:
         if draw(st.booleans()):
-            capacity[r] = (draw(st.floats(0, 1.6)), draw(st.floats(0, 30)), draw(st.booleans()),
-                           draw(st.booleans()))
+            capacity[r] = (
+                draw(st.floats(0, 1.6)),
+                draw(st.floats(0, 30)),
+                draw(st.booleans()),
+                draw(st.booleans()),
+            )
     client = draw(st.sampled_from(CLIENTS))
-    return {"topology": topology, "policy": policy, "health": health, "capacity": capacity,
-            "client": client, "ecs": draw(st.booleans()),
-            "tenant": draw(st.sampled_from([None, "t1"])),
-            "extra_class": draw(st.sampled_from([None, None, "rc"]))}
+    return {
+        "topology": topology,
+        "policy": policy,
+        "health": health,
+        "capacity": capacity,
+        "client": client,
+        "ecs": draw(st.booleans()),
+        "tenant": draw(st.sampled_from([None, "t1"])),
+        "extra_class": draw(st.sampled_from([None, None, "rc"])),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +148,25 @@ def build(world: dict[str, Any], geo: GeoDatabase) -> tuple[Snapshot, DecisionRe
     for region, (u, age, ok, was_spilling) in world["capacity"].items():
         prev = next_capacity(None, 2.0 if was_spilling else 0.0, NOW - age, ok, spill)
         capacity[region] = next_capacity(prev, u, NOW - age, ok, spill)
-    snap = Snapshot(1, topo, policy, geo, {r: RegionHealth(s, 0.0)
-                                           for r, s in world["health"].items()}, capacity)
+    snap = Snapshot(
+        1,
+        topo,
+        policy,
+        geo,
+        {r: RegionHealth(s, 0.0) for r, s in world["health"].items()},
+        capacity,
+    )
     client = ip_address(world["client"])
     ecs = None
     if world["ecs"]:
         ecs = ip_network(f"{client}/{24 if client.version == 4 else 56}", strict=False)
     req = DecisionRequest(
-        Channel.DNS, client, "svc", "svc.t.example.", ecs=ecs, tenant=world["tenant"],
+        Channel.DNS,
+        client,
+        "svc",
+        "svc.t.example.",
+        ecs=ecs,
+        tenant=world["tenant"],
         residency_classes=frozenset({world["extra_class"]} - {None}),
     )
     return snap, req
@@ -117,8 +184,9 @@ def healthy(snap: Snapshot, region_id: str) -> bool:
     return not (cap and not cap.can_take_work and NOW - cap.reported_at <= 10)
 
 
-SETTINGS = settings(max_examples=300, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @SETTINGS
@@ -129,8 +197,9 @@ def test_answers_never_leave_the_allowed_set(world: dict[str, Any], geo: GeoData
     svc = snap.topology.service("svc")
     assert svc is not None
     classes = set(req.residency_classes) | ({svc.residency_class} - {None})
-    verdict = snap.policy.evaluate(frozenset(classes), req.tenant, d.location.country,
-                                   d.location.continent)
+    verdict = snap.policy.evaluate(
+        frozenset(classes), req.tenant, d.location.country, d.location.continent
+    )
     allowed = set(svc.regions) if verdict.allowed is None else set(svc.regions) & verdict.allowed
     assert set(d.regions) <= allowed
     if d.region is not None:
@@ -144,22 +213,27 @@ def test_answers_never_leave_the_allowed_set(world: dict[str, Any], geo: GeoData
 @SETTINGS
 @given(world=worlds())
 def test_restricted_traffic_fails_closed_when_no_allowed_region_is_up(
-    world: dict[str, Any], geo: GeoDatabase,
+    world: dict[str, Any],
+    geo: GeoDatabase,
 ) -> None:
     snap, req = build(world, geo)
     d = decide(req, snap, NOW)
     svc = snap.topology.service("svc")
     assert svc is not None
     classes = set(req.residency_classes) | ({svc.residency_class} - {None})
-    verdict = snap.policy.evaluate(frozenset(classes), req.tenant, d.location.country,
-                                   d.location.continent)
+    verdict = snap.policy.evaluate(
+        frozenset(classes), req.tenant, d.location.country, d.location.continent
+    )
     allowed = set(svc.regions) if verdict.allowed is None else set(svc.regions) & verdict.allowed
     any_up = any(healthy(snap, r) for r in allowed)
     if d.outcome is Outcome.ANSWER:
-        assert d.region is not None and healthy(snap, d.region)
+        assert d.region is not None
+        assert healthy(snap, d.region)
     if classes and not any_up:
         assert d.outcome in (Outcome.FAIL_CLOSED, Outcome.DENIED)
-        assert d.ipv4 == () and d.ipv6 == () and d.region is None
+        assert d.ipv4 == ()
+        assert d.ipv6 == ()
+        assert d.region is None
     if verdict.restricted:
         assert d.outcome is not Outcome.FAIL_STATIC
     if not allowed:
@@ -169,7 +243,9 @@ def test_restricted_traffic_fails_closed_when_no_allowed_region_is_up(
 @SETTINGS
 @given(world=worlds(), other_resolver=st.sampled_from(CLIENTS))
 def test_same_client_network_same_answer(
-    world: dict[str, Any], other_resolver: str, geo: GeoDatabase,
+    world: dict[str, Any],
+    other_resolver: str,
+    geo: GeoDatabase,
 ) -> None:
     world = world | {"ecs": True}
     snap, req = build(world, geo)
@@ -177,8 +253,18 @@ def test_same_client_network_same_answer(
     assert decide(req, snap, NOW) == first
     # Another resolver asking for the same client subnet gets the same answer.
     if ip_address(other_resolver).version == req.client.version:
-        moved = DecisionRequest(req.channel, ip_address(other_resolver), req.service, req.name,
-                                req.ecs, req.residency_classes, req.tenant)
+        moved = DecisionRequest(
+            req.channel,
+            ip_address(other_resolver),
+            req.service,
+            req.name,
+            req.ecs,
+            req.residency_classes,
+            req.tenant,
+        )
         again = decide(moved, snap, NOW)
-        assert (again.outcome, again.regions, again.ttl) == (first.outcome, first.regions,
-                                                              first.ttl)
+        assert (again.outcome, again.regions, again.ttl) == (
+            first.outcome,
+            first.regions,
+            first.ttl,
+        )

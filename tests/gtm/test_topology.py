@@ -7,7 +7,6 @@ import yaml
 
 from gtm.errors import ConfigError
 from gtm.topology import load_topology, normalise_dns_name, parse_topology
-
 from tests.conftest import DEMO
 
 
@@ -17,7 +16,13 @@ def demo_data() -> dict:  # type: ignore[type-arg]
 
 def test_demo_topology_loads_with_the_six_regions(topology) -> None:  # type: ignore[no-untyped-def]
     assert [r.id for r in topology.regions] == [
-        "us-east", "us-west", "eu-west", "eu-central", "ap-south", "ap-northeast"]
+        "us-east",
+        "us-west",
+        "eu-west",
+        "eu-central",
+        "ap-south",
+        "ap-northeast",
+    ]
     assert topology.zone.apex == "gtm.example."
     assert topology.service_by_dns_name("chat.eu.gtm.example.").residency_class == "eu-personal"
     assert topology.service_by_host("CHAT.gtm.example.").id == "chat"
@@ -64,7 +69,8 @@ def test_bad_yaml_names_file_and_line(tmp_path: Path) -> None:
     bad.write_text("zone:\n  apex: [unclosed\n")
     with pytest.raises(ConfigError) as info:
         load_topology(bad)
-    assert str(bad) in str(info.value) and "line" in str(info.value)
+    assert str(bad) in str(info.value)
+    assert "line" in str(info.value)
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -72,8 +78,9 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_topology(tmp_path / "absent.yaml")
 
 
-@pytest.mark.parametrize(("raw", "expected"), [
-    ("Chat.GTM.example", "chat.gtm.example."), ("a.b.", "a.b.")])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("Chat.GTM.example", "chat.gtm.example."), ("a.b.", "a.b.")]
+)
 def test_dns_names_are_normalised(raw: str, expected: str) -> None:
     assert normalise_dns_name(raw) == expected
 

@@ -31,15 +31,20 @@ WORLD: dict[str, Place] = {
 UNKNOWN_V4 = "100.99.1.1"  # in no network above
 
 
-def build_city_db(path: Path, world: dict[str, Place] | None = None,
-                  description: str = "test") -> Path:
-    writer = MMDBWriter(ip_version=6, ipv4_compatible=True, database_type="GeoIP2-City",
-                        description=description)
+def build_city_db(
+    path: Path, world: dict[str, Place] | None = None, description: str = "test"
+) -> Path:
+    writer = MMDBWriter(
+        ip_version=6, ipv4_compatible=True, database_type="GeoIP2-City", description=description
+    )
     for network, (country, continent, lat, lon) in (world or WORLD).items():
-        writer.insert_network(IPSet([network]), {
-            "country": {"iso_code": country, "names": {"en": country}},
-            "continent": {"code": continent},
-            "location": {"latitude": lat, "longitude": lon},
-        })
+        writer.insert_network(
+            IPSet([network]),
+            {
+                "country": {"iso_code": country, "names": {"en": country}},
+                "continent": {"code": continent},
+                "location": {"latitude": lat, "longitude": lon},
+            },
+        )
     writer.to_db_file(str(path))
     return path

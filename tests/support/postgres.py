@@ -55,16 +55,33 @@ def _throwaway_cluster() -> Iterator[str]:
     if prefix:
         shutil.chown(workdir, "postgres")
     data, port = os.path.join(workdir, "data"), _free_port()
-    subprocess.run([*prefix, initdb, "-D", data, "-U", "postgres", "--auth=trust"],
-                   check=True, capture_output=True)
-    subprocess.run([*prefix, pg_ctl, "-D", data, "-w", "-l", os.path.join(workdir, "log"),
-                    "-o", f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1", "start"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*prefix, initdb, "-D", data, "-U", "postgres", "--auth=trust"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *prefix,
+            pg_ctl,
+            "-D",
+            data,
+            "-w",
+            "-l",
+            os.path.join(workdir, "log"),
+            "-o",
+            f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*prefix, pg_ctl, "-D", data, "-m", "immediate", "stop"],
-                       capture_output=True)
+        subprocess.run(
+            [*prefix, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True
+        )
         shutil.rmtree(workdir, ignore_errors=True)
 
 

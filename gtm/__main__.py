@@ -1,0 +1,3 @@
+from gtm.cli import app
+
+app(prog_name="gtm")

@@ -1,0 +1,366 @@
+"""Routing plans: steps 1-4 of a decision, worked out once per snapshot and reused.
+
+Within one snapshot, candidates, residency, health and ranking depend only on the service, the
+residency classes, the tenant and the client's location, never on the individual client. A
+:class:`Plan` holds their result; :func:`plan_for` memoises plans on the snapshot so a query
+pays for a dictionary lookup instead of policy evaluation and great-circle arithmetic. Only
+capacity spillover, which hashes the client network, is left to each query (``gtm.routing``).
+
+A plan can also depend on the clock: a fresh "cannot take work" report drops a region only until
+it goes stale. Each plan records the time window in which it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from gtm.decision import Candidate, Outcome, Reason, Status
+from gtm.geoip import Location
+from gtm.geometry import UnitVector, chord_km, unit_vector
+from gtm.policy import DnsFailure, Verdict
+from gtm.snapshot import HealthState, RegionView, Snapshot
+from gtm.topology import Service
+
+_PLAN_LIMIT = 50_000
+
+
+# The fields of a Decision before ``location``, in order.
+Head = tuple[
+    Outcome,
+    str | None,
+    tuple[str, ...],
+    tuple[str, ...],
+    tuple[str, ...],
+    str | None,
+    int,
+    tuple[Candidate, ...],
+    Mapping[str, float],
+    str | None,
+    tuple[str, ...],
+    tuple[str, ...],
+    DnsFailure | None,
+]
+
+
+class Plan(NamedTuple):
+    service: Service
+    classes: tuple[str, ...]
+    verdict: Verdict
+    outcome: Outcome  # ANSWER, FAIL_STATIC, FAIL_CLOSED or DENIED
+    healthy: tuple[RegionView, ...]  # allowed and healthy, best first
+    answered: tuple[RegionView, ...]  # what is answered unless spillover changes it
+    candidates: tuple[Candidate, ...]  # verdicts when ``answered`` is the answer
+    distances: Mapping[str, float]
+    ttl: int
+    location_dependent: bool  # the answer could differ elsewhere (ECS scope > 0)
+    valid_after: float  # the plan holds for valid_after < now <= valid_until
+    valid_until: float
+    # The first fields of the Decision this plan gives unless spillover changes it (see
+    # decision_head); a query adds only what is its own (location, network, scope).
+    head: Head | None = None
+
+
+def decision_head(
+    plan: Plan,
+    outcome: Outcome,
+    regions: tuple[RegionView, ...],
+    candidates: tuple[Candidate, ...],
+    ttl: int,
+) -> Head:
+    """The fields of a :class:`~gtm.decision.Decision` before ``location``, in order."""
+    answer = outcome is Outcome.ANSWER
+    failed = outcome is Outcome.FAIL_CLOSED or outcome is Outcome.DENIED
+    return (
+        outcome,
+        regions[0].id if answer else None,
+        tuple(r.id for r in regions),
+        tuple(a for r in regions for a in r.ipv4),
+        tuple(a for r in regions for a in r.ipv6),
+        regions[0].base_url if answer else None,
+        ttl,
+        candidates,
+        plan.distances,
+        plan.service.id,
+        plan.classes,
+        plan.verdict.matched_rules,
+        plan.verdict.dns_failure if failed else None,
+    )
+
+
+def _with_head(plan: Plan) -> Plan:
+    return plan._replace(
+        head=decision_head(plan, plan.outcome, plan.answered, plan.candidates, plan.ttl)
+    )
+
+
+def plan_for(
+    snapshot: Snapshot,
+    service: Service,
+    classes: frozenset[str],
+    tenant: str | None,
+    location: Location,
+    now: float,
+) -> Plan:
+    key = (
+        service.id,
+        classes,
+        tenant,
+        location.country,
+        location.continent,
+        location.lat,
+        location.lon,
+    )
+    plan: Plan | None = snapshot.plans.get(key)
+    if plan is None or not (plan.valid_after < now <= plan.valid_until):
+        plan = _with_head(make_plan(snapshot, service, classes, tenant, location, now))
+        if len(snapshot.plans) >= _PLAN_LIMIT:
+            snapshot.plans.clear()  # bounded memory; the working set refills at once
+        snapshot.plans[key] = plan
+    return plan
+
+
+def make_plan(
+    snapshot: Snapshot,
+    service: Service,
+    extra_classes: frozenset[str],
+    tenant: str | None,
+    location: Location,
+    now: float,
+) -> Plan:
+    """Steps 1-4 of DESIGN.md "The decision" for one kind of request."""
+    classes = (
+        extra_classes | {service.residency_class} if service.residency_class else extra_classes
+    )
+    verdict = _verdict(snapshot, classes, tenant, location)
+    sorted_classes = tuple(sorted(classes))
+
+    # 1-2. Candidates, then residency: the hard filter. Nothing later adds a region back.
+    # 4 before 3: every allowed region is ranked, so that answering from a region other than
+    # the best-ranked one is recognisable as a failover (short TTL).
+    ranking = _rank(snapshot, service, verdict, location)
+    candidates: dict[str, Candidate] = {}
+    if verdict.allowed is not None:
+        detail = _residency_detail(verdict)
+        for region_id in service.regions:
+            if region_id not in verdict.allowed:
+                candidates[region_id] = Candidate(
+                    region_id, Status.DROPPED, Reason.RESIDENCY, detail
+                )
+    if not ranking.order:
+        return Plan(
+            service,
+            sorted_classes,
+            verdict,
+            Outcome.DENIED,
+            (),
+            (),
+            _ordered(candidates, service),
+            {},
+            0,
+            False,
+            -math.inf,
+            math.inf,
+        )
+    location_dependent = len(ranking.order) > 1 or snapshot.policy.uses_location
+
+    # 3. Health.
+    problems = _health_table(snapshot)
+    valid_after, valid_until = -math.inf, math.inf
+    healthy: list[RegionView] = []
+    for region in ranking.order:
+        reason = problems[region.id]
+        if reason is None:
+            refusal = snapshot.capacity.get(region.id)
+            if refusal is not None and not refusal.can_take_work:
+                # Only a fresh report takes a region out; a stale one is ignored, not trusted.
+                expiry = refusal.reported_at + snapshot.topology.routing.spillover.stale_after_s
+                if now <= expiry:
+                    reason = Reason.CANNOT_TAKE_WORK
+                    valid_until = min(valid_until, expiry)
+                else:
+                    valid_after = max(valid_after, expiry)
+        if reason is None:
+            healthy.append(region)
+        else:
+            candidates[region.id] = Candidate(region.id, Status.DROPPED, reason)
+
+    degraded_ttl = min(service.ttl, snapshot.topology.routing.degraded_ttl)
+    if not healthy:
+        if verdict.restricted:
+            return Plan(
+                service,
+                sorted_classes,
+                verdict,
+                Outcome.FAIL_CLOSED,
+                (),
+                (),
+                _ordered(candidates, service),
+                ranking.distances,
+                0,
+                location_dependent,
+                valid_after,
+                valid_until,
+            )
+        # Fail static: every allowed region answers (still inside the allowed set, rule 1).
+        for region in ranking.order:
+            candidates[region.id] = Candidate(
+                region.id, Status.CHOSEN, Reason.FAIL_STATIC, candidates[region.id].reason.value
+            )
+        answered = tuple(
+            snapshot.regions[r] for r in service.regions if r in {v.id for v in ranking.order}
+        )
+        return Plan(
+            service,
+            sorted_classes,
+            verdict,
+            Outcome.FAIL_STATIC,
+            (),
+            answered,
+            _ordered(candidates, service),
+            ranking.distances,
+            degraded_ttl,
+            False,
+            valid_after,
+            valid_until,
+        )
+
+    chosen = healthy[0]
+    candidates[chosen.id] = Candidate(chosen.id, Status.CHOSEN, ranking.reason)
+    for region in healthy[1:]:
+        candidates[region.id] = Candidate(region.id, Status.ELIGIBLE, Reason.FARTHER)
+    # A client not served by its best allowed region is failing over: a short TTL brings it
+    # back soon after the region recovers.
+    ttl = degraded_ttl if chosen is not ranking.order[0] else service.ttl
+    return Plan(
+        service,
+        sorted_classes,
+        verdict,
+        Outcome.ANSWER,
+        tuple(healthy),
+        (chosen,),
+        _ordered(candidates, service),
+        ranking.distances,
+        ttl,
+        location_dependent,
+        valid_after,
+        valid_until,
+    )
+
+
+def _verdict(
+    snapshot: Snapshot, classes: frozenset[str], tenant: str | None, location: Location
+) -> Verdict:
+    # Verdicts depend on the policy and a few request attributes only: a few hundred distinct
+    # keys, kept across snapshots that keep the policy.
+    key = (classes, tenant, location.country, location.continent)
+    verdict: Verdict | None = snapshot.verdicts.get(key)
+    if verdict is None:
+        verdict = snapshot.policy.evaluate(classes, tenant, location.country, location.continent)
+        if len(snapshot.verdicts) >= _PLAN_LIMIT:
+            snapshot.verdicts.clear()
+        snapshot.verdicts[key] = verdict
+    return verdict
+
+
+def _residency_detail(verdict: Verdict) -> str:
+    if verdict.unknown_classes:
+        return "class named by no rule: " + ",".join(verdict.unknown_classes)
+    return "not allowed by " + ",".join(verdict.matched_rules)
+
+
+class Ranking(NamedTuple):
+    order: tuple[RegionView, ...]  # the allowed regions, best first
+    reason: Reason  # why the first is first
+    distances: Mapping[str, float]
+
+
+def _rank(snapshot: Snapshot, service: Service, verdict: Verdict, location: Location) -> Ranking:
+    # Rankings depend on the topology, the allowed set and the location, not on health: kept
+    # across snapshots that keep the topology.
+    key = (
+        service.id,
+        verdict.allowed,
+        location.lat,
+        location.lon,
+        location.country,
+        location.continent,
+    )
+    ranking: Ranking | None = snapshot.ranks.get(key)
+    if ranking is None:
+        allowed = [
+            snapshot.regions[r]
+            for r in service.regions
+            if verdict.allowed is None or r in verdict.allowed
+        ]
+        ranking = _ranking(allowed, location, snapshot)
+        if len(snapshot.ranks) >= _PLAN_LIMIT:
+            snapshot.ranks.clear()
+        snapshot.ranks[key] = ranking
+    return ranking
+
+
+def _ranking(allowed: list[RegionView], location: Location, snapshot: Snapshot) -> Ranking:
+    if not allowed:
+        return Ranking((), Reason.NEAREST, {})
+    routing = snapshot.topology.routing
+    preferred: tuple[str, ...] = ()
+    if routing.latency_map:
+        preferred = routing.latency_map.get(
+            f"country:{location.country}", ()
+        ) or routing.latency_map.get(f"continent:{location.continent}", ())
+    point: UnitVector | None = None
+    if location.lat is not None and location.lon is not None:
+        point = unit_vector(location.lat, location.lon)
+    elif routing.unknown_location is not None:
+        point = unit_vector(*routing.unknown_location)
+    distances: dict[str, float] = {}
+    keyed = []
+    for index, region in enumerate(allowed):
+        rank = preferred.index(region.id) if region.id in preferred else len(preferred)
+        score = 0.0
+        if point is not None:
+            distances[region.id] = chord_km(point, region.point)
+            # Weight 0 is dropped by the health step; guard the division regardless.
+            score = distances[region.id] / max(region.weight, 1e-9)
+        keyed.append((rank, score, index, region))
+    keyed.sort()  # the index is unique: regions themselves are never compared
+    order = tuple(k[3] for k in keyed)
+    if preferred and order[0].id in preferred:
+        reason = Reason.PREFERRED
+    elif point is None:
+        reason = Reason.CONFIG_ORDER
+    else:
+        reason = Reason.NEAREST
+    return Ranking(order, reason, distances)
+
+
+_HEALTH_KEY = ("health-table",)
+
+
+def _health_table(snapshot: Snapshot) -> dict[str, Reason | None]:
+    """Why each region is out on health alone (None: it is in), once per snapshot."""
+    table: dict[str, Reason | None] | None = snapshot.plans.get(_HEALTH_KEY)
+    if table is None:
+        unknown_is_up = snapshot.topology.routing.unknown_health_is_up
+        table = {}
+        for region in snapshot.regions.values():
+            health = snapshot.health.get(region.id)
+            state = health.state if health is not None else HealthState.UNKNOWN
+            if region.weight == 0:
+                table[region.id] = Reason.WEIGHT_ZERO
+            elif state is HealthState.DOWN:
+                table[region.id] = Reason.DOWN
+            elif state is HealthState.DRAINING:
+                table[region.id] = Reason.DRAINING
+            elif state is HealthState.UNKNOWN and not unknown_is_up:
+                table[region.id] = Reason.UNKNOWN_HEALTH
+            else:
+                table[region.id] = None
+        snapshot.plans[_HEALTH_KEY] = table
+    return table
+
+
+def _ordered(candidates: dict[str, Candidate], service: Service) -> tuple[Candidate, ...]:
+    return tuple(candidates[r] for r in service.regions if r in candidates)
