@@ -7,6 +7,7 @@ runs (where it listens, which database, which GeoIP file, how it logs).
 from __future__ import annotations
 
 import socket
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,8 @@ class Settings(BaseSettings):
     spool_dir: Path = Path("var/spool")
     audit_flush_interval_s: float = Field(default=1.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)
+    # HTTP front: peers whose Forwarded / X-Forwarded-For headers are believed.
+    trusted_proxies: tuple[IPv4Network | IPv6Network, ...] = ()
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

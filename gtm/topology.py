@@ -22,7 +22,7 @@ import hashlib
 import json
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -131,6 +131,15 @@ class Region(_Strict):
         return self
 
 
+class HttpFront(_Strict):
+    """How the HTTP front answers for a service's hosts."""
+
+    # redirect: 307/308 to the chosen region's base URL; proxy: forward and stream back.
+    mode: Literal["redirect", "proxy"] = "redirect"
+    # 307 and 308 both keep the method and body (never 302); 308 may be cached by clients.
+    redirect_status: Literal[307, 308] = 307
+
+
 class Service(_Strict):
     id: RegionId
     dns_names: tuple[str, ...] = ()
@@ -138,6 +147,7 @@ class Service(_Strict):
     regions: tuple[RegionId, ...] = Field(min_length=1)
     residency_class: str | None = None
     ttl: int = Field(default=30, ge=0, le=86_400)
+    http: HttpFront = HttpFront()
 
     @field_validator("dns_names")
     @classmethod
@@ -187,11 +197,21 @@ class Routing(_Strict):
     unknown_location: tuple[float, float] | None = None
 
 
+class Tenant(_Strict):
+    """A customer, recognised on HTTP by an API-key prefix or a tenant header."""
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")
+    api_key_prefixes: tuple[str, ...] = ()
+    # Classes every request of this tenant carries, on top of the service's own.
+    residency_classes: tuple[str, ...] = ()
+
+
 class Topology(_Strict):
     zone: Zone
     regions: tuple[Region, ...] = Field(min_length=1)
     services: tuple[Service, ...] = Field(min_length=1)
     routing: Routing = Routing()
+    tenants: tuple[Tenant, ...] = ()
 
     _regions_by_id: dict[str, Region] = PrivateAttr(default_factory=dict)
     _by_name: dict[str, Service] = PrivateAttr(default_factory=dict)
@@ -237,6 +257,8 @@ def cross_reference_problems(topo: Topology) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for dup in _duplicates([r.id for r in topo.regions]):
         problems.append(("regions", f"region id {dup!r} is defined more than once"))
+    for dup in _duplicates([t.id for t in topo.tenants]):
+        problems.append(("tenants", f"tenant id {dup!r} is defined more than once"))
     for dup in _duplicates([s.id for s in topo.services]):
         problems.append(("services", f"service id {dup!r} is defined more than once"))
     seen_names: dict[str, str] = {}
