@@ -31,9 +31,18 @@ class Settings(BaseSettings):
         default=None, description="GeoIP2/GeoLite2 City file; unset: the bundled GeoLite2-City"
     )
     geoip_poll_interval_s: float = Field(default=2.0, gt=0)
-    dns_listen: str | None = None
+    # DNS listeners, "HOST:PORT" or "[V6]:PORT", each served over UDP and TCP.
+    dns_listen: tuple[str, ...] = ()
+    # Response rate limiting per client /24 (/56): responses per second, 0 = off (as in BIND and
+    # Knot, it must be sized for the deployment's traffic before it is switched on).
+    dns_rate_limit: float = Field(default=0.0, ge=0)
+    dns_rate_slip: int = Field(default=2, ge=0)
+    dns_tcp_idle_s: float = Field(default=10.0, gt=0)
+    dns_tcp_max_connections: int = Field(default=1000, gt=0)
     http_listen: str | None = None
     admin_listen: str | None = None
+    # Prometheus metrics on their own port (the HTTP front and admin API also serve /metrics).
+    metrics_listen: str | None = None
     node_id: str = Field(default_factory=socket.gethostname, max_length=64)
     spool_dir: Path = Path("var/spool")
     audit_flush_interval_s: float = Field(default=1.0, gt=0)

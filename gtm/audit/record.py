@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from gtm.routing import Decision
+from gtm.decision import Decision
+from gtm.snapshot import Versions
 
 GENESIS = "0" * 64
 
 
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
+    """Hashable; the hash is computed once, since the writer looks records up on every answer
+    (a cached response hands the writer the same record object each time)."""
+
     channel: str
     query_type: str | None
     response: str | None
@@ -41,6 +45,33 @@ class AuditRecord:
     answer: tuple[str, ...]
     outcome: str
     ttl: int
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.channel,
+                    self.query_type,
+                    self.response,
+                    self.client_network,
+                    self.ecs_prefix,
+                    self.name,
+                    self.snapshot_version,
+                    self.region,
+                    self.answer,
+                    self.outcome,
+                    self.candidates,
+                    self.tenant,
+                    self.residency_classes,
+                )
+            ),
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def record_of(
@@ -201,3 +232,42 @@ def verify_chain(rows: list[dict[str, Any]]) -> list[ChainBreak]:
             breaks.append(ChainBreak(node, seq, "row content does not match its hash"))
         last[node] = (seq, row["row_hash"])
     return breaks
+
+
+def zone_record(
+    *,
+    channel: str,
+    name: str,
+    client_network: str,
+    ecs: str | None,
+    query_type: str | None,
+    response: str,
+    outcome: str,
+    answer: tuple[str, ...],
+    versions: Versions,
+) -> AuditRecord:
+    """The audit content of an answer that needed no routing decision: the zone's own records,
+    NXDOMAIN, NODATA, refusals and malformed queries (every answer is accounted for)."""
+    return AuditRecord(
+        channel=channel,
+        query_type=query_type,
+        response=response,
+        client_network=client_network,
+        ecs_prefix=ecs,
+        country=None,
+        continent=None,
+        name=name,
+        service=None,
+        residency_classes=(),
+        tenant=None,
+        matched_rules=(),
+        snapshot_version=versions.snapshot,
+        topology_version=versions.topology,
+        policy_version=versions.policy,
+        geoip_build=versions.geoip,
+        candidates=(),
+        region=None,
+        answer=answer,
+        outcome=outcome,
+        ttl=0,
+    )

@@ -1,0 +1,382 @@
+"""The DNS listeners: UDP and TCP (RFC 7766) on each configured address, answering from memory.
+
+:class:`Responder.respond` is the whole answering path and never awaits: parse, rate limit,
+look the rendered answer up (or render it), patch in the ID, flags and question case, count it
+towards the audit. Rendered answers are reused per (name, type, EDNS shape, UDP limit, client
+network, GeoIP bucket) within one snapshot version, and for at most a second, because a decision
+may also change with time alone (a capacity report going stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address
+
+import structlog
+
+from gtm.audit.record import AuditRecord, zone_record
+from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
+from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
+from gtm.geodns.stats import DnsStats
+from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
+from gtm.geodns.zone import answer, qtype_name, zone_data
+from gtm.routing import client_network
+from gtm.runtime import Runtime
+from gtm.snapshot import Snapshot
+
+log = structlog.get_logger(__name__)
+
+IPAddress = IPv4Address | IPv6Address
+CACHE_MAX_AGE_S = 1.0
+_CACHE_LIMIT = 200_000
+_COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    template: bytes  # rendered with ID 0 and RD/CD clear
+    flags: int
+    record: AuditRecord
+    expires: float
+    rcode_name: str
+    truncated: bool
+
+
+def udp_limit(edns: Edns | None) -> int:
+    # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
+    # without EDNS (RFC 1035 §4.2.1).
+    return min(edns.udp_size, OUR_UDP_SIZE) if edns is not None else 512
+
+
+class Responder:
+    def __init__(
+        self,
+        runtime: Runtime,
+        stats: DnsStats,
+        rate_limiter: ResponseRateLimiter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runtime = runtime
+        self.stats = stats
+        self.rrl = rate_limiter
+        self._clock = clock
+        self._cache: dict[tuple[object, ...], _Cached] = {}
+        self._cache_version = -1
+
+    def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
+        """The response to one message, or None to send nothing. Never raises on input."""
+        parsed = parse_query(wire)
+        if isinstance(parsed, Reject):
+            return self._reject(parsed, client, udp)
+        query = parsed
+        limit = udp_limit(query.edns) if udp else None
+        if udp and self.rrl is not None:
+            verdict = self.rrl.check(client)
+            if verdict is not Limit.ANSWER:
+                self.stats.rate_limited += 1
+                if verdict is Limit.DROP:
+                    return None
+                self.stats.slipped += 1
+                return self._slip(query, client)
+
+        snapshot = self.runtime.store.current
+        now = self._clock()
+        if snapshot.version != self._cache_version:
+            self._cache = {}
+            self._cache_version = snapshot.version
+        key = self._key(query, client, limit, snapshot)
+        cached = self._cache.get(key)
+        if cached is None or cached.expires <= now:
+            self.stats.cache_misses += 1
+            result = answer(query, client, snapshot, now, limit)
+            template = (
+                b"\x00\x00"
+                + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
+                + result.wire[4:]
+            )
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            truncated = bool(result.wire[2] & 0x02)
+            cached = self._cache[key] = _Cached(
+                template,
+                int.from_bytes(template[2:4], "big"),
+                result.record,
+                now + CACHE_MAX_AGE_S,
+                result.record.response or rcode_name(result.rcode),
+                truncated,
+            )
+            out = result.wire
+        else:
+            self.stats.cache_hits += 1
+            template, n = cached.template, len(query.qname)
+            out = (
+                query.id.to_bytes(2, "big")
+                + (cached.flags | (query.flags & _COPIED)).to_bytes(2, "big")
+                + template[4:12]
+                + query.qname
+                + template[12 + n :]
+            )
+        self.runtime.count(cached.record)
+        self.stats.queries["udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name] += 1
+        if cached.truncated:
+            self.stats.truncated += 1
+        return out
+
+    @staticmethod
+    def _key(
+        query: Query, client: IPAddress, limit: int | None, snapshot: Snapshot
+    ) -> tuple[object, ...]:
+        edns = query.edns
+        ecs = edns.ecs if edns is not None else None
+        shape: tuple[object, ...] | None = None
+        if edns is not None:
+            shape = (edns.do,) if ecs is None else (edns.do, ecs.family, ecs.source, ecs.address)
+        if ecs is not None and ecs.source > 0:
+            located = ecs.network.network_address
+            bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket
+        else:
+            located = client
+            bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
+        geo: int | None = None
+        if query.qname_text in zone_data(snapshot.topology).services:
+            loc = snapshot.geo.locate(located)
+            net = loc.network
+            # A GeoIP network narrower than the client bucket splits it: key by the address.
+            if net is not None and net.prefixlen > (24 if net.version == 4 else 56):
+                geo = int(located)
+        return (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo)
+
+    def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:
+        if reject.drop:
+            self.stats.dropped += 1
+            return None
+        question = None
+        if reject.qname is not None:
+            question = reject.qname + struct.pack("!HH", reject.qtype, reject.qclass)
+        opt = OptOut(reject.edns.do, None) if reject.edns is not None else None
+        wire = response(
+            reject.id or 0,
+            reject.flags,
+            reject.rcode,
+            authoritative=False,
+            question=question,
+            opt=opt,
+            limit=512 if udp else None,
+        )
+        snapshot = self.runtime.store.current
+        name = "-"
+        if reject.qname is not None:
+            name = name_to_text(reject.qname)[:255]
+        self.runtime.count(
+            zone_record(
+                channel="dns",
+                name=name,
+                client_network=str(client_network(client, None)),
+                ecs=None,
+                query_type=qtype_name(reject.qtype) if reject.qname else None,
+                response=rcode_name(reject.rcode),
+                outcome="malformed" if reject.rcode == 1 else "rejected",
+                answer=(reject.reason[:200],),
+                versions=snapshot.versions,
+            )
+        )
+        self.stats.queries["udp" if udp else "tcp", "-", rcode_name(reject.rcode)] += 1
+        return wire
+
+    def _slip(self, query: Query, client: IPAddress) -> bytes:
+        edns = query.edns
+        opt = OptOut(edns.do, None) if edns is not None else None
+        question = query.qname + struct.pack("!HH", query.qtype, query.qclass)
+        wire = response(
+            query.id, query.flags, 0, authoritative=True, question=question, opt=opt, limit=0
+        )  # limit 0: always cut to the question (TC)
+        snapshot = self.runtime.store.current
+        self.runtime.count(
+            zone_record(
+                channel="dns",
+                name=query.qname_text,
+                client_network=str(client_network(client, None)),
+                ecs=None,
+                query_type=qtype_name(query.qtype),
+                response="NOERROR+TC",
+                outcome="rate-limited",
+                answer=(),
+                versions=snapshot.versions,
+            )
+        )
+        self.stats.queries["udp", qtype_name(query.qtype), "NOERROR+TC"] += 1
+        self.stats.truncated += 1
+        return wire
+
+
+# -- listeners ---------------------------------------------------------------------------------
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """ "127.0.0.1:5353" or "[::1]:5353" -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    host = host.strip("[]")
+    ip_address(host)  # a literal address: listeners bind exactly where they are told
+    return host, int(port)
+
+
+_ADDRESSES: dict[str, IPAddress] = {}
+
+
+def _peer(host: str) -> IPAddress:
+    addr = _ADDRESSES.get(host)
+    if addr is None:
+        if len(_ADDRESSES) > 100_000:
+            _ADDRESSES.clear()
+        addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
+    return addr
+
+
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, responder: Responder) -> None:
+        self.responder = responder
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        try:
+            out = self.responder.respond(data, _peer(str(addr[0])), udp=True)
+        except Exception:  # one bad packet must never take the listener down
+            log.exception("dns.udp_failed", peer=str(addr[0]))
+            return
+        if out is not None and self.transport is not None:
+            self.transport.sendto(out, addr)
+
+    def error_received(self, exc: Exception) -> None:  # ICMP unreachable and the like
+        log.debug("dns.udp_error", error=str(exc))
+
+
+class DnsServer:
+    """UDP and TCP listeners on every address, sharing one responder."""
+
+    def __init__(
+        self,
+        responder: Responder,
+        listens: tuple[str, ...],
+        *,
+        tcp_idle_s: float = 10.0,
+        tcp_max_connections: int = 1000,
+        reuse_port: bool = False,
+    ) -> None:
+        self.responder = responder
+        self.listens = listens
+        self.tcp_idle_s = tcp_idle_s
+        self.tcp_max = tcp_max_connections
+        self.reuse_port = reuse_port
+        self._udp: list[asyncio.DatagramTransport] = []
+        self._tcp: list[asyncio.Server] = []
+        self._connections: set[asyncio.Task[None]] = set()
+        self.bound: list[tuple[str, int]] = []  # (host, port) actually bound, for port 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for listen in self.listens:
+            host, port = parse_listen(listen)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            # TCP first, so that with port 0 UDP can take the same port number.
+            server = await asyncio.start_server(
+                self._serve_tcp,
+                host,
+                port,
+                family=family,
+                reuse_port=self.reuse_port or None,
+                backlog=1024,
+            )
+            self._tcp.append(server)
+            port = server.sockets[0].getsockname()[1]
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _UdpProtocol(self.responder),
+                local_addr=(host, port),
+                family=family,
+                reuse_port=self.reuse_port or None,
+            )
+            self._udp.append(transport)
+            self.bound.append((host, port))
+            log.info("dns.listening", host=host, port=port)
+
+    async def stop(self) -> None:
+        for transport in self._udp:
+            transport.close()
+        for server in self._tcp:
+            server.close()
+        for task in list(self._connections):
+            task.cancel()
+        for task in list(self._connections):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for server in self._tcp:
+            await server.wait_closed()
+        self._udp.clear()
+        self._tcp.clear()
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stats = self.responder.stats
+        if len(self._connections) >= self.tcp_max:
+            stats.tcp_refused += 1
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        stats.tcp_connections += 1
+        peer = _peer(str(writer.get_extra_info("peername")[0]))
+        try:
+            # RFC 7766 §6.2.1: several queries per connection, answered in order; an idle
+            # connection is closed after a timeout.
+            while True:
+                try:
+                    header = await asyncio.wait_for(reader.readexactly(2), self.tcp_idle_s)
+                    (length,) = struct.unpack("!H", header)
+                    message = await asyncio.wait_for(reader.readexactly(length), self.tcp_idle_s)
+                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    out = self.responder.respond(message, peer, udp=False)
+                except Exception:
+                    log.exception("dns.tcp_failed", peer=str(peer))
+                    return
+                if out is None:
+                    return  # unreadable: close, as there is no sane way to resynchronise
+                writer.write(struct.pack("!H", len(out)) + out)
+                await writer.drain()
+        except ConnectionError:
+            return
+        finally:
+            self._connections.discard(task)
+            stats.tcp_connections -= 1
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+
+def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) -> DnsServer:
+    s = runtime.settings
+    limiter = (
+        ResponseRateLimiter(s.dns_rate_limit, slip=s.dns_rate_slip)
+        if s.dns_rate_limit > 0
+        else None
+    )
+    return DnsServer(
+        Responder(runtime, stats, limiter),
+        s.dns_listen,
+        tcp_idle_s=s.dns_tcp_idle_s,
+        tcp_max_connections=s.dns_tcp_max_connections,
+        reuse_port=reuse_port,
+    )

@@ -1,0 +1,63 @@
+"""Counters of the DNS listeners.
+
+Plain integers on the answering path (a Prometheus child's ``inc()`` takes a lock and a label
+lookup per query); a collector turns them into metrics when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+
+class DnsStats:
+    def __init__(self) -> None:
+        self.queries: Counter[tuple[str, str, str]] = Counter()  # (transport, qtype, rcode)
+        self.truncated = 0
+        self.dropped = 0  # unreadable packets and responses sent to us
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.rate_limited = 0
+        self.slipped = 0
+        self.tcp_connections = 0
+        self.tcp_refused = 0
+
+
+class DnsCollector(Collector):
+    def __init__(self, stats: DnsStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.stats
+        queries = CounterMetricFamily(
+            "gtm_dns_responses", "DNS responses sent", labels=["transport", "qtype", "rcode"]
+        )
+        for (transport, qtype, rcode), n in sorted(s.queries.items()):
+            queries.add_metric([transport, qtype, rcode], n)
+        yield queries
+        for name, doc, value in (
+            ("gtm_dns_truncated", "UDP responses sent truncated (TC)", s.truncated),
+            ("gtm_dns_dropped", "packets dropped without an answer", s.dropped),
+            ("gtm_dns_cache_hits", "answers served from the rendered-answer cache", s.cache_hits),
+            ("gtm_dns_cache_misses", "answers rendered afresh", s.cache_misses),
+            ("gtm_dns_rate_limited", "responses over the rate limit", s.rate_limited),
+            ("gtm_dns_rate_limit_slipped", "rate-limited responses sent truncated", s.slipped),
+            ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "gtm_dns_tcp_connections", "open TCP connections", value=s.tcp_connections
+        )
+
+
+def register(stats: DnsStats) -> DnsCollector:
+    collector = DnsCollector(stats)
+    REGISTRY.register(collector)
+    return collector
+
+
+def unregister(collector: DnsCollector) -> None:
+    REGISTRY.unregister(collector)

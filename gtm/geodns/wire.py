@@ -1,0 +1,263 @@
+"""Parsing DNS queries from the wire: the one parse function every listener (and the fuzzer) uses.
+
+:func:`parse_query` turns a datagram or TCP message into a :class:`Query`, or says what to do
+with a packet that is not one: drop it (no readable header, or a response) or answer it with
+FORMERR / NOTIMP, with the ID echoed. It never raises on any input, and bounds every loop
+(compression pointers can only point backwards, a name is at most 255 octets, counts are
+checked against the bytes actually present), so no packet can crash or stall a listener.
+
+RFC references: 1035 §4 (message format), 6891 (EDNS0, OPT), 7871 (Client Subnet), 6840 §5.9
+(CD is copied), 8906 (what a server must do with unknown bits, types and options).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from ipaddress import IPv4Network, IPv6Network
+
+HEADER = struct.Struct("!HHHHHH")
+_U16 = struct.Struct("!H")
+_RR_FIXED = struct.Struct("!HHIH")  # type, class, ttl, rdlength
+_Q_FIXED = struct.Struct("!HH")
+
+MAX_NAME = 255
+OPT = 41
+ECS_CODE = 8
+
+
+class Rcode(IntEnum):
+    NOERROR = 0
+    FORMERR = 1
+    SERVFAIL = 2
+    NXDOMAIN = 3
+    NOTIMP = 4
+    REFUSED = 5
+    BADVERS = 16  # extended: upper 8 bits in the OPT TTL
+
+
+class Qtype(IntEnum):
+    A = 1
+    NS = 2
+    SOA = 6
+    AAAA = 28
+    ANY = 255
+
+
+QCLASS_IN = 1
+QCLASS_ANY = 255
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSubnet:
+    """An EDNS Client Subnet option as received (RFC 7871 §6)."""
+
+    family: int  # 1 IPv4, 2 IPv6
+    source: int  # source prefix length
+    address: bytes  # exactly ceil(source / 8) octets, bits past the prefix zero
+    network: IPv4Network | IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Edns:
+    udp_size: int
+    version: int
+    do: bool
+    ecs: ClientSubnet | None
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    id: int
+    flags: int  # the query's flags word, as received
+    qname: bytes  # the question name in wire form, case as asked, uncompressed
+    qname_text: str  # lower-cased, absolute ("chat.gtm.example.")
+    qtype: int
+    qclass: int
+    edns: Edns | None
+
+    @property
+    def rd(self) -> bool:
+        return bool(self.flags & 0x0100)
+
+    @property
+    def cd(self) -> bool:
+        return bool(self.flags & 0x0010)
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A packet that gets an error answer (FORMERR, NOTIMP, BADVERS) or none at all."""
+
+    id: int | None  # None: no readable header, drop silently
+    flags: int
+    rcode: Rcode
+    reason: str
+    # What of the question could be read, so the error can echo it (RFC 1035 §4.1.1).
+    qname: bytes | None = None
+    qtype: int = 0
+    qclass: int = 0
+    edns: Edns | None = None
+
+    @property
+    def drop(self) -> bool:
+        return self.id is None
+
+
+class _Malformed(Exception):
+    """Internal: the packet breaks the format at this point."""
+
+
+def _read_name(wire: bytes, offset: int) -> tuple[bytes, int]:
+    """A possibly compressed name: (uncompressed wire form, offset after it in the packet)."""
+    labels: list[bytes] = []
+    length = 0
+    end: int | None = None
+    pos = offset
+    # Pointers must point strictly backwards (before the label that holds them): that makes a
+    # loop impossible, whatever the packet says.
+    limit = offset
+    while True:
+        if pos >= len(wire):
+            raise _Malformed("name runs past the end of the packet")
+        n = wire[pos]
+        kind = n & 0xC0
+        if kind == 0xC0:
+            if pos + 1 >= len(wire):
+                raise _Malformed("truncated compression pointer")
+            target = ((n & 0x3F) << 8) | wire[pos + 1]
+            if target >= limit:
+                raise _Malformed("compression pointer does not point backwards")
+            if end is None:
+                end = pos + 2
+            pos = limit = target
+            continue
+        if kind:
+            raise _Malformed("unknown label type")
+        if n == 0:
+            length += 1
+            if length > MAX_NAME:
+                raise _Malformed("name longer than 255 octets")
+            labels.append(b"\x00")
+            return b"".join(labels), (end if end is not None else pos + 1)
+        if pos + 1 + n > len(wire):
+            raise _Malformed("label runs past the end of the packet")
+        length += 1 + n
+        if length > MAX_NAME:
+            raise _Malformed("name longer than 255 octets")
+        labels.append(wire[pos : pos + 1 + n])
+        pos += 1 + n
+
+
+def name_to_text(name: bytes) -> str:
+    """Lower-cased presentation form of a wire name ("." for the root)."""
+    out: list[str] = []
+    pos = 0
+    while name[pos]:
+        n = name[pos]
+        out.append(name[pos + 1 : pos + 1 + n].decode("latin-1").lower())
+        pos += 1 + n
+    return ".".join(out) + "." if out else "."
+
+
+def _parse_ecs(data: bytes) -> ClientSubnet:
+    if len(data) < 4:
+        raise _Malformed("ECS option shorter than 4 octets")
+    # data[3] is the scope, which queries must send as 0 (RFC 7871 §6); a resolver that
+    # does not is answered anyway, its scope ignored.
+    family, source = _U16.unpack_from(data)[0], data[2]
+    address = data[4:]
+    if family not in (1, 2):
+        raise _Malformed(f"ECS family {family} is unknown")
+    bits = 32 if family == 1 else 128
+    if source > bits:
+        raise _Malformed("ECS source prefix longer than the address")
+    if len(address) != (source + 7) // 8:
+        raise _Malformed("ECS address length does not match the source prefix")
+    value = int.from_bytes(address, "big") << (bits - 8 * len(address)) if address else 0
+    if source < bits and value & ((1 << (bits - source)) - 1):
+        raise _Malformed("ECS address has bits set beyond the source prefix")
+    network: IPv4Network | IPv6Network = (
+        IPv4Network((value, source)) if family == 1 else IPv6Network((value, source))
+    )
+    return ClientSubnet(family, source, address, network)
+
+
+def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength: int) -> Edns:
+    version = (ttl >> 16) & 0xFF
+    do = bool(ttl & 0x8000)
+    ecs: ClientSubnet | None = None
+    pos, end = rdata_start, rdata_start + rdlength
+    while pos < end:
+        if pos + 4 > end:
+            raise _Malformed("truncated EDNS option header")
+        code, length = struct.unpack_from("!HH", wire, pos)
+        pos += 4
+        if pos + length > end:
+            raise _Malformed("EDNS option length runs past the OPT record")
+        if code == ECS_CODE:
+            if ecs is not None:
+                raise _Malformed("more than one ECS option")
+            ecs = _parse_ecs(wire[pos : pos + length])
+        # Other options (cookies, padding, unknown codes) are ignored and never echoed
+        # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
+        pos += length
+    # Advertised sizes below 512 are treated as 512 (RFC 6891 §6.2.5).
+    return Edns(max(rr_class, 512), version, do, ecs)
+
+
+def parse_query(wire: bytes) -> Query | Reject:
+    """Parse one query; never raises. See the module docstring for what is rejected."""
+    if len(wire) < HEADER.size:
+        return Reject(None, 0, Rcode.FORMERR, "shorter than a header")
+    qid, flags, qdcount, ancount, nscount, arcount = HEADER.unpack_from(wire)
+    if flags & 0x8000:
+        return Reject(None, flags, Rcode.FORMERR, "a response, not a query")  # never answer
+    opcode = (flags >> 11) & 0xF
+    qname: bytes | None = None
+    qtype = qclass = 0
+    edns: Edns | None = None
+    try:
+        if qdcount != 1:
+            raise _Malformed(f"QDCOUNT is {qdcount}, not 1")
+        qname, pos = _read_name(wire, HEADER.size)
+        if pos + 4 > len(wire):
+            raise _Malformed("truncated question")
+        qtype, qclass = _Q_FIXED.unpack_from(wire, pos)
+        pos += 4
+        if opcode != 0:
+            return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}", qname, qtype, qclass)
+        for section, count in (
+            ("answer", ancount),
+            ("authority", nscount),
+            ("additional", arcount),
+        ):
+            for _ in range(count):
+                owner, pos = _read_name(wire, pos)
+                if pos + _RR_FIXED.size > len(wire):
+                    raise _Malformed(f"truncated {section} record")
+                rr_type, rr_class, ttl, rdlength = _RR_FIXED.unpack_from(wire, pos)
+                pos += _RR_FIXED.size
+                if pos + rdlength > len(wire):
+                    raise _Malformed(f"{section} record data runs past the end")
+                if rr_type == OPT:
+                    if section != "additional" or owner != b"\x00":
+                        raise _Malformed(
+                            "OPT record outside the additional section or not at the root"
+                        )
+                    if edns is not None:
+                        raise _Malformed("more than one OPT record")
+                    edns = _parse_opt(wire, rr_class, ttl, pos, rdlength)
+                pos += rdlength
+        if pos != len(wire):
+            raise _Malformed("trailing bytes after the last record")
+    except _Malformed as exc:
+        if opcode != 0 and qname is None:
+            return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}")
+        return Reject(qid, flags, Rcode.FORMERR, str(exc), qname, qtype, qclass, edns)
+    if edns is not None and edns.version > 0:
+        return Reject(
+            qid, flags, Rcode.BADVERS, f"EDNS version {edns.version}", qname, qtype, qclass, edns
+        )
+    return Query(qid, flags, qname, name_to_text(qname), qtype, qclass, edns)
