@@ -135,9 +135,10 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
 
 
 def test_serve_refuses_listeners_it_does_not_have(env: dict[str, str]) -> None:
-    out = run(["serve", "--dns", "127.0.0.1:5353"], env)
-    assert out.returncode == 2
-    assert "--dns" in out.stderr
+    out = run(["serve", "--admin", "127.0.0.1:8080"], env)
+    assert out.returncode == 2 and "--admin" in out.stderr
+    bad = run(["serve", "--dns", "localhost:53x"], env)
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
 
 
 def test_audit_tail_and_export(env: dict[str, str], tmp_path: Path) -> None:
