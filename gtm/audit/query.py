@@ -12,11 +12,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gtm.audit.record import ChainBreak, verify_chain
 from gtm.audit.schema import decisions
 
-_COLUMNS = [c for c in decisions.c if c.name != "id"]
+# Plain str names: SQLAlchemy's are a str subclass, which orjson will not take as keys.
+_COLUMNS = [str(c.name) for c in decisions.c if c.name != "id"]
 
 
 def _as_dict(row: Any) -> dict[str, Any]:
-    return {c.name: getattr(row, c.name) for c in _COLUMNS} | {"id": row.id}
+    return {name: getattr(row, name) for name in _COLUMNS} | {"id": row.id}
 
 
 def iso(us: int) -> str:

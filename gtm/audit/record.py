@@ -9,9 +9,10 @@ editing a row breaks every later hash of that node.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from gtm.decision import Decision
 from gtm.snapshot import Versions
@@ -193,13 +194,10 @@ HASHED_COLUMNS = (
 
 
 def row_hash(prev_hash: str, row: dict[str, Any]) -> str:
-    body = json.dumps(
-        {k: row[k] for k in HASHED_COLUMNS},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(prev_hash.encode() + body.encode()).hexdigest()
+    # orjson with sorted keys is canonical (compact, UTF-8) and several times faster than the
+    # json module; a busy node hashes thousands of rows a second.
+    body = orjson.dumps({k: row[k] for k in HASHED_COLUMNS}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(prev_hash.encode() + body).hexdigest()
 
 
 def chain(rows: list[dict[str, Any]], prev_hash: str) -> str:

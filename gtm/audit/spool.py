@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from gtm.audit.record import GENESIS
 
 
@@ -27,8 +29,8 @@ class Spool:
     def append(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
-        with open(self.path, "a", encoding="utf-8") as f:
+        data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+        with open(self.path, "ab") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -38,14 +40,14 @@ class Spool:
         """Rows waiting for the database, in order. A torn last line (crash mid-write) is
         dropped: it was never acknowledged as flushed."""
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            lines = self.path.read_bytes().splitlines()
         except FileNotFoundError:
             return []
         rows = []
         for line in lines:
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                rows.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
                 break
         return rows
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
+from prometheus_client import Counter
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -53,6 +54,7 @@ class AuditWriter:
         self._lock = asyncio.Lock()
         self._seq, self._last_hash = spool.chain_state() or (0, GENESIS)
         self.counted = 0  # answers counted since start (rule 2 bookkeeping)
+        self._counters: dict[str, Counter] = {}  # labelled children, looked up once
         self.last_error: str | None = None
 
     # -- the answering path --------------------------------------------------------------------
@@ -69,7 +71,12 @@ class AuditWriter:
             entry[0] += n
             entry[2] = now_us
         self.counted += n
-        metrics.DECISIONS_COUNTED.labels(record.channel).inc(n)
+        counter = self._counters.get(record.channel)
+        if counter is None:
+            counter = self._counters[record.channel] = metrics.DECISIONS_COUNTED.labels(
+                record.channel
+            )
+        counter.inc(n)
 
     # -- beside it -----------------------------------------------------------------------------
 

@@ -3,18 +3,19 @@
 :class:`Responder.respond` is the whole answering path and never awaits: parse, rate limit,
 look the rendered answer up (or render it), patch in the ID, flags and question case, count it
 towards the audit. Rendered answers are reused per (name, type, EDNS shape, UDP limit, client
-network, GeoIP bucket) within one snapshot version, and for at most a second, because a decision
-may also change with time alone (a capacity report going stale).
+network, GeoIP bucket) within one snapshot version, and only until the next instant at which a
+decision can change with time alone: when one of the snapshot's capacity reports goes stale.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
@@ -33,7 +34,6 @@ from gtm.snapshot import Snapshot
 log = structlog.get_logger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
-CACHE_MAX_AGE_S = 1.0
 _CACHE_LIMIT = 200_000
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
 
@@ -43,9 +43,20 @@ class _Cached:
     template: bytes  # rendered with ID 0 and RD/CD clear
     flags: int
     record: AuditRecord
-    expires: float
     rcode_name: str
     truncated: bool
+
+
+def time_boundary(snapshot: Snapshot, now: float) -> float:
+    """The next instant after ``now`` at which a decision from ``snapshot`` can change without a
+    new snapshot: when a capacity report turns stale (DESIGN.md: stale reports are ignored)."""
+    stale_after = snapshot.topology.routing.spillover.stale_after_s
+    boundaries = [
+        c.reported_at + stale_after
+        for c in snapshot.capacity.values()
+        if c.reported_at + stale_after > now
+    ]
+    return min(boundaries, default=math.inf)
 
 
 def udp_limit(edns: Edns | None) -> int:
@@ -68,6 +79,8 @@ class Responder:
         self._clock = clock
         self._cache: dict[tuple[object, ...], _Cached] = {}
         self._cache_version = -1
+        self._cache_until = 0.0
+        self._services: Mapping[str, object] = {}
 
     def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
         """The response to one message, or None to send nothing. Never raises on input."""
@@ -87,12 +100,14 @@ class Responder:
 
         snapshot = self.runtime.store.current
         now = self._clock()
-        if snapshot.version != self._cache_version:
+        if snapshot.version != self._cache_version or now >= self._cache_until:
             self._cache = {}
             self._cache_version = snapshot.version
-        key = self._key(query, client, limit, snapshot)
+            self._cache_until = time_boundary(snapshot, now)
+            self._services = zone_data(snapshot.topology).services
+        key = self._key(query, client, limit, snapshot, self._services)
         cached = self._cache.get(key)
-        if cached is None or cached.expires <= now:
+        if cached is None:
             self.stats.cache_misses += 1
             result = answer(query, client, snapshot, now, limit)
             template = (
@@ -107,7 +122,6 @@ class Responder:
                 template,
                 int.from_bytes(template[2:4], "big"),
                 result.record,
-                now + CACHE_MAX_AGE_S,
                 result.record.response or rcode_name(result.rcode),
                 truncated,
             )
@@ -130,7 +144,11 @@ class Responder:
 
     @staticmethod
     def _key(
-        query: Query, client: IPAddress, limit: int | None, snapshot: Snapshot
+        query: Query,
+        client: IPAddress,
+        limit: int | None,
+        snapshot: Snapshot,
+        services: Mapping[str, object],
     ) -> tuple[object, ...]:
         edns = query.edns
         ecs = edns.ecs if edns is not None else None
@@ -144,7 +162,7 @@ class Responder:
             located = client
             bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
         geo: int | None = None
-        if query.qname_text in zone_data(snapshot.topology).services:
+        if query.qname_text in services:
             loc = snapshot.geo.locate(located)
             net = loc.network
             # A GeoIP network narrower than the client bucket splits it: key by the address.

@@ -114,6 +114,24 @@ def _build_zone(topology: Topology) -> ZoneData:
     )
 
 
+_RECORDS: dict[tuple[int, int, tuple[str, ...]], list[bytes]] = {}
+
+
+def address_records(qtype: Qtype, ttl: int, addresses: tuple[str, ...]) -> list[bytes]:
+    """A/AAAA records owned by the question name; memoised, as the same few answer sets
+    recur (parsing address text costs more than the rest of rendering)."""
+    key = (qtype, ttl, addresses)
+    records = _RECORDS.get(key)
+    if records is None:
+        if len(_RECORDS) > 10_000:
+            _RECORDS.clear()
+        packed = a_rdata if qtype == Qtype.A else aaaa_rdata
+        records = _RECORDS[key] = [
+            record(QUESTION_POINTER, qtype, ttl, packed(a)) for a in addresses
+        ]
+    return records
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     wire: bytes
@@ -126,11 +144,12 @@ def question_wire(query: Query) -> bytes:
     return query.qname + query.qtype.to_bytes(2, "big") + query.qclass.to_bytes(2, "big")
 
 
+_QTYPE_NAMES = {int(t): t.name for t in Qtype}
+
+
 def qtype_name(qtype: int) -> str:
-    try:
-        return Qtype(qtype).name
-    except ValueError:
-        return f"TYPE{qtype}"
+    name = _QTYPE_NAMES.get(qtype)
+    return name if name is not None else f"TYPE{qtype}"
 
 
 def answer(
@@ -217,12 +236,10 @@ def answer(
             qtype = Qtype.A if decision.ipv4 else Qtype.AAAA
         if qtype == Qtype.A:
             given = decision.ipv4
-            answers = [record(QUESTION_POINTER, Qtype.A, decision.ttl, a_rdata(a)) for a in given]
+            answers = address_records(Qtype.A, decision.ttl, given)
         elif qtype == Qtype.AAAA:
             given = decision.ipv6
-            answers = [
-                record(QUESTION_POINTER, Qtype.AAAA, decision.ttl, aaaa_rdata(a)) for a in given
-            ]
+            answers = address_records(Qtype.AAAA, decision.ttl, given)
         else:
             given, answers = (), []
         if not answers:

@@ -204,3 +204,24 @@ def test_what_dnspython_writes_we_read_the_same(
         assert q.edns.do == do
         if source is not None:
             assert q.edns.ecs is not None and q.edns.ecs.source == source
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.sampled_from([*VALID, wire_of(use_edns=1), wire_of("A.b.GTM.example.", "TXT")]),
+    st.lists(st.tuples(st.integers(0, 80), st.integers(0, 255)), max_size=3),
+    st.integers(0, 20),
+)
+def test_the_short_path_agrees_with_the_general_parser(
+    base: bytes, edits: list[tuple[int, int]], cut: int
+) -> None:
+    from gtm.geodns.wire import _parse_general
+
+    data = bytearray(base)
+    for pos, value in edits:
+        if pos < len(data):
+            data[pos] = value
+    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    general = _parse_general(packet)
+    assert parse_query(packet) == general
+    assert parse_query(packet) == general  # again, now with the memos primed

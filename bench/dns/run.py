@@ -1,0 +1,392 @@
+"""GTM's DNS responder against gdnsd, PowerDNS (geoip backend) and a bare Python ceiling.
+
+    python bench/dns/run.py [--seconds 8] [--subnets 5000] [--json FILE]
+
+Every server runs on the demo topology's six regions with the bundled GeoLite2-City database,
+pinned to CPU 0, one worker/thread; dnsperf runs pinned to CPU 1. Two query sets, the same for
+every server: ``plain`` (chat.gtm.example A from the loopback resolver) and ``ecs`` (the same
+name with an EDNS Client Subnet option from thousands of distinct real /24 networks, sent by
+dnsperf as pre-built wire messages). For each server and set: the maximum rate (closed loop),
+then latency percentiles at 80% of that rate (open loop, every reply timed).
+
+GTM runs the full path: parse, decide (residency, health, capacity), render or reuse, and count
+into the SQLite audit store. The bare ceiling answers one pre-rendered packet with the ID
+patched. gdnsd and PowerDNS are configured from the same regions (gdnsd: nearest datacenter by
+coordinates, like GTM; PowerDNS geoip: by continent, its nearest equivalent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+from pathlib import Path
+
+import dns.edns
+import dns.message
+import dns.query
+import maxminddb
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gtm.geoip import default_database_path  # noqa: E402
+from gtm.topology import load_topology  # noqa: E402
+
+SERVER_CPU, CLIENT_CPU = "0", "1"
+TIMEOUT_S = 2.0
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as t:
+            t.bind(("127.0.0.1", 0))
+            port = int(t.getsockname()[1])
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                try:
+                    u.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+
+
+def pinned(cpu: str, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", cpu, *argv] if shutil.which("taskset") else argv
+
+
+# -- query sets ---------------------------------------------------------------------------------
+
+
+def ecs_networks(geoip: Path, count: int, seed: int = 11) -> list[str]:
+    """Distinct /24s that the GeoIP database places somewhere."""
+    rng = random.Random(seed)
+    reader = maxminddb.open_database(str(geoip))
+    found: dict[int, str] = {}
+    while len(found) < count:
+        value = rng.getrandbits(24) << 8
+        if (value >> 24) in (0, 10, 127) or value >> 24 >= 224:
+            continue
+        record = reader.get(IPv4Address(value))
+        if isinstance(record, dict) and record.get("location"):
+            found[value] = str(IPv4Address(value))
+    reader.close()
+    return list(found.values())
+
+
+def write_sets(directory: Path, geoip: Path, subnets: int) -> dict[str, tuple[Path, bool]]:
+    plain = directory / "plain.txt"
+    plain.write_text("chat.gtm.example A\n")
+    binary = directory / "ecs.bin"
+    with binary.open("wb") as f:
+        for net in ecs_networks(geoip, subnets):
+            wire = dns.message.make_query(
+                "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.ECSOption(net, 24)]
+            ).to_wire()
+            f.write(struct.pack("!H", len(wire)) + wire)
+    return {"plain": (plain, False), "ecs": (binary, True)}
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] | None = None
+    note: str = ""
+
+
+def gtm_server(work: Path, geoip: Path) -> Server:
+    port = free_port()
+    env = os.environ | {
+        "GTM_GEOIP_PATH": str(geoip),
+        "GTM_DATABASE_URL": f"sqlite:///{work / 'bench.sqlite3'}",
+        "GTM_SPOOL_DIR": str(work / "spool"),
+        "GTM_LOG_LEVEL": "warning",
+        "GTM_CONFIG": str(ROOT / "examples/demo.yaml"),
+        "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
+    }
+    return Server(
+        "gtm",
+        [sys.executable, "-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"],
+        port,
+        env,
+        "full decisions + audit counting",
+    )
+
+
+def bare_server() -> Server:
+    port = free_port()
+    return Server(
+        "bare-python",
+        [sys.executable, str(Path(__file__).with_name("bare.py")), str(port)],
+        port,
+        note="fixed answer, ID patched (ceiling)",
+    )
+
+
+def gdnsd_server(work: Path, geoip: Path) -> Server | None:
+    binary = shutil.which("gdnsd")
+    if binary is None:
+        return None
+    port = free_port()
+    topo = load_topology(ROOT / "examples/demo.yaml")
+    base = work / "gdnsd"
+    for sub in ("zones", "run", "state"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    dcs = ", ".join(r.id for r in topo.regions)
+    coords = ", ".join(f"{r.id} => [{r.lat}, {r.lon}]" for r in topo.regions)
+    dcmap = ", ".join(f"{r.id} => {r.ipv4[0]}" for r in topo.regions)
+    (base / "config").write_text(f"""
+options => {{ listen => [ 127.0.0.1:{port} ], run_dir => {base / "run"},
+  state_dir => {base / "state"}, udp_threads => 1, tcp_threads => 1 }}
+plugins => {{ geoip => {{
+  maps => {{ demo => {{ geoip2_db => {geoip}, datacenters => [{dcs}],
+                       auto_dc_coords => {{ {coords} }} }} }}
+  resources => {{ chat => {{ map => demo, dcmap => {{ {dcmap} }} }} }}
+}} }}
+""")
+    (base / "zones" / "gtm.example").write_text(
+        "@ 60 SOA ns1 hostmaster 2026112201 3600 600 1209600 60\n@ 3600 NS ns1\n"
+        "@ 3600 NS ns2\nns1 3600 A 192.0.2.53\nns2 3600 A 192.0.2.54\n"
+        "chat 30 DYNA geoip!chat\n"
+    )
+    return Server(
+        "gdnsd",
+        [binary, "-c", str(base), "start"],
+        port,
+        note="geoip plugin, nearest by coordinates",
+    )
+
+
+def pdns_server(work: Path, geoip: Path) -> Server | None:
+    binary = shutil.which("pdns_server")
+    if binary is None:
+        return None
+    port = free_port()
+    base = work / "pdns"
+    base.mkdir(exist_ok=True)
+    (base / "zones.yaml").write_text("""domains:
+- domain: gtm.example
+  ttl: 30
+  records:
+    gtm.example:
+      - soa: ns1.gtm.example hostmaster.gtm.example 2026112201 3600 600 1209600 60
+      - ns: ns1.gtm.example
+    ns1.gtm.example: [{a: 192.0.2.53}]
+    na.chat.gtm.example: [{a: 192.0.2.10}]
+    sa.chat.gtm.example: [{a: 192.0.2.10}]
+    eu.chat.gtm.example: [{a: 192.0.2.40}]
+    af.chat.gtm.example: [{a: 192.0.2.40}]
+    as.chat.gtm.example: [{a: 192.0.2.50}]
+    oc.chat.gtm.example: [{a: 192.0.2.60}]
+    default.chat.gtm.example: [{a: 192.0.2.10}]
+  services:
+    chat.gtm.example: ['%cn.chat.gtm.example', 'default.chat.gtm.example']
+""")
+    (base / "pdns.conf").write_text(f"""launch=geoip
+geoip-database-files=mmdb:{geoip}
+geoip-zones-file={base / "zones.yaml"}
+edns-subnet-processing=yes
+local-address=127.0.0.1
+local-port={port}
+socket-dir={base}
+daemon=no
+guardian=no
+setuid=
+setgid=
+receiver-threads=1
+distributor-threads=1
+disable-syslog=yes
+loglevel=3
+""")
+    return Server(
+        "powerdns-geoip",
+        [binary, f"--config-dir={base}"],
+        port,
+        note="geoip backend by continent, packet cache on (default)",
+    )
+
+
+@contextlib.contextmanager
+def running(server: Server) -> Iterator[None]:
+    proc = subprocess.Popen(
+        pinned(SERVER_CPU, server.argv),
+        env=server.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        query = dns.message.make_query("chat.gtm.example.", "A")
+        while True:
+            try:
+                dns.query.udp(query, "127.0.0.1", port=server.port, timeout=0.5)
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{server.name} did not start") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def dnsperf(port: int, data: Path, binary: bool, seconds: float, rate: int | None = None) -> str:
+    argv = [
+        "dnsperf",
+        "-s",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-d",
+        str(data),
+        "-l",
+        str(seconds),
+        "-T",
+        "1",
+        "-c",
+        "16",
+        "-q",
+        "200",
+        "-t",
+        str(TIMEOUT_S),
+    ]
+    if binary:
+        argv.append("-B")
+    if rate is not None:
+        argv += ["-Q", str(rate), "-v"]
+    return subprocess.run(
+        pinned(CLIENT_CPU, argv), capture_output=True, text=True, timeout=seconds + 30
+    ).stdout
+
+
+def field(output: str, label: str) -> float:
+    for line in output.splitlines():
+        if label in line:
+            return float(line.split(":", 1)[1].split()[0])
+    raise RuntimeError(f"dnsperf printed no {label!r}:\n{output[-2000:]}")
+
+
+def percentiles(output: str) -> tuple[float, float, float]:
+    samples = []
+    for line in output.splitlines():
+        if line.startswith("> "):
+            last = line.split()[-1]
+            # "> T name type": timed out. Counted as the timeout, so losses show in the tail.
+            samples.append(float(last) if last[0].isdigit() else TIMEOUT_S)
+    samples.sort()
+    if not samples:
+        raise RuntimeError("no per-query latencies in dnsperf -v output")
+    n = len(samples)
+    return (
+        samples[n // 2] * 1e3,
+        samples[min(n - 1, int(n * 0.99))] * 1e3,
+        statistics.fmean(samples) * 1e3,
+    )
+
+
+def measure(
+    server: Server, sets: dict[str, tuple[Path, bool]], seconds: float
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    with running(server):
+        for name, (data, binary) in sets.items():
+            dnsperf(server.port, data, binary, 2)  # warm: caches, GeoIP pages
+            peak = dnsperf(server.port, data, binary, seconds)
+            qps = field(peak, "Queries per second")
+            lost = field(peak, "Queries lost")
+            paced = dnsperf(server.port, data, binary, min(seconds, 4), rate=int(qps * 0.8))
+            p50, p99, mean = percentiles(paced)
+            out[name] = {
+                "qps": qps,
+                "lost": lost,
+                "p50_ms_at_80": p50,
+                "p99_ms_at_80": p99,
+                "mean_ms_at_80": mean,
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--subnets", type=int, default=5000)
+    parser.add_argument("--only", nargs="*", help="server names to run")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if shutil.which("dnsperf") is None:
+        sys.exit("dnsperf is not installed (Debian: apt-get install dnsperf)")
+    geoip = default_database_path()
+    with tempfile.TemporaryDirectory(prefix="gtm-dns-bench-") as tmp:
+        work = Path(tmp)
+        sets = write_sets(work, geoip, args.subnets)
+        servers = [
+            gtm_server(work, geoip),
+            bare_server(),
+            gdnsd_server(work, geoip),
+            pdns_server(work, geoip),
+        ]
+        missing = [n for n, s in zip(("gdnsd", "powerdns"), servers[2:], strict=True) if s is None]
+        if missing:
+            print(
+                f"not installed, skipped: {', '.join(missing)} "
+                "(Debian: gdnsd, pdns-server pdns-backend-geoip)"
+            )
+        results: dict[str, dict[str, dict[str, float]]] = {}
+        for server in servers:
+            if server is None or (args.only and server.name not in args.only):
+                continue
+            results[server.name] = measure(server, sets, args.seconds)
+            print(f"measured {server.name}", file=sys.stderr)
+        notes = {s.name: s.note for s in servers if s is not None}
+    print(
+        f"\nDNS, one server core (CPU {SERVER_CPU}), dnsperf on CPU {CLIENT_CPU}; "
+        f"{args.subnets} ECS /24 subnets; {args.seconds:.0f} s per peak run"
+    )
+    print(
+        f"{'server':<16} {'set':<6} {'qps':>9} {'lost':>6} {'p50 ms@80%':>11} "
+        f"{'p99 ms@80%':>11}  {'vs bare':>8} {'vs pdns':>8}  note"
+    )
+    for name, by_set in results.items():
+        for set_name, r in by_set.items():
+            bare = results.get("bare-python", {}).get(set_name, {}).get("qps")
+            pdns = results.get("powerdns-geoip", {}).get(set_name, {}).get("qps")
+            vs_bare = f"{r['qps'] / bare:.2f}x" if bare else "-"
+            vs_pdns = f"{r['qps'] / pdns:.2f}x" if pdns else "-"
+            print(
+                f"{name:<16} {set_name:<6} {r['qps']:>9,.0f} {r['lost']:>6.0f} "
+                f"{r['p50_ms_at_80']:>11.3f} {r['p99_ms_at_80']:>11.3f}  {vs_bare:>8} "
+                f"{vs_pdns:>8}  {notes[name]}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
