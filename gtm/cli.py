@@ -10,10 +10,9 @@ import asyncio
 import contextlib
 import csv
 import json
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import datetime
 from ipaddress import ip_address, ip_network
@@ -29,7 +28,7 @@ from gtm.audit.database import make_async_engine
 from gtm.errors import ConfigError, GeoIPError, GTMError
 from gtm.geodns.server import parse_listen
 from gtm.logs import configure as configure_logs
-from gtm.node import run_node
+from gtm.node import serve_forever, serve_workers
 from gtm.policy import json_schema, load_policy
 from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import build_snapshot
@@ -102,6 +101,9 @@ def serve(
     http: Annotated[str | None, typer.Option("--http", help="HTTP front HOST:PORT")] = None,
     admin: Annotated[str | None, typer.Option("--admin", help="admin API HOST:PORT")] = None,
     metrics: Annotated[str | None, typer.Option("--metrics", help="metrics HOST:PORT")] = None,
+    dns_workers: Annotated[
+        int | None, typer.Option("--dns-workers", help="DNS worker processes (SO_REUSEPORT)")
+    ] = None,
     node_id: Annotated[str | None, typer.Option("--node-id")] = None,
 ) -> None:
     """Run a GTM node: snapshot, GeoIP reload and audit writer, plus the listeners asked for."""
@@ -114,6 +116,7 @@ def serve(
         http_listen=http,
         admin_listen=admin,
         metrics_listen=metrics,
+        dns_workers=dns_workers,
         node_id=node_id,
     )
     missing = [
@@ -132,31 +135,19 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await run_node(settings, stop)
-
+    if settings.dns_workers > 1 and any(parse_listen(x)[1] == 0 for x in settings.dns_listen):
+        typer.echo("error: --dns-workers needs fixed ports (port 0 differs per worker)", err=True)
+        raise typer.Exit(2)
     try:
-        run_loop(main())
+        if settings.dns_workers > 1:
+            serve_workers(settings)
+        else:
+            serve_forever(settings)
     except GTMError as exc:
         raise _fail(exc) from exc
     except OSError as exc:  # a listen address that cannot be bound
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-
-
-def run_loop(coro: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop when it is installed (it is, with uvicorn[standard]): the DNS path is
-    mostly event-loop overhead, which uvloop roughly halves."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 # -- explain -----------------------------------------------------------------------------------

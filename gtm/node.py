@@ -8,13 +8,20 @@ they counted (DESIGN.md rule 2).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from prometheus_client import start_http_server
 
+from gtm import migrate
 from gtm.geodns.server import DnsServer, make_server, parse_listen
 from gtm.geodns.stats import DnsStats, register, unregister
+from gtm.logs import configure as configure_logs
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 
@@ -29,7 +36,11 @@ class Node:
 
 
 async def run_node(
-    settings: Settings, stop: asyncio.Event, ready: asyncio.Future[Node] | None = None
+    settings: Settings,
+    stop: asyncio.Event,
+    ready: asyncio.Future[Node] | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> None:
     runtime = Runtime(settings)
     await runtime.start()
@@ -37,7 +48,7 @@ async def run_node(
     collector = register(node.dns_stats)
     try:
         if settings.dns_listen:
-            node.dns = make_server(runtime, node.dns_stats)
+            node.dns = make_server(runtime, node.dns_stats, reuse_port=reuse_port)
             await node.dns.start()
         if settings.metrics_listen:
             host, port = parse_listen(settings.metrics_listen)
@@ -51,3 +62,72 @@ async def run_node(
             await node.dns.stop()
         unregister(collector)
         await runtime.stop()
+
+
+def worker_settings(settings: Settings, index: int) -> Settings:
+    """A worker's own identity: its audit chain and spool are separate from its siblings'."""
+    return settings.model_copy(
+        update={
+            "node_id": f"{settings.node_id}/w{index}"[:64],
+            "spool_dir": settings.spool_dir / f"w{index}",
+            # Only the first worker serves metrics on the shared port; each exports its own
+            # counters through the default registry of its process.
+            "metrics_listen": settings.metrics_listen if index == 0 else None,
+            "migrate_on_start": settings.migrate_on_start and index == 0,
+        }
+    )
+
+
+def run_loop(coro: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed (it is, with uvicorn[standard]): the DNS path is
+    mostly event-loop overhead, which uvloop roughly halves."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def serve_forever(settings: Settings, *, reuse_port: bool = False) -> None:
+    """Run one node (or worker) until SIGINT/SIGTERM."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_node(settings, stop, reuse_port=reuse_port)
+
+    run_loop(main())
+
+
+def _worker(settings: Settings, index: int) -> None:
+    configure_logs(settings.log_format, settings.log_level)
+    serve_forever(worker_settings(settings, index), reuse_port=True)
+
+
+def serve_workers(settings: Settings) -> None:
+    """``settings.dns_workers`` processes on the same DNS ports (SO_REUSEPORT): the kernel
+    spreads clients over them by address and port. This process is worker 0; the schema is
+    migrated once, here, before any worker starts."""
+    if settings.migrate_on_start:
+        migrate.upgrade(settings.database_url)
+    settings = settings.model_copy(update={"migrate_on_start": False})
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(target=_worker, args=(settings, i), name=f"gtm-dns-w{i}")
+        for i in range(1, settings.dns_workers)
+    ]
+    for child in children:
+        child.start()
+    try:
+        serve_forever(worker_settings(settings, 0), reuse_port=True)
+    finally:
+        for child in children:
+            if child.is_alive():
+                os.kill(child.pid or 0, signal.SIGTERM)
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,60 @@ def test_dig_and_kdig_answers(server: int) -> None:
     assert "192.0.2.60" in ecs and "192.0.2.0/25/25" in ecs.replace(" ", "")
     tcp = ask("kdig", server, "chat.gtm.example", "AAAA", "+tcp", "+subnet=203.0.113.0/24")
     assert "2001:db8:10::1" in tcp
+
+
+def test_worker_processes_share_the_port(tmp_path: Path) -> None:
+    import sqlite3
+
+    import dns.message
+    import dns.query
+
+    port = free_port()
+    db = tmp_path / "w.sqlite3"
+    env = os.environ | {
+        "GTM_CONFIG": str(DEMO),
+        "GTM_POLICIES": f'["{POLICIES}"]',
+        "GTM_GEOIP_PATH": str(build_city_db(tmp_path / "city.mmdb")),
+        "GTM_DATABASE_URL": f"sqlite:///{db}",
+        "GTM_SPOOL_DIR": str(tmp_path / "spool"),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gtm",
+            "serve",
+            "--dns",
+            f"127.0.0.1:{port}",
+            "--dns-workers",
+            "2",
+            "--node-id",
+            "pair",
+        ],
+        env=env,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        ready = 0
+        deadline = time.monotonic() + 60
+        while ready < 2 and time.monotonic() < deadline:
+            ready += "gtm.ready" in proc.stderr.readline()
+        assert ready == 2
+        answered = 0
+        for _ in range(200):  # a new source port each time: the kernel spreads them
+            reply = dns.query.udp(
+                dns.message.make_query("chat.gtm.example.", "A"), "127.0.0.1", port=port, timeout=2
+            )
+            answered += bool(reply.answer)
+        assert answered == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        proc.stderr.close()
+    with sqlite3.connect(db) as conn:
+        by_node = dict(conn.execute("SELECT node, SUM(count) FROM decisions GROUP BY node"))
+    assert set(by_node) == {"pair/w0", "pair/w1"}  # both answered, each its own chain
+    assert sum(by_node.values()) == 200
