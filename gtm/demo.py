@@ -1,21 +1,33 @@
-"""``make demo``: the decision core on the demo topology, with the bundled GeoLite2 database.
+"""``make demo``: the demo topology on the embedded defaults (SQLite, bundled GeoLite2).
 
-It decides for a handful of well-known client addresses, shows failover, fail-closed residency
-and capacity spillover, counts every decision into the embedded SQLite audit store, and reads the
-store back with its hash chain verified. Listeners and the regional tier join it as they land.
+First a walk through the decision core: well-known client addresses, failover, fail-closed
+residency and capacity spillover, every decision counted into the audit store and its hash
+chain verified. Then a live node: the authoritative DNS responder on an unprivileged port,
+asked a few questions as resolvers would ask them, and left serving until Ctrl-C (``--once``
+stops after the examples).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import sys
 import time
 from ipaddress import ip_address, ip_network
 from pathlib import Path
+
+import dns.asyncquery
+import dns.edns
+import dns.message
+import dns.rcode
 
 from gtm.audit import query
 from gtm.audit.record import record_of
 from gtm.cli import render_decision
 from gtm.logs import configure
+from gtm.node import Node, run_node
 from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import Runtime
 from gtm.settings import Settings
@@ -59,9 +71,9 @@ def ask(snapshot: Snapshot, client: str, name: str, now: float, ecs: str | None 
     return decide(req, snapshot, now)
 
 
-async def main() -> None:
+async def main(once: bool) -> None:
     configure("console", "warning")
-    var = Path("var")
+    var = Path(os.environ.get("GTM_DEMO_VAR", "var"))  # where the demo keeps its state
     settings = Settings(
         database_url=f"sqlite:///{var / 'demo.sqlite3'}",
         spool_dir=var / "demo-spool",
@@ -138,11 +150,62 @@ async def main() -> None:
         f"  {runtime.writer.counted} decisions counted this run; {total_counted} in the store "
         f"over all runs; {checked} rows, hash chain {'intact' if not breaks else 'BROKEN'}"
     )
+    await live(settings, once)
+
+
+def free_port(preferred: int) -> int:
+    for port in (preferred, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
+            try:
+                udp.bind(("127.0.0.1", port))
+                tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+            except OSError:
+                continue
+            return int(udp.getsockname()[1])
+    raise OSError("no free port for the demo DNS listener")
+
+
+async def live(settings: Settings, once: bool) -> None:
+    port = free_port(5353)
+    live_settings = settings.model_copy(update={"dns_listen": (f"127.0.0.1:{port}",)})
+    stop = asyncio.Event()
+    ready: asyncio.Future[Node] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(run_node(live_settings, stop, ready))
+    await ready
+    heading(f"Live: authoritative DNS on 127.0.0.1:{port} (UDP and TCP)")
+    print(f"{'question':<32} {'client subnet (ECS)':<22} {'answer':<18} ECS scope")
+    for name, rdtype, subnet in (
+        ("chat.gtm.example.", "A", "85.214.0.0/24"),
+        ("chat.gtm.example.", "A", "49.36.0.0/24"),
+        ("chat.gtm.example.", "AAAA", "8.8.8.0/24"),
+        ("chat.eu.gtm.example.", "A", "8.8.8.0/24"),
+        ("chat.eu.gtm.example.", "A", "133.11.0.0/24"),
+        ("gtm.example.", "SOA", "85.214.0.0/24"),
+        ("nope.gtm.example.", "A", "85.214.0.0/24"),
+    ):
+        address, prefix = subnet.split("/")
+        query = dns.message.make_query(
+            name, rdtype, use_edns=0, options=[dns.edns.ECSOption(address, int(prefix))]
+        )
+        reply = await dns.asyncquery.udp(query, "127.0.0.1", port=port, timeout=3)
+        shown = [item.to_text().split()[0] for rrset in reply.answer for item in rrset]
+        scope = next((o.scopelen for o in reply.options if isinstance(o, dns.edns.ECSOption)), "-")
+        answer = ",".join(shown) or dns.rcode.to_text(reply.rcode())
+        print(f"{name + ' ' + rdtype:<32} {subnet:<22} {answer:<18} /{scope}")
     print(
-        "\nNext: `.venv/bin/gtm explain --help`, `.venv/bin/gtm audit tail "
-        f"--database-url {settings.database_url}`"
+        f"\nTry: dig @127.0.0.1 -p {port} chat.eu.gtm.example A +subnet=203.0.113.0/24\n"
+        f"     .venv/bin/gtm explain --client 8.8.8.8 --name chat.eu.gtm.example\n"
+        f"     .venv/bin/gtm audit tail --database-url {settings.database_url}"
     )
+    if not once:
+        print("Serving until Ctrl-C.")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    else:
+        stop.set()
+    await task
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(once="--once" in sys.argv[1:]))

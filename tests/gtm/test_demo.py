@@ -1,0 +1,27 @@
+"""`make demo` runs to the end: the walkthrough, then the live DNS node's example answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def test_demo_once(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gtm.demo", "--once"],
+        cwd=ROOT,
+        env=os.environ | {"GTM_DEMO_VAR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "fail_closed" in text and "hash chain intact" in text
+    assert "chat.eu.gtm.example. A              8.8.8.0/24             192.0.2.30" in text
+    assert "NXDOMAIN" in text
+    assert (tmp_path / "demo.sqlite3").exists()
