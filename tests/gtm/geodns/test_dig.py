@@ -44,10 +44,14 @@ def free_port() -> int:
                 return port
 
 
+METRICS_PORT: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp = tmp_path_factory.mktemp("serve")
     port = free_port()
+    METRICS_PORT.append(free_port())
     env = os.environ | {
         "GTM_CONFIG": str(DEMO),
         "GTM_POLICIES": f'["{POLICIES}"]',
@@ -56,7 +60,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         "GTM_SPOOL_DIR": str(tmp / "spool"),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"],
+        [
+            sys.executable,
+            "-m",
+            "gtm",
+            "serve",
+            "--dns",
+            f"127.0.0.1:{port}",
+            "--metrics",
+            f"127.0.0.1:{METRICS_PORT[-1]}",
+        ],
         env=env,
         cwd=ROOT,
         stderr=subprocess.PIPE,
@@ -204,3 +217,19 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
         by_node = dict(conn.execute("SELECT node, SUM(count) FROM decisions GROUP BY node"))
     assert set(by_node) == {"pair/w0", "pair/w1"}  # both answered, each its own chain
     assert sum(by_node.values()) == 200
+
+
+def test_metrics_count_what_was_answered(server: int) -> None:
+    import httpx
+
+    ask("dig", server, "chat.gtm.example", "A", "+tcp")
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT[-1]}/metrics", timeout=5).text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['gtm_dns_responses_total{qtype="A",rcode="NOERROR",transport="tcp"}'] >= 1
+    assert samples['gtm_dns_responses_total{qtype="-",rcode="NOTIMP",transport="udp"}'] >= 1
+    assert samples["gtm_dns_cache_misses_total"] >= 1
+    assert samples['gtm_audit_decisions_counted_total{channel="dns"}'] >= 5
