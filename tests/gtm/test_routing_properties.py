@@ -10,11 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gtm.decision import Decision
 from gtm.geoip import GeoDatabase
-from gtm.policy import PolicyDocument, compile_policy
+from gtm.policy import PolicyDocument, Verdict, compile_policy
 from gtm.routing import Channel, DecisionRequest, Outcome, decide
 from gtm.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
-from gtm.topology import parse_topology
+from gtm.topology import Service, parse_topology
 
 NOW = 10_000.0
 JURISDICTIONS = ["A", "B", "C"]
@@ -184,6 +185,21 @@ def healthy(snap: Snapshot, region_id: str) -> bool:
     return not (cap and not cap.can_take_work and NOW - cap.reported_at <= 10)
 
 
+def expected(
+    snap: Snapshot, req: DecisionRequest, d: Decision
+) -> tuple[Service, set[str], Verdict, set[str]]:
+    """What the policy says independently of decide(): the classes, the verdict and the
+    regions the answer must stay within."""
+    svc = snap.topology.service("svc")
+    assert svc is not None
+    classes = set(req.residency_classes) | ({svc.residency_class} - {None})
+    verdict = snap.policy.evaluate(
+        frozenset(classes), req.tenant, d.location.country, d.location.continent
+    )
+    allowed = set(svc.regions) if verdict.allowed is None else set(svc.regions) & verdict.allowed
+    return svc, classes, verdict, allowed
+
+
 SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -194,13 +210,7 @@ SETTINGS = settings(
 def test_answers_never_leave_the_allowed_set(world: dict[str, Any], geo: GeoDatabase) -> None:
     snap, req = build(world, geo)
     d = decide(req, snap, NOW)
-    svc = snap.topology.service("svc")
-    assert svc is not None
-    classes = set(req.residency_classes) | ({svc.residency_class} - {None})
-    verdict = snap.policy.evaluate(
-        frozenset(classes), req.tenant, d.location.country, d.location.continent
-    )
-    allowed = set(svc.regions) if verdict.allowed is None else set(svc.regions) & verdict.allowed
+    svc, _classes, _verdict, allowed = expected(snap, req, d)
     assert set(d.regions) <= allowed
     if d.region is not None:
         assert d.region in allowed
@@ -218,13 +228,7 @@ def test_restricted_traffic_fails_closed_when_no_allowed_region_is_up(
 ) -> None:
     snap, req = build(world, geo)
     d = decide(req, snap, NOW)
-    svc = snap.topology.service("svc")
-    assert svc is not None
-    classes = set(req.residency_classes) | ({svc.residency_class} - {None})
-    verdict = snap.policy.evaluate(
-        frozenset(classes), req.tenant, d.location.country, d.location.continent
-    )
-    allowed = set(svc.regions) if verdict.allowed is None else set(svc.regions) & verdict.allowed
+    _svc, classes, verdict, allowed = expected(snap, req, d)
     any_up = any(healthy(snap, r) for r in allowed)
     if d.outcome is Outcome.ANSWER:
         assert d.region is not None

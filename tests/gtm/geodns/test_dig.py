@@ -47,18 +47,23 @@ def free_port() -> int:
 METRICS_PORT: list[int] = []
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    METRICS_PORT.append(free_port())
-    env = os.environ | {
+def serve_env(tmp: Path) -> dict[str, str]:
+    """The environment of a ``gtm serve`` on the demo topology with files under ``tmp``."""
+    return os.environ | {
         "GTM_CONFIG": str(DEMO),
         "GTM_POLICIES": f'["{POLICIES}"]',
         "GTM_GEOIP_PATH": str(build_city_db(tmp / "city.mmdb")),
         "GTM_DATABASE_URL": f"sqlite:///{tmp / 'g.sqlite3'}",
         "GTM_SPOOL_DIR": str(tmp / "spool"),
     }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    METRICS_PORT.append(free_port())
+    env = serve_env(tmp)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -169,14 +174,8 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
     import dns.query
 
     port = free_port()
-    db = tmp_path / "w.sqlite3"
-    env = os.environ | {
-        "GTM_CONFIG": str(DEMO),
-        "GTM_POLICIES": f'["{POLICIES}"]',
-        "GTM_GEOIP_PATH": str(build_city_db(tmp_path / "city.mmdb")),
-        "GTM_DATABASE_URL": f"sqlite:///{db}",
-        "GTM_SPOOL_DIR": str(tmp_path / "spool"),
-    }
+    db = tmp_path / "g.sqlite3"
+    env = serve_env(tmp_path)
     proc = subprocess.Popen(
         [
             sys.executable,
