@@ -79,6 +79,7 @@ async def main(once: bool) -> None:
         spool_dir=var / "demo-spool",
         node_id="demo-node",
         audit_flush_interval_s=0.2,
+        probes=False,  # the walkthrough sets health and capacity itself
     )
     runtime = Runtime(settings)
     await runtime.start()

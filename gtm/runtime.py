@@ -20,12 +20,16 @@ from gtm.audit.database import make_async_engine
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
+from gtm.capacity import CapacityIntake
 from gtm.errors import ConfigError, GeoIPError
 from gtm.geoip import GeoDatabase, GeoIPSource, default_database_path
+from gtm.health import TargetHealth, Thresholds
 from gtm.policy import PolicySet, load_policy
+from gtm.probing import Prober
 from gtm.settings import Settings
-from gtm.snapshot import Snapshot, SnapshotStore
+from gtm.snapshot import RegionHealth, Snapshot, SnapshotStore, next_capacity
 from gtm.topology import Topology, load_topology
+from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +72,26 @@ class Runtime:
             max_pending=settings.audit_max_pending,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        topology = docs.topology
+        secret = (
+            settings.report_secret.get_secret_value().encode() if settings.report_secret else None
+        )
+        self.intake = CapacityIntake(
+            secret, {r.id for r in topology.regions}, topology.routing.spillover.stale_after_s
+        )
+        targets = {r.id: str(r.probe_url) for r in topology.regions if r.probe_url}
+        self.prober: Prober | None = None
+        if settings.probes and targets:
+            self.prober = Prober(
+                targets,
+                self.intake,
+                interval_s=settings.probe_interval_s,
+                timeout_s=settings.probe_timeout_s,
+                jitter=settings.probe_jitter,
+                thresholds=Thresholds(settings.health_rise, settings.health_fall),
+                on_health=self._health_changed,
+                on_report=self.apply_report,
+            )
         metrics.SNAPSHOT_VERSION.set(1)
 
     async def start(self) -> None:
@@ -75,6 +99,8 @@ class Runtime:
             await asyncio.to_thread(migrate.upgrade, self.settings.database_url)
         await self.writer.start()
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
+        if self.prober is not None:
+            await self.prober.start()
         log.info(
             "gtm.started",
             node=self.settings.node_id,
@@ -84,6 +110,8 @@ class Runtime:
         )
 
     async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -100,6 +128,25 @@ class Runtime:
         snapshot = self.store.swap(self.store.current.evolve(time.time(), **changes))
         metrics.SNAPSHOT_VERSION.set(snapshot.version)
         return snapshot
+
+    def apply_report(self, report: CapacityReport) -> Snapshot:
+        """Fold an accepted capacity report into a new snapshot."""
+        current = self.store.current
+        spill = current.topology.routing.spillover
+        capacity = dict(current.capacity)
+        capacity[report.region] = next_capacity(
+            capacity.get(report.region),
+            report.utilisation,
+            report.ts,
+            report.can_take_work and not report.draining,
+            spill,
+        )
+        return self.swap(capacity=capacity)
+
+    def _health_changed(self, region: str, before: TargetHealth, after: TargetHealth) -> None:
+        health = dict(self.store.current.health)
+        health[region] = RegionHealth(after.state, after.since, after.detail)
+        self.swap(health=health)
 
     async def reload_geoip(self) -> bool:
         """Check the GeoIP file once; swap a new snapshot if it changed and opened cleanly."""

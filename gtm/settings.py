@@ -11,7 +11,7 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gtm.documents import problems_from_validation
@@ -52,6 +52,16 @@ class Settings(BaseSettings):
     audit_max_pending: int = Field(default=10_000, gt=0)
     # HTTP front: peers whose Forwarded / X-Forwarded-For headers are believed.
     trusted_proxies: tuple[IPv4Network | IPv6Network, ...] = ()
+    # Region probing (each region's probe_url) and capacity reports.
+    probes: bool = True
+    probe_interval_s: float = Field(default=1.0, gt=0)
+    probe_timeout_s: float = Field(default=0.8, gt=0)
+    probe_jitter: float = Field(default=0.1, ge=0, lt=1)
+    health_rise: int = Field(default=2, ge=1)
+    health_fall: int = Field(default=3, ge=1)
+    # Shared secret the regional balancers sign capacity reports with; unset accepts unsigned
+    # reports, which only a closed test network should do.
+    report_secret: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -119,6 +119,7 @@ def gtm_server(work: Path, geoip: Path) -> Server:
         "GTM_DATABASE_URL": f"sqlite:///{work / 'bench.sqlite3'}",
         "GTM_SPOOL_DIR": str(work / "spool"),
         "GTM_LOG_LEVEL": "warning",
+        "GTM_PROBES": "false",  # no balancers in this benchmark: regions stay as configured
         "GTM_CONFIG": str(ROOT / "examples/demo.yaml"),
         "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
     }

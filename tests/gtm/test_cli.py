@@ -28,6 +28,7 @@ def env(tmp_path: Path) -> dict[str, str]:
         "GTM_DATABASE_URL": f"sqlite:///{tmp_path / 'g.sqlite3'}",
         "GTM_SPOOL_DIR": str(tmp_path / "spool"),
         "GTM_NODE_ID": "cli-node",
+        "GTM_PROBES": "false",
     }
 
 

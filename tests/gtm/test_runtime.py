@@ -22,6 +22,7 @@ def settings_for(tmp_path: Path, geoip: Path) -> Settings:
         spool_dir=tmp_path / "spool",
         node_id="test-node",
         audit_flush_interval_s=0.05,
+        probes=False,
     )
 
 

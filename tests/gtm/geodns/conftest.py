@@ -33,6 +33,7 @@ async def start_node(tmp_path: Path, geoip_path: Path) -> AsyncIterator[StartNod
                 "spool_dir": tmp_path / f"spool{len(running)}",
                 "node_id": "dns-test",
                 "dns_listen": ("127.0.0.1:0", "[::1]:0"),
+                "probes": False,  # no regional balancers run in these tests
                 "audit_flush_interval_s": 0.2,
                 **overrides,
             }

@@ -55,6 +55,7 @@ def serve_env(tmp: Path) -> dict[str, str]:
         "GTM_GEOIP_PATH": str(build_city_db(tmp / "city.mmdb")),
         "GTM_DATABASE_URL": f"sqlite:///{tmp / 'g.sqlite3'}",
         "GTM_SPOOL_DIR": str(tmp / "spool"),
+        "GTM_PROBES": "false",
     }
 
 
