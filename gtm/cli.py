@@ -119,17 +119,14 @@ def serve(
         dns_workers=dns_workers,
         node_id=node_id,
     )
-    missing = [
-        flag
-        for flag, value in (("--http", settings.http_listen), ("--admin", settings.admin_listen))
-        if value
-    ]
+    missing = ["--admin"] if settings.admin_listen else []
     if missing:
         # Said plainly rather than accepted and ignored: these listeners are not built yet.
         typer.echo(f"error: {', '.join(missing)}: this build has no such listener yet", err=True)
         raise typer.Exit(2)
     try:
-        for listen in (*settings.dns_listen, *filter(None, [settings.metrics_listen])):
+        listens = [settings.metrics_listen, settings.http_listen]
+        for listen in (*settings.dns_listen, *filter(None, listens)):
             parse_listen(listen)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

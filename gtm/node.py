@@ -8,6 +8,7 @@ they counted (DESIGN.md rule 2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,7 @@ import structlog
 from prometheus_client import start_http_server
 
 from gtm import migrate
+from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server, parse_listen
 from gtm.geodns.stats import DnsStats, register, unregister
 from gtm.logs import configure as configure_logs
@@ -33,6 +35,7 @@ class Node:
     runtime: Runtime
     dns: DnsServer | None = None
     dns_stats: DnsStats = field(default_factory=DnsStats)
+    http_task: asyncio.Task[None] | None = None
 
 
 async def run_node(
@@ -50,14 +53,34 @@ async def run_node(
         if settings.dns_listen:
             node.dns = make_server(runtime, node.dns_stats, reuse_port=reuse_port)
             await node.dns.start()
+        front_stop = asyncio.Event()
+        if settings.http_listen:
+            front_ready = asyncio.Event()
+            node.http_task = asyncio.create_task(
+                serve_front(runtime, settings.http_listen, front_stop, ready=front_ready),
+                name="http-front",
+            )
+            ready_wait = asyncio.create_task(front_ready.wait())
+            await asyncio.wait([node.http_task, ready_wait], return_when=asyncio.FIRST_COMPLETED)
+            ready_wait.cancel()
+            if node.http_task.done():
+                node.http_task.result()  # raises why the front could not start
         if settings.metrics_listen:
             host, port = parse_listen(settings.metrics_listen)
             start_http_server(port, addr=host)  # a daemon thread; scrapes never touch the loop
-        log.info("gtm.ready", dns=[f"{h}:{p}" for h, p in node.dns.bound] if node.dns else [])
+        log.info(
+            "gtm.ready",
+            dns=[f"{h}:{p}" for h, p in node.dns.bound] if node.dns else [],
+            http=settings.http_listen,
+        )
         if ready is not None:
             ready.set_result(node)
         await stop.wait()
     finally:
+        if node.http_task is not None:
+            front_stop.set()  # answers in flight finish, and are counted, before the flush
+            with contextlib.suppress(Exception):
+                await node.http_task
         if node.dns is not None:
             await node.dns.stop()
         unregister(collector)
