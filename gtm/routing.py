@@ -229,26 +229,6 @@ def _scope(
     return scope
 
 
-def _decision(
-    plan: Plan,
-    outcome: Outcome,
-    regions: tuple[RegionView, ...],
-    candidates: tuple[Candidate, ...],
-    ttl: int,
-    location: Location,
-    net: IPNetwork,
-    scope: int,
-    snapshot: Snapshot,
-) -> Decision:
-    return Decision(
-        *decision_head(plan, outcome, regions, candidates, ttl),
-        location,
-        net,
-        scope,
-        snapshot.versions,
-    )
-
-
 __all__ = [
     "Candidate",
     "Channel",
