@@ -26,7 +26,7 @@ from gtm import migrate
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.errors import ConfigError, GeoIPError, GTMError
-from gtm.geodns.server import parse_listen
+from gtm.listen import parse_listen
 from gtm.logs import configure as configure_logs
 from gtm.node import serve_forever, serve_workers
 from gtm.policy import json_schema, load_policy

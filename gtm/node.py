@@ -21,8 +21,9 @@ from prometheus_client import start_http_server
 
 from gtm import migrate
 from gtm.front.server import serve_front
-from gtm.geodns.server import DnsServer, make_server, parse_listen
+from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister
+from gtm.listen import parse_listen
 from gtm.logs import configure as configure_logs
 from gtm.runtime import Runtime
 from gtm.settings import Settings

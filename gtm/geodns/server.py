@@ -27,6 +27,7 @@ from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
 from gtm.geodns.zone import answer, qtype_name, zone_data
+from gtm.listen import parse_listen
 from gtm.routing import client_network
 from gtm.runtime import Runtime
 from gtm.snapshot import Snapshot
@@ -234,16 +235,6 @@ class Responder:
 
 
 # -- listeners ---------------------------------------------------------------------------------
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """ "127.0.0.1:5353" or "[::1]:5353" -> (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{value!r} is not HOST:PORT")
-    host = host.strip("[]")
-    ip_address(host)  # a literal address: listeners bind exactly where they are told
-    return host, int(port)
 
 
 _ADDRESSES: dict[str, IPAddress] = {}

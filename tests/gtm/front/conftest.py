@@ -21,6 +21,10 @@ from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
 
+# The demo's regions are not running here: health comes from the tests (runtime.swap), not
+# from probes that would find nothing listening.
+NO_PROBES: dict[str, Any] = {"probes": False} if "probes" in Settings.model_fields else {}
+
 
 @dataclass
 class Front:
@@ -28,6 +32,8 @@ class Front:
     runtime: Runtime
     app: FrontApp
     server: FrontServer
+    stop: asyncio.Event
+    task: asyncio.Task[None]
 
 
 def demo_topology() -> dict[str, Any]:
@@ -63,6 +69,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
             node_id="front-test",
             audit_flush_interval_s=0.05,
             trusted_proxies=tuple(ip_network(t) for t in trusted),
+            **NO_PROBES,
         )
         runtime = Runtime(settings)
         await runtime.start()
@@ -79,7 +86,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         try:
             await asyncio.wait_for(ready.wait(), 10)
             assert server.app is not None
-            yield Front(server.url, runtime, server.app, server)
+            yield Front(server.url, runtime, server.app, server, stop, task)
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)

@@ -24,10 +24,12 @@ CHAT_EU = "chat.eu.gtm.example"
 class Region:
     """A minimal HTTP/1.1 server that behaves as told and remembers what it was sent."""
 
-    behaviour: str  # "ok" | "503" | "midstream" (the first answer only)
+    # "ok" | "503" | "midstream" (the first answer only) | "slow" (4 s of tokens) | "short"
+    behaviour: str
     name: str
     port: int = 0
     requests: list[tuple[bytes, dict[str, str], bytes]] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -36,7 +38,17 @@ class Region:
             headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines if x)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             self.requests.append((line.encode(), headers, body))
-            if self.behaviour == "503":
+            if self.behaviour in ("slow", "short"):
+                # A token stream; the front closing the connection is the cancel signal.
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for _ in range(200 if self.behaviour == "slow" else 10):
+                    writer.write(b"7\r\ntoken\n\n\r\n")
+                    await writer.drain()
+                    if await _closed(reader, 0.02):
+                        self.cancelled.set()
+                        return
+                writer.write(b"0\r\n\r\n")
+            elif self.behaviour == "503":
                 writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy")
             else:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
@@ -55,6 +67,14 @@ class Region:
             pass
         finally:
             writer.close()
+
+
+async def _closed(reader: asyncio.StreamReader, wait: float) -> bool:
+    """Whether the peer closed its side within ``wait`` seconds."""
+    try:
+        return await asyncio.wait_for(reader.read(1), wait) == b""
+    except TimeoutError:
+        return False
 
 
 @contextlib.asynccontextmanager
@@ -211,4 +231,35 @@ async def test_body_over_the_limit_is_413(start_front: FrontFactory) -> None:
             r = await http.post("/v1/chat", content=b"x" * 5000, headers=HEADERS)
             assert r.status_code == 413
     assert not up["eu-central"].requests
+    assert await audited(front.runtime) == 1
+
+
+async def test_client_going_away_mid_stream_closes_the_upstream(start_front: FrontFactory) -> None:
+    async with regions(eu_central="slow") as up:
+        topo = proxy_topology({r: up[r].port for r in up})
+        async with start_front(topo) as front, client(front.url) as http:
+            async with http.stream("POST", "/v1/chat", content=b"q", headers=HEADERS) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_raw():
+                    break  # the client has seen enough and hangs up
+            await asyncio.wait_for(up["eu-central"].cancelled.wait(), 5)
+    rows = await audit_rows(front.runtime)
+    assert [row["count"] for row in rows] == [1]
+    assert "client disconnected" in rows[0]["response"]
+
+
+async def test_stopping_lets_the_stream_in_flight_finish(start_front: FrontFactory) -> None:
+    async with regions(eu_central="short") as up:
+        topo = proxy_topology({r: up[r].port for r in up})
+        async with start_front(topo) as front, client(front.url) as http:
+            async with http.stream("POST", "/v1/chat", content=b"q", headers=HEADERS) as r:
+                chunks = []
+                async for chunk in r.aiter_raw():
+                    if not chunks:
+                        front.stop.set()  # shutdown begins with this stream in flight
+                    chunks.append(chunk)
+            assert b"".join(chunks) == b"token\n\n" * 10
+            await asyncio.wait_for(front.task, 10)
+            with pytest.raises(httpx.ConnectError):
+                await http.get("/", headers=HEADERS)
     assert await audited(front.runtime) == 1

@@ -1,0 +1,22 @@
+"""The HTTP front: the decision of :func:`gtm.routing.decide` answered over HTTP.
+
+For a request to a configured service host the front decides with the real client address
+(the peer, or what trusted proxies forward), the service's residency class, an
+``X-Data-Residency`` header and the tenant (API-key prefix, or ``X-GTM-Tenant``), and answers:
+
+- redirect mode: ``307`` (or ``308``, per service) to the chosen region's base URL with the
+  original path and query, ``Cache-Control: no-store``, ``X-GTM-Region`` and
+  ``X-GTM-Decision-Id``;
+- proxy mode: the request forwarded to the chosen region and its answer streamed back, with one
+  retry inside the allowed set before the first byte (:mod:`gtm.front.proxy`);
+- ``451`` when the request's classes are allowed in no region, ``503`` with ``Retry-After``
+  when every allowed region is unavailable: never an answer from outside the allowed set;
+- ``404`` for an unknown host and a clear ``4xx`` for bad input (``400`` malformed headers,
+  ``405`` methods outside the served set, ``413`` bodies over the proxy limit, ``414``/``431``
+  heads over the limits).
+
+Every one of those responses is counted in the audit store. Modules: :mod:`.app` (the raw ASGI
+callable), :mod:`.client_address`, :mod:`.signals`, :mod:`.proxy`, :mod:`.server` (uvicorn in
+the caller's loop: :func:`~gtm.front.server.serve_front`), :mod:`.metrics`; ``python -m
+gtm.front`` runs the front alone.
+"""
