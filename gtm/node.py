@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,19 @@ class Node:
     http_task: asyncio.Task[None] | None = None
 
 
+def tune_for_latency() -> None:
+    """Process settings for answering paths that share the interpreter with background work.
+
+    The objects loaded at start (topology, policy, GeoIP metadata, modules) live as long as the
+    process: frozen, full garbage collections no longer walk them, which cut collection pauses
+    from tens of milliseconds. The audit writer builds rows in threads; a shorter GIL switch
+    interval hands the interpreter back to the event loop sooner (0.5 ms instead of 5 ms).
+    """
+    gc.collect()
+    gc.freeze()
+    sys.setswitchinterval(0.0005)
+
+
 async def run_node(
     settings: Settings,
     stop: asyncio.Event,
@@ -48,6 +63,7 @@ async def run_node(
 ) -> None:
     runtime = Runtime(settings)
     await runtime.start()
+    tune_for_latency()
     node = Node(runtime)
     collector = register(node.dns_stats)
     try:

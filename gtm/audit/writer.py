@@ -28,7 +28,7 @@ from gtm.audit.spool import Spool
 
 log = structlog.get_logger(__name__)
 
-_INSERT_BATCH = 1000
+_INSERT_BATCH = 200  # short GIL holds in the driver: the loop keeps answering
 _COLUMNS = [str(c.name) for c in decisions.c if c.name != "id"]
 _JSON_COLUMNS = frozenset(str(c.name) for c in decisions.c if isinstance(c.type, JSON))
 
@@ -127,25 +127,31 @@ class AuditWriter:
         """Turn pending counts into rows and drain the spool; returns rows committed."""
         async with self._lock:
             pending, self._pending = self._pending, {}
-            rows: list[dict[str, Any]] = []
-            for record, (n, first, last) in pending.items():
-                self._seq += 1
-                rows.append(
-                    row_of(
-                        record,
-                        node=self.node,
-                        node_seq=self._seq,
-                        first_at_us=first,
-                        last_at_us=last,
-                        count=n,
-                    )
-                )
-            self._last_hash = chain(rows, self._last_hash)
-            # File writes and fsync run in a thread: the answering paths share this loop.
-            await asyncio.to_thread(self.spool.append, rows)
+            # Building, hashing and spooling rows is thousands of Python operations per flush:
+            # done in a thread, the answering paths sharing this loop are not held up by it.
+            rows = await asyncio.to_thread(self._seal, pending)
             # With no backlog the spool holds exactly these rows: no need to read them back.
             backlog, self._backlog = self._backlog, True
             return await self._drain(None if backlog else rows)
+
+    def _seal(self, pending: dict[AuditRecord, list[int]]) -> list[dict[str, Any]]:
+        """Rows for the pending counts, chained and appended to the spool (fsynced)."""
+        rows: list[dict[str, Any]] = []
+        for record, (n, first, last) in pending.items():
+            self._seq += 1
+            rows.append(
+                row_of(
+                    record,
+                    node=self.node,
+                    node_seq=self._seq,
+                    first_at_us=first,
+                    last_at_us=last,
+                    count=n,
+                )
+            )
+        self._last_hash = chain(rows, self._last_hash)
+        self.spool.append(rows)
+        return rows
 
     async def _drain(self, in_memory: list[dict[str, Any]] | None) -> int:
         rows = in_memory if in_memory is not None else await asyncio.to_thread(self.spool.pending)
