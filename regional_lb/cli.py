@@ -1,2 +1,184 @@
-from typer import Typer
-app = Typer()
+"""The ``regional-lb`` command: ``serve`` the balancer, run a ``sim-backend``, ``check`` a
+configuration.
+
+Exit codes: 0 success, 2 bad configuration or arguments (every problem printed).
+
+Signals for ``serve``: SIGTERM or SIGINT drains the region (no new requests; streams in flight
+finish) and exits once nothing is in flight or the grace period ends; SIGUSR1 toggles the
+region's drain without exiting, so GTM sees ``draining`` in the capacity report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from regional_lb.config import ReportSettings, load_config, split_listen
+from regional_lb.errors import ConfigError
+from regional_lb.gpus import GPUS, profile
+from regional_lb.logs import configure as configure_logs
+
+app = typer.Typer(
+    help="GTM regional tier: cost-aware balancer and simulated inference server.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed (it comes with uvicorn[standard]): the proxy's
+    per-request overhead is mostly event-loop and socket work."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
+
+
+def _fail(exc: ConfigError) -> typer.Exit:
+    for problem in exc.problems:
+        typer.echo(f"error: {problem}", err=True)
+    return typer.Exit(2)
+
+
+def _listen(value: str) -> tuple[str, int]:
+    try:
+        return split_listen(value)
+    except ValueError:
+        raise ConfigError([f"--listen: expected HOST:PORT, got {value!r}"]) from None
+
+
+@app.command()
+def check(config: Annotated[Path, typer.Option("--config", help="balancer YAML")]) -> None:
+    """Validate a balancer configuration and print a summary."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    typer.echo(
+        f"ok: region {cfg.region}, {len(cfg.instances)} instances, "
+        f"tiers {', '.join(t.name for t in cfg.tiers)}"
+    )
+
+
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Option("--config", help="balancer YAML")],
+    listen: Annotated[
+        str | None, typer.Option("--listen", help="HOST:PORT (overrides YAML)")
+    ] = None,
+    grace: Annotated[float, typer.Option("--grace", help="drain grace period, seconds")] = 60.0,
+    log_format: Annotated[str, typer.Option("--log-format")] = "console",
+) -> None:
+    """Run the balancer (OpenAI-compatible proxy) for one region."""
+    configure_logs(log_format)
+    try:
+        cfg = load_config(config)
+        host, port = _listen(listen or cfg.listen)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    secret = ReportSettings().report_secret
+    if cfg.gtm_urls and secret is None:
+        typer.echo(
+            "warning: REGIONAL_LB_REPORT_SECRET is unset; capacity reports are unsigned", err=True
+        )
+    run(_serve(cfg, host, port, secret.get_secret_value().encode() if secret else None, grace))
+
+
+async def _serve(cfg: object, host: str, port: int, secret: bytes | None, grace: float) -> None:
+    from regional_lb.config import BalancerConfig
+    from regional_lb.pool import Pool
+    from regional_lb.proxy import create_app
+    from regional_lb.serving import bind, make_server
+
+    assert isinstance(cfg, BalancerConfig)
+    app_ = create_app(cfg, secret)
+    pool: Pool = app_.state.pool
+    server = make_server(app_, graceful_s=int(grace))
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_term() -> None:
+        pool.draining = True
+        stopping.set()
+
+    def on_usr1() -> None:
+        pool.draining = not pool.draining
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_term)
+    loop.add_signal_handler(signal.SIGUSR1, on_usr1)
+    sock = bind(host, port)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    typer.echo(f"regional-lb {cfg.region} listening on http://{host}:{port}", err=True)
+    waiter = asyncio.create_task(stopping.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if stopping.is_set():
+        # Drain: new requests get 503 while streams in flight run to their end.
+        deadline = loop.time() + grace
+        # Polling is fine here: it runs once, at shutdown, at 10 Hz.
+        while any(i.in_flight for i in pool.instances) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        server.should_exit = True
+    waiter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiter
+    await task
+    sock.close()
+
+
+@app.command("sim-backend")
+def sim_backend(
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT")] = "127.0.0.1:8701",
+    gpu: Annotated[str, typer.Option("--gpu", help=f"one of {', '.join(GPUS)}")] = "A100",
+    models: Annotated[
+        str, typer.Option("--models", help="comma-separated, loaded at start")
+    ] = "llama-3-8b",
+    loadable: Annotated[
+        str, typer.Option("--loadable", help="more models loadable on demand")
+    ] = "",
+    max_loaded: Annotated[int, typer.Option("--max-loaded")] = 2,
+    load_time: Annotated[float, typer.Option("--load-time", help="seconds to load a model")] = 20.0,
+    speedup: Annotated[float, typer.Option("--speedup", help="divide every duration")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Run a simulated OpenAI-compatible inference server (no GPU needed)."""
+    from regional_lb.sim_backend import serve as serve_sim
+    from regional_lb.sim_engine import EngineConfig
+
+    try:
+        host, port = _listen(listen)
+        gp = profile(gpu)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    except KeyError as exc:
+        typer.echo(f"error: --gpu: {exc.args[0]}", err=True)
+        raise typer.Exit(2) from None
+    cfg = EngineConfig(
+        gpu=gp,
+        models=[m for m in models.split(",") if m],
+        loadable=[m for m in loadable.split(",") if m],
+        max_loaded=max_loaded,
+        load_time_s=load_time,
+        speedup=speedup,
+        seed=seed,
+    )
+    typer.echo(
+        f"sim-backend {gp.name} {models} on http://{host}:{port} (pid {os.getpid()})", err=True
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        run(serve_sim(cfg, host, port))
+
+
+def main() -> None:  # pragma: no cover - console entry convenience
+    sys.exit(app())

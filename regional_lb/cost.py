@@ -101,8 +101,10 @@ class CostEstimator:
     def cost_of(self, shape: RequestShape, output_tokens: float) -> float:
         """Cost of a request that reads ``prompt_tokens`` and writes ``output_tokens``."""
         c = self.coeffs(shape.model)
-        return c.overhead + c.prefill_per_token * shape.prompt_tokens + (
-            c.decode_per_token * output_tokens
+        return (
+            c.overhead
+            + c.prefill_per_token * shape.prompt_tokens
+            + (c.decode_per_token * output_tokens)
         )
 
     def estimate(self, shape: RequestShape) -> float:

@@ -1,11 +1,11 @@
 """Exceptions raised by the regional balancer.
 
-    RegionalError
-    ├── ConfigError        the balancer's YAML or settings are invalid (every reason listed)
-    ├── RequestError       the client's request is malformed (maps to a 4xx)
-    ├── NoInstanceError    no instance can serve the model (503)
-    ├── Overloaded         the admission queue is full or the wait would pass its timeout (429)
-    └── UpstreamError      an instance failed while serving a request (502/504)
+RegionalError
+├── ConfigError        the balancer's YAML or settings are invalid (every reason listed)
+├── RequestError       the client's request is malformed (maps to a 4xx)
+├── NoInstanceError    no instance can serve the model (503)
+├── Overloaded         the admission queue is full or the wait would pass its timeout (429)
+└── UpstreamError      an instance failed while serving a request (502/504)
 """
 
 from __future__ import annotations
@@ -26,9 +26,16 @@ class ConfigError(RegionalError):
 class RequestError(RegionalError):
     """A client error: carries the HTTP status and the OpenAI-style error ``type``/``code``."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         self.status = status
         self.code = code
+        self.param = param
         super().__init__(message)
 
 

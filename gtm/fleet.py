@@ -1,0 +1,94 @@
+"""A local regional fleet for the demo and benchmarks: for every region of a topology whose
+``base_url`` is on loopback, one simulated inference server and one regional balancer in front
+of it, as separate processes (``regional-lb sim-backend`` and ``regional-lb serve``).
+
+The balancer listens where the region's ``base_url`` says, so GTM's probes (``probe_url``) and
+redirects reach it; reports are signed with the secret given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import yaml
+
+from gtm.topology import Topology
+
+MODEL = "llama-3-8b"
+
+
+@dataclass
+class Fleet:
+    directory: Path
+    secret: str
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    balancers: dict[str, str] = field(default_factory=dict)  # region -> base URL
+
+    def start(self, topology: Topology, sim_port_base: int = 8700) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        env = os.environ | {"REGIONAL_LB_REPORT_SECRET": self.secret}
+        for i, region in enumerate(topology.regions):
+            url = urlsplit(str(region.base_url))
+            if url.hostname != "127.0.0.1" or url.port is None:
+                continue
+            sim = f"127.0.0.1:{sim_port_base + i + 1}"
+            config = self.directory / f"{region.id}.yaml"
+            config.write_text(yaml.safe_dump({
+                "region": region.id, "listen": f"127.0.0.1:{url.port}",
+                "instances": [{"id": f"{region.id}-a100-1", "url": f"http://{sim}",
+                               "gpu": "A100", "models": [MODEL]}],
+                "gtm_urls": [],  # GTM probes the balancers; nothing is pushed in the demo
+            }))
+            self._spawn(f"{region.id}-sim", [
+                "sim-backend", "--listen", sim, "--gpu", "A100", "--models", MODEL,
+                "--speedup", "20", "--seed", str(i)], env)
+            self._spawn(f"{region.id}-lb", ["serve", "--config", str(config), "--grace", "2"],
+                        env)
+            self.balancers[region.id] = f"http://127.0.0.1:{url.port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = (self.directory / f"{name}.log").open("wb")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-c", "from regional_lb.cli import app; app(prog_name='regional-lb')",
+             *args], env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self.balancers)
+        while pending:
+            for region, base in list(pending.items()):
+                try:
+                    if httpx.get(f"{base}/gtm/capacity", timeout=1).status_code == 200:
+                        del pending[region]
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"balancers not ready: {', '.join(sorted(pending))} (logs in"
+                                   f" {self.directory})")
+            time.sleep(0.2)
+
+    def kill(self, name: str) -> None:
+        proc = self.processes.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one balancer (their own registry, so several can share a process)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from regional_lb.instance import InstanceState
+
+# The pick runs in microseconds; the buckets must resolve that range.
+PICK_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+
+
+def utilisation(inst: InstanceState) -> float:
+    return inst.in_flight / inst.max_concurrency if inst.max_concurrency else 0.0
+
+
+def utilisation_cv(pool: Sequence[InstanceState]) -> float:
+    values = [utilisation(i) for i in pool if i.healthy and not i.draining]
+    if len(values) < 2:
+        return 0.0
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean > 0 else 0.0
+
+
+class _PoolCollector(Collector):
+    def __init__(
+        self, pool: Callable[[], Sequence[InstanceState]], depth: Callable[[], dict[str, int]]
+    ) -> None:
+        self.pool, self.depth = pool, depth
+
+    def collect(self) -> Iterable[Metric]:
+        insts = self.pool()
+        work = GaugeMetricFamily(
+            "regional_lb_outstanding_work", "Cost units in flight", labels=["instance"]
+        )
+        flights = GaugeMetricFamily(
+            "regional_lb_in_flight", "Requests in flight", labels=["instance"]
+        )
+        util = GaugeMetricFamily(
+            "regional_lb_utilisation", "In flight / concurrency limit", labels=["instance"]
+        )
+        speed = GaugeMetricFamily(
+            "regional_lb_speed", "Learned speed (cost units/s)", labels=["instance"]
+        )
+        for i in insts:
+            work.add_metric([i.id], i.outstanding)
+            flights.add_metric([i.id], i.in_flight)
+            util.add_metric([i.id], utilisation(i))
+            speed.add_metric([i.id], i.speed.speed)
+        yield from (work, flights, util, speed)
+        yield GaugeMetricFamily(
+            "regional_lb_utilisation_cv",
+            "Coefficient of variation of utilisation across instances",
+            value=utilisation_cv(insts),
+        )
+        depth = GaugeMetricFamily(
+            "regional_lb_queue_depth", "Requests waiting per tier", labels=["tier"]
+        )
+        for tier, n in self.depth().items():
+            depth.add_metric([tier], n)
+        yield depth
+
+
+class BalancerMetrics:
+    def __init__(
+        self, pool: Callable[[], Sequence[InstanceState]], depth: Callable[[], dict[str, int]]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pick_seconds = Histogram(
+            "regional_lb_pick_seconds", "Routing decision latency", buckets=PICK_BUCKETS, registry=r
+        )
+        self.requests = Counter(
+            "regional_lb_requests", "Requests by outcome", ["outcome"], registry=r
+        )
+        self.rejected = Counter(
+            "regional_lb_rejected", "429s and 503s", ["status", "reason"], registry=r
+        )
+        self.ejections = Counter(
+            "regional_lb_ejections", "Outlier ejections", ["instance"], registry=r
+        )
+        self.upstream_failures = Counter(
+            "regional_lb_upstream_failures",
+            "5xx, timeouts, stalls and broken streams",
+            ["instance", "kind"],
+            registry=r,
+        )
+        self.report_push = Counter(
+            "regional_lb_report_push", "Capacity report pushes", ["result"], registry=r
+        )
+        r.register(_PoolCollector(pool, depth))

@@ -1,0 +1,155 @@
+"""The routing decision: a pure function of the instances' state and the request.
+
+Among eligible instances choose the least
+
+    ((1 - w) * (outstanding work + this request's cost) + w * (requests + 1) * mean cost)
+    / (learned speed * slow-start ramp)
+    + model load time, when the model is not loaded there
+
+``w`` grows with the observed spread of the cost estimates: with exact costs least-work-left is
+near optimal, but a pilot simulation showed pure cost routing losing to speed-weighted
+least-connections once the estimate error reached sigma ~ 0.6, so a poor estimator leans on the
+request count. The same function drives the proxy and the discrete-event simulator; it reads
+the instances and never changes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from regional_lb.instance import InstanceState
+
+
+@dataclass(frozen=True, slots=True)
+class PickParams:
+    slow_start_s: float = 30.0
+    slow_start_floor: float = 0.1
+    kv_limit: float = 0.95  # a fresh scrape above this means no room for another sequence
+    blend_sigma_low: float = 0.3  # at or below: pure work
+    blend_sigma_high: float = 1.1  # at or above: pure count
+    tie_tolerance: float = 0.05  # relative; scores this close count as equal
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    model: str
+    cost: float
+    mean_cost: float  # unit of the count term (a typical request's cost)
+    sigma: float = 0.0  # current spread of log(actual / estimate)
+    load_time_s: float = 20.0
+    model_memory_gb: float = 16.0
+    # Rotates the order in which exact ties are broken (e.g. the request number), so an idle
+    # pool does not send everything to the first instance in the list.
+    tiebreak: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    instance: InstanceState
+    score: float
+    needs_load: bool
+
+
+def blend_weight(sigma: float, params: PickParams) -> float:
+    lo, hi = params.blend_sigma_low, params.blend_sigma_high
+    if sigma <= lo:
+        return 0.0
+    if sigma >= hi:
+        return 1.0
+    return (sigma - lo) / (hi - lo)
+
+
+def free_memory(inst: InstanceState, model_memory_gb: float) -> float:
+    """Memory free for weights, counting each loaded model at the request model's size
+    (the balancer does not know other models' sizes; instances report them poorly)."""
+    return inst.memory_gb - model_memory_gb * len(inst.loaded)
+
+
+def can_load(inst: InstanceState, req: PickRequest) -> bool:
+    """The model fits, possibly after evicting least-recently-used models nobody is using."""
+    if free_memory(inst, req.model_memory_gb) >= req.model_memory_gb:
+        return True
+    busy = {f.model for f in inst.flights.values()}
+    evictable = sum(1 for m in inst.loaded if m not in busy)
+    return inst.memory_gb - req.model_memory_gb * (len(inst.loaded) - evictable) >= (
+        req.model_memory_gb
+    )
+
+
+def _ramp_if_eligible(
+    inst: InstanceState, req: PickRequest, now: float, params: PickParams
+) -> float | None:
+    """The instance's slow-start factor when it may take ``req``, else None (one pass, so the
+    picker does not compute the ramp twice)."""
+    if not inst.healthy or inst.draining or now < inst.ejected_until:
+        return None
+    if not inst.can_serve(req.model):
+        return None
+    if req.model not in inst.loaded and not can_load(inst, req):
+        return None
+    ramp = inst.ramp(now, params.slow_start_s, params.slow_start_floor)
+    if inst.in_flight >= max(1, math.floor(inst.max_concurrency * ramp)):
+        return None
+    if inst.kv_usage is not None and inst.kv_usage >= params.kv_limit:
+        return None
+    return ramp
+
+
+def eligible(inst: InstanceState, req: PickRequest, now: float, params: PickParams) -> bool:
+    return _ramp_if_eligible(inst, req, now, params) is not None
+
+
+def effective_load(inst: InstanceState, mean_cost: float) -> tuple[float, int]:
+    """Outstanding work and count, reconciled with the instance's own metrics: requests it
+    reports beyond ours were sent by other balancer replicas and count at the mean cost."""
+    work, count = inst.outstanding, inst.in_flight
+    if inst.scraped_running is not None:
+        reported = inst.scraped_running + (inst.scraped_waiting or 0)
+        extra = reported - count
+        if extra > 0:
+            work += extra * mean_cost
+            count += extra
+    return work, count
+
+
+def pick(
+    instances: Sequence[InstanceState], req: PickRequest, now: float, params: PickParams
+) -> Choice | None:
+    """The best eligible instance for ``req``, or None when no instance can take it.
+
+    Scores within ``params.tie_tolerance`` of the best are treated as equal: learned speeds
+    of identical GPUs differ by noise, and without a tolerance an idle pool would send every
+    request to whichever looks a hair faster. Equal candidates go round robin by
+    ``req.tiebreak``.
+    """
+    w = blend_weight(req.sigma, params)
+    n = len(instances)
+    scored: list[tuple[float, int, bool]] = []
+    best_score = math.inf
+    for idx, inst in enumerate(instances):
+        ramp = _ramp_if_eligible(inst, req, now, params)
+        if ramp is None:
+            continue
+        work, count = effective_load(inst, req.mean_cost)
+        blended = (1.0 - w) * (work + req.cost) + w * (count + 1) * req.mean_cost
+        score = blended / (max(inst.speed.speed, 1e-9) * ramp)
+        needs_load = req.model not in inst.loaded
+        if needs_load:
+            score += req.load_time_s
+        scored.append((score, idx, needs_load))
+        best_score = min(best_score, score)
+    if not scored:
+        return None
+    limit = best_score * (1.0 + params.tie_tolerance) + 1e-12
+    chosen = min(
+        (c for c in scored if c[0] <= limit),
+        # Among equals: no model load first, then most free memory, then round robin.
+        key=lambda c: (
+            c[2],
+            -free_memory(instances[c[1]], req.model_memory_gb),
+            (c[1] - req.tiebreak) % n,
+        ),
+    )
+    return Choice(instances[chosen[1]], chosen[0], chosen[2])

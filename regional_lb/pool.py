@@ -1,0 +1,312 @@
+"""The balancer's state for one region: instances, estimator, admission, and request leases.
+
+A :class:`Lease` is one routed request's claim on an instance. It is created by
+:meth:`Pool.route` (which adds the request's cost to the instance) and ended exactly once by
+:meth:`Lease.end`, whatever happened: completion, upstream error, client disconnect or
+cancellation. Ending twice is harmless, so every exit path may call it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from regional_lb.admission import AdmissionController, PoolLoad, TierSpec, TokenBucket
+from regional_lb.capacity_report import CapacityReport, ModelAvailability
+from regional_lb.config import BalancerConfig, InstanceConfig, ModelConfig
+from regional_lb.cost import CostEstimator, ModelCoefficients, RequestShape
+from regional_lb.errors import NoInstanceError, Overloaded, RequestError
+from regional_lb.gpus import GPUS, profile
+from regional_lb.health import EjectionParams, record_failure, record_success
+from regional_lb.instance import InstanceState, SpeedLearner
+from regional_lb.pick import PickParams, PickRequest, pick
+
+# ok: completed (its actual cost teaches the estimator and the speed learner);
+# upstream_error: 5xx, timeout, stall or broken stream (counts towards ejection);
+# client_error: the instance refused the request (4xx); client_gone / cancelled: we stopped it.
+Outcome = Literal["ok", "upstream_error", "client_error", "client_gone", "cancelled"]
+
+
+def _coefficients(m: ModelConfig) -> ModelCoefficients:
+    return ModelCoefficients(
+        m.prefill_per_token, m.decode_per_token, m.overhead, m.load_time_s, m.memory_gb
+    )
+
+
+def instance_from_config(ic: InstanceConfig, joined_at: float) -> InstanceState:
+    gpu = profile(ic.gpu) if ic.gpu.upper() in GPUS else None
+    slots = gpu.batch_slots if gpu else 16
+    return InstanceState(
+        id=ic.id,
+        url=ic.url.rstrip("/"),
+        gpu=ic.gpu,
+        speed=SpeedLearner(
+            unit_speed=ic.speed or (gpu.speed if gpu else 1.0),
+            slots=slots,
+            penalty=gpu.batch_penalty if gpu else 0.15,
+        ),
+        # Up to a full batch plus as much again queued at the instance: enough to keep it
+        # busy, little enough that queued work stays here where it can be re-routed.
+        max_concurrency=ic.max_concurrency or 2 * slots,
+        memory_gb=ic.memory_gb or (gpu.memory_gb if gpu else 80.0),
+        servable=frozenset(ic.models),
+        loaded=dict.fromkeys(ic.models, 0.0),
+        joined_at=joined_at,
+        scrape=ic.metrics,
+    )
+
+
+@dataclass
+class Lease:
+    pool: Pool
+    request_id: int
+    instance: InstanceState
+    shape: RequestShape
+    cost: float
+    started: float
+    produced: int = 0
+    last_token_at: float = 0.0
+    ended: bool = False
+    outcome: Outcome | None = None
+    on_end: list[Callable[[], None]] = field(default_factory=list)
+
+    def progress(self, produced: int, now: float) -> None:
+        """Tokens streamed so far: the remaining work is re-estimated from them."""
+        if self.ended or produced <= self.produced:
+            return
+        self.produced, self.last_token_at = produced, now
+        left = self.pool.estimator.remaining(self.shape, produced)
+        self.instance.update_remaining(self.request_id, left, produced)
+
+    def end(self, outcome: Outcome, output_tokens: int | None = None) -> None:
+        if self.ended:
+            return
+        self.ended, self.outcome = True, outcome
+        now = self.pool.clock()
+        actual = None
+        if outcome == "ok":
+            tokens = output_tokens if output_tokens is not None else self.produced
+            actual = self.pool.estimator.observe(self.shape, self.cost, tokens)
+            record_success(self.instance)
+        self.instance.release(self.request_id, now, actual_cost=actual)
+        if outcome == "upstream_error" and record_failure(
+            self.instance, self.pool.instances, now, self.pool.ejection
+        ):
+            self.pool.on_ejected(self.instance)
+        for hook in self.on_end:
+            hook()
+
+
+@dataclass
+class Pool:
+    config: BalancerConfig
+    clock: Callable[[], float] = time.monotonic
+    instances: list[InstanceState] = field(default_factory=list)
+    estimator: CostEstimator = field(default_factory=CostEstimator)
+    params: PickParams = field(default_factory=PickParams)
+    ejection: EjectionParams = field(default_factory=EjectionParams)
+    draining: bool = False
+    on_ejected: Callable[[InstanceState], None] = lambda inst: None
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))
+    _mean_cost: float = 0.0
+    _costs_seen: int = 0
+    _buckets: dict[str, TokenBucket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        now = self.clock()
+        for ic in cfg.instances:
+            # Configured instances start in service; slow start is for joins and returns.
+            self.instances.append(instance_from_config(ic, joined_at=now - cfg.health.slow_start_s))
+        self.estimator = CostEstimator(
+            coefficients={name: _coefficients(m) for name, m in cfg.models.items()}
+        )
+        h = cfg.health
+        self.params = PickParams(slow_start_s=h.slow_start_s, kv_limit=cfg.kv_limit)
+        self.ejection = EjectionParams(
+            h.consecutive_failures, h.ejection_base_s, h.ejection_max_s, h.max_ejected_share
+        )
+        tiers = {
+            t.name: TierSpec(t.name, rank, t.max_utilisation, t.queue_limit, t.queue_timeout_s)
+            for rank, t in enumerate(cfg.tiers)
+        }
+        self.admission = AdmissionController(tiers, self.load)
+
+    # -- membership --------------------------------------------------------------------------
+
+    def join(self, ic: InstanceConfig) -> InstanceState:
+        """Add an instance at run time; it takes a growing share over the slow-start window."""
+        if any(i.id == ic.id for i in self.instances):
+            raise RequestError(409, f"instance {ic.id!r} already exists", code="conflict")
+        inst = instance_from_config(ic, joined_at=self.clock())
+        self.instances.append(inst)
+        self.admission.wake()
+        return inst
+
+    def leave(self, instance_id: str) -> None:
+        """Remove an instance that has nothing in flight (drain it first)."""
+        inst = self.by_id(instance_id)
+        if inst.in_flight:
+            raise RequestError(
+                409,
+                f"instance {instance_id!r} still has requests in flight; drain it first",
+                code="conflict",
+            )
+        self.instances.remove(inst)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def by_id(self, instance_id: str) -> InstanceState:
+        for inst in self.instances:
+            if inst.id == instance_id:
+                return inst
+        raise KeyError(instance_id)
+
+    def tier_for(self, header: str | None, tenant: str | None) -> str:
+        names = self.admission.tiers
+        if header and header in names:
+            return header
+        spec = self.config.tenants.get(tenant or "")
+        if spec is not None and spec.tier is not None:
+            return spec.tier
+        return self.config.default_tier
+
+    def check_rate(self, tenant: str | None) -> None:
+        """Per-tenant token bucket; raises Overloaded with the time until a token is due."""
+        spec = self.config.tenants.get(tenant or "") or self.config.default_tenant
+        if spec is None:
+            return
+        key = tenant or ""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(spec.rate, spec.burst)
+        wait = bucket.take(self.clock())
+        if wait > 0:
+            raise Overloaded(f"rate limit for tenant {tenant!r}", retry_after=wait)
+
+    def resolve_model(self, name: str) -> str:
+        """Canary or blue/green: the served model a request for ``name`` goes to."""
+        spec = self.config.models.get(name)
+        if spec is None or not spec.versions:
+            return name
+        total = sum(v.weight for v in spec.versions)
+        if total <= 0:
+            return name
+        u = self._rng.random() * total
+        for v in spec.versions:
+            u -= v.weight
+            if u < 0:
+                return v.name
+        return spec.versions[-1].name
+
+    def known_model(self, name: str) -> bool:
+        if name in self.config.models:
+            return True
+        return any(name in i.loaded or not i.servable or name in i.servable for i in self.instances)
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def estimate(self, shape: RequestShape) -> float:
+        cost = self.estimator.estimate(shape)
+        self._costs_seen += 1
+        self._mean_cost += (cost - self._mean_cost) / min(self._costs_seen, 1000)
+        return cost
+
+    def pick_request(self, shape: RequestShape, cost: float) -> PickRequest:
+        c = self.estimator.coeffs(shape.model)
+        return PickRequest(
+            shape.model,
+            cost,
+            self._mean_cost or cost,
+            self.estimator.sigma,
+            c.load_time_s,
+            c.memory_gb,
+            tiebreak=self._costs_seen,
+        )
+
+    def can_serve(self, model: str) -> bool:
+        """Some instance in service could take this model, now or once it has room."""
+        if self.draining:
+            return False
+        return any(i.can_serve(model) for i in self.serving())
+
+    def route(self, shape: RequestShape, cost: float) -> Lease:
+        if not self.known_model(shape.model):
+            raise RequestError(
+                404,
+                f"The model `{shape.model}` does not exist.",
+                code="model_not_found",
+                param="model",
+            )
+        now = self.clock()
+        choice = (
+            None
+            if self.draining
+            else pick(self.instances, self.pick_request(shape, cost), now, self.params)
+        )
+        if choice is None:
+            raise NoInstanceError(f"no instance can take model {shape.model!r} now")
+        rid = next(self._ids)
+        choice.instance.add(rid, cost, now, model=shape.model)
+        return Lease(self, rid, choice.instance, shape, cost, now, last_token_at=now)
+
+    # -- pool-wide figures -------------------------------------------------------------------
+
+    def serving(self) -> list[InstanceState]:
+        now = self.clock()
+        return [i for i in self.instances if i.healthy and not i.draining and not i.ejected(now)]
+
+    def load(self) -> PoolLoad:
+        now = self.clock()
+        live = self.serving()
+        slots = sum(
+            max(
+                1,
+                math.floor(
+                    i.max_concurrency
+                    * i.ramp(now, self.params.slow_start_s, self.params.slow_start_floor)
+                ),
+            )
+            for i in live
+        )
+        return PoolLoad(
+            slots=slots,
+            outstanding=sum(i.outstanding for i in self.instances),
+            capacity=sum(i.speed.speed for i in live),
+        )
+
+    def capacity_report(self, seq: int) -> CapacityReport:
+        live = self.serving()
+        load = self.load()
+        models: dict[str, set[str]] = {}
+        for inst in live:
+            for m in inst.loaded:
+                models.setdefault(m, set())
+        for name, spec in self.config.models.items():
+            versions = {v.name for v in spec.versions}
+            if name in models or any(v in models for v in versions):
+                models.setdefault(name, set()).update(versions)
+        utilisation = sum(i.in_flight for i in self.instances) / load.slots if load.slots else 0.0
+        can_take = bool(live) and not self.draining
+        return CapacityReport(
+            region=self.config.region,
+            seq=seq,
+            ts=time.time(),
+            instances_healthy=len(live),
+            instances_total=len(self.instances),
+            capacity=load.capacity,
+            outstanding=load.outstanding,
+            utilisation=utilisation,
+            queue_depth=self.admission.depth(),
+            models=[
+                ModelAvailability(name=m, versions=sorted(v)) for m, v in sorted(models.items())
+            ],
+            draining=self.draining,
+            can_take_work=can_take,
+        )

@@ -1,0 +1,173 @@
+"""Background loops of the balancer: active health probes and model discovery, metrics
+scraping (with staleness), and the capacity-report push to GTM.
+
+None of them ever blocks request handling: each runs as its own task, every network call has
+a timeout, and failures are logged and counted rather than raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+import structlog
+
+from regional_lb.balancer_metrics import BalancerMetrics
+from regional_lb.capacity_report import SIGNATURE_HEADER, sign
+from regional_lb.health import record_probe
+from regional_lb.instance import InstanceState
+from regional_lb.load_signals import LoadSignal, parse_metrics
+from regional_lb.pool import Pool
+
+log = structlog.get_logger("regional_lb")
+
+
+def apply_models(inst: InstanceState, listing: Any, now: float) -> None:
+    """Update which models are loaded from an OpenAI ``/v1/models`` answer. Servers that say
+    which models are resident (the simulator's ``loaded``) are believed; otherwise every model
+    listed is taken as loaded (vLLM and TGI list only what they serve)."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return
+    loaded = {}
+    for entry in data:
+        ok = isinstance(entry, dict) and isinstance(entry.get("id"), str)
+        if ok and entry.get("loaded", True):
+            loaded[entry["id"]] = inst.loaded.get(entry["id"], now)
+    # Models with requests in flight stay: the listing can lag behind a load.
+    for flight in inst.flights.values():
+        if flight.model and flight.model not in loaded:
+            loaded[flight.model] = now
+    inst.loaded = loaded
+
+
+def apply_signal(inst: InstanceState, signal: LoadSignal | None) -> None:
+    if signal is None:
+        inst.scraped_running = inst.scraped_waiting = None
+        inst.kv_usage = None
+        return
+    inst.scraped_running, inst.scraped_waiting = signal.running, signal.waiting
+    inst.kv_usage = signal.kv_usage
+
+
+class Background:
+    def __init__(
+        self,
+        pool: Pool,
+        client: httpx.AsyncClient,
+        metrics: BalancerMetrics,
+        secret: bytes | None,
+        next_report: Callable[[], tuple[bytes, int]],
+    ) -> None:
+        self.pool, self.client, self.metrics = pool, client, metrics
+        self.secret, self.next_report = secret, next_report
+        self.signals: dict[str, LoadSignal] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        cfg = self.pool.config
+        self._spawn(self._every(cfg.health.probe_interval_s, self.probe_all), "probe")
+        self._spawn(self._every(cfg.scrape.interval_s, self.scrape_all), "scrape")
+        if cfg.gtm_urls:
+            self._spawn(self._every(cfg.report_interval_s, self.push), "push")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self.tasks.append(asyncio.create_task(coro, name=f"regional-lb-{name}"))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.tasks.clear()
+
+    async def _every(self, interval: float, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        while True:
+            try:
+                await job()
+            except Exception as exc:  # a loop must outlive any one failure
+                log.warning("background job failed", job=job.__name__, error=repr(exc))
+            await asyncio.sleep(interval)
+
+    # -- health -------------------------------------------------------------------------------
+
+    async def probe(self, inst: InstanceState) -> bool:
+        h = self.pool.config.health
+        timeout = httpx.Timeout(h.probe_timeout_s)
+        try:
+            r = await self.client.get(f"{inst.url}/health", timeout=timeout)
+            if r.status_code != 200:
+                return False
+            r = await self.client.get(f"{inst.url}/v1/models", timeout=timeout)
+            if r.status_code != 200:
+                return False
+            apply_models(inst, r.json(), self.pool.clock())
+            if h.probe_model and inst.loaded:
+                # The port answering is not enough: ask a loaded model for one token.
+                model = next(iter(inst.loaded))
+                r = await self.client.post(
+                    f"{inst.url}/v1/completions",
+                    json={"model": model, "prompt": "ping", "max_tokens": 1},
+                    timeout=timeout,
+                )
+                return r.status_code == 200
+            return True
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def probe_all(self) -> None:
+        members = list(self.pool.instances)  # joins and leaves may happen while we probe
+        results = await asyncio.gather(*(self.probe(i) for i in members))
+        for inst, ok in zip(members, results, strict=True):
+            if record_probe(inst, ok, self.pool.clock()):
+                log.info("instance health changed", instance=inst.id, healthy=ok)
+        # Also without a change: ejections and slow-start ramps end with time, not events,
+        # and queued requests must not wait for an unrelated completion to notice.
+        self.pool.admission.wake()
+
+    # -- load signals ---------------------------------------------------------------------------
+
+    async def scrape(self, inst: InstanceState) -> None:
+        try:
+            r = await self.client.get(
+                f"{inst.url}/metrics", timeout=httpx.Timeout(self.pool.config.scrape.interval_s)
+            )
+            if r.status_code == 200:
+                self.signals[inst.id] = parse_metrics(r.text, time.monotonic())
+        except (httpx.HTTPError, ValueError):
+            pass  # the old sample ages out below
+
+    async def scrape_all(self) -> None:
+        cfg = self.pool.config
+        await asyncio.gather(*(self.scrape(i) for i in self.pool.instances if i.scrape))
+        now = time.monotonic()
+        for inst in self.pool.instances:
+            sig = self.signals.get(inst.id)
+            fresh = sig is not None and sig.fresh(now, cfg.scrape.stale_after_s)
+            apply_signal(inst, sig if fresh else None)
+
+    # -- capacity report ----------------------------------------------------------------------
+
+    async def push(self) -> None:
+        body, _ = self.next_report()
+        headers = {"content-type": "application/json"}
+        if self.secret:
+            headers[SIGNATURE_HEADER] = sign(body, self.secret)
+        for url in self.pool.config.gtm_urls:
+            try:
+                r = await self.client.post(
+                    f"{url.rstrip('/')}/v1/capacity",
+                    content=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(2.0),
+                )
+                result = "ok" if r.status_code < 300 else f"http_{r.status_code}"
+            except httpx.HTTPError as exc:
+                result = "error"
+                log.warning("capacity push failed", url=url, error=type(exc).__name__)
+            self.metrics.report_push.labels(result).inc()

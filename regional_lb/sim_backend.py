@@ -1,0 +1,252 @@
+"""``regional-lb sim-backend``: an OpenAI-compatible inference server without a GPU.
+
+Serves ``/v1/chat/completions``, ``/v1/completions`` (streamed or not), ``/v1/embeddings``,
+``/v1/models``, ``/health`` and ``/metrics`` with vLLM's metric names, on top of
+:class:`regional_lb.sim_engine.Engine`. ``POST /sim/faults`` injects failures for tests and
+demos: the next N requests answer 500, or token generation stalls for some seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from regional_lb.disconnect import ClientGone, unless_disconnected
+from regional_lb.errors import RequestError
+from regional_lb.openai_io import PATHS, error_body, parse_request
+from regional_lb.sim_engine import Engine, EngineConfig, Sequence, UnknownModel
+
+
+def _chunk(
+    kind: str, rid: str, model: str, created: int, text: str | None, finish: str | None
+) -> dict[str, Any]:
+    if kind == "chat":
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def _usage(seq: Sequence) -> dict[str, int]:
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": seq.produced,
+        "total_tokens": seq.prompt_tokens + seq.produced,
+    }
+
+
+class _EngineCollector(Collector):
+    """Exports the engine's state under vLLM's metric names at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        e = self.engine
+        model = next(iter(e.loaded), "none")
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Sequences in the batch", len(e.running)),
+            ("vllm:num_requests_waiting", "Sequences queued", len(e.waiting)),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", e.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([model], float(value))
+            yield g
+        for name, doc, total in (
+            ("vllm:prompt_tokens", "Prompt tokens processed", e.prompt_total),
+            ("vllm:generation_tokens", "Tokens generated", e.generation_total),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([model], float(total))
+            yield c
+
+
+def create_app(config: EngineConfig) -> FastAPI:
+    engine: Engine | None = None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine
+        engine = Engine(config)
+        app.state.engine = engine
+        registry = CollectorRegistry()
+        registry.register(_EngineCollector(engine))
+        app.state.registry = registry
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="GTM simulated inference server", lifespan=lifespan)
+
+    def eng() -> Engine:
+        assert engine is not None, "engine runs inside the app's lifespan"
+        return engine
+
+    def err(
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> JSONResponse:
+        return JSONResponse(error_body(message, type_, code, param), status_code=status)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        e = eng()
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "owned_by": "sim", "loaded": m in e.loaded}
+                for m in e.catalog
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/sim/faults")
+    async def faults(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        e = eng()
+        e.fail_next = int(body.get("fail_next", e.fail_next))
+        stall = float(body.get("stall_s", 0.0))
+        if stall > 0:
+            e.stalled_until = time.monotonic() + stall
+        return {
+            "fail_next": e.fail_next,
+            "stalled_for": max(0.0, e.stalled_until - time.monotonic()),
+        }
+
+    async def generate(request: Request, path: str) -> Response:
+        e = eng()
+        try:
+            parsed = parse_request(PATHS[path], await request.body())
+            e.check_model(parsed.shape.model)
+        except RequestError as exc:
+            return err(exc.status, str(exc), param=exc.param)
+        except UnknownModel as exc:
+            return err(404, str(exc), code="model_not_found", param="model")
+        if e.fail_next > 0:
+            e.fail_next -= 1
+            return err(500, "simulated failure", type_="server_error")
+        shape = parsed.shape
+        if shape.endpoint == "embedding":
+            await e.embed(shape.model, shape.prompt_tokens)
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "model": shape.model,
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.0] * 8}],
+                    "usage": {
+                        "prompt_tokens": shape.prompt_tokens,
+                        "total_tokens": shape.prompt_tokens,
+                    },
+                }
+            )
+        exact = bool(parsed.body.get("ignore_eos", False))
+        seq = e.submit(shape.model, shape.prompt_tokens, shape.max_tokens, exact)
+        kind = "chat" if shape.endpoint == "chat" else "text"
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        created = int(time.time())
+        include_usage = bool((parsed.body.get("stream_options") or {}).get("include_usage"))
+        if not parsed.stream:
+
+            async def all_tokens() -> None:
+                while await seq.tokens.get() is not None:
+                    pass
+
+            try:
+                await unless_disconnected(request, all_tokens())
+            except ClientGone:
+                return Response(status_code=499)
+            finally:
+                e.abort(seq)  # no-op when finished; frees the slot if the client left
+            text = "".join(f"tok{i} " for i in range(1, seq.produced + 1))
+            finish = "length" if seq.produced >= shape.max_tokens else "stop"
+            if kind == "chat":
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "finish_reason": finish,
+                    "message": {"role": "assistant", "content": text},
+                }
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish}
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if kind == "chat" else "text_completion",
+                    "created": created,
+                    "model": shape.model,
+                    "choices": [choice],
+                    "usage": _usage(seq),
+                }
+            )
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                while (tok := await seq.tokens.get()) is not None:
+                    chunk = _chunk(kind, rid, shape.model, created, f"tok{tok} ", None)
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                if seq.aborted:
+                    return  # engine stopped under us: end without [DONE]
+                finish = "length" if seq.produced >= shape.max_tokens else "stop"
+                last = _chunk(kind, rid, shape.model, created, None, finish)
+                if include_usage:
+                    last["usage"] = _usage(seq)
+                yield f"data: {json.dumps(last)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                e.abort(seq)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    for path in PATHS:
+        app.add_api_route(path, _bind(generate, path), methods=["POST"])
+    return app
+
+
+def _bind(handler: Any, path: str) -> Any:
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, path)  # type: ignore[no-any-return]
+
+    return endpoint
+
+
+async def serve(config: EngineConfig, host: str, port: int) -> None:
+    """Run the simulated server until SIGTERM/SIGINT (used by the CLI)."""
+    import signal
+
+    from regional_lb.serving import bind, make_server
+
+    server = make_server(create_app(config), graceful_s=2)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    sock = bind(host, port)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        sock.close()
