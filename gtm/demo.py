@@ -17,21 +17,26 @@ import sys
 import time
 from ipaddress import ip_address, ip_network
 from pathlib import Path
+from typing import Any
 
 import dns.asyncquery
 import dns.edns
 import dns.message
 import dns.rcode
+import httpx
+from pydantic import SecretStr
 
 from gtm.audit import query
 from gtm.audit.record import record_of
 from gtm.cli import render_decision
+from gtm.fleet import Fleet
 from gtm.logs import configure
 from gtm.node import Node, run_node
 from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from gtm.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
+from gtm.topology import load_topology
 
 # Well-known addresses and where the 2018 GeoLite2-City data puts them.
 CLIENTS = [
@@ -166,14 +171,96 @@ def free_port(preferred: int) -> int:
     raise OSError("no free port for the demo DNS listener")
 
 
+SECRET = "demo-report-secret"  # shared by the demo's balancers and GTM; never a real secret
+
+
 async def live(settings: Settings, once: bool) -> None:
-    port = free_port(5353)
-    live_settings = settings.model_copy(update={"dns_listen": (f"127.0.0.1:{port}",)})
+    topology = load_topology(settings.config)
+    heading("Live: a regional balancer and a simulated A100 per region, on loopback")
+    fleet = Fleet(Path(os.environ.get("GTM_DEMO_VAR", "var")) / "demo-fleet", SECRET)
+    try:
+        fleet.start(topology)
+        await asyncio.to_thread(fleet.wait_ready)
+        print(
+            f"{len(fleet.balancers)} balancers up: "
+            + ", ".join(f"{r} {u}" for r, u in fleet.balancers.items())
+        )
+        await serve_live(settings, once, fleet)
+    finally:
+        fleet.stop()
+
+
+async def serve_live(settings: Settings, once: bool, fleet: Fleet) -> None:
+    dns_port, http_port = free_port(5353), free_port(8080)
+    live_settings = settings.model_copy(
+        update={
+            "dns_listen": (f"127.0.0.1:{dns_port}",),
+            "http_listen": f"127.0.0.1:{http_port}",
+            "probes": True,
+            "probe_interval_s": 0.5,
+            "probe_timeout_s": 0.4,
+            "report_secret": SecretStr(SECRET),
+            "trusted_proxies": (ip_network("127.0.0.0/8"),),
+        }
+    )
     stop = asyncio.Event()
     ready: asyncio.Future[Node] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(run_node(live_settings, stop, ready))
-    await ready
-    heading(f"Live: authoritative DNS on 127.0.0.1:{port} (UDP and TCP)")
+    started: list[asyncio.Future[Any]] = [ready, task]
+    await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # the node could not start: say why
+    node = ready.result()
+    try:
+        await until_up(node, len(fleet.balancers))
+        await show_dns(dns_port)
+        await show_http(http_port)
+        await show_failover(node, fleet, dns_port)
+        print(
+            f"\nTry: dig @127.0.0.1 -p {dns_port} chat.eu.gtm.example A "
+            "+subnet=203.0.113.0/24\n"
+            f"     curl -sS -L -H 'Host: chat.eu.gtm.example' -H 'X-Forwarded-For: 8.8.8.8'"
+            f' -d \'{{"model":"llama-3-8b","messages":[{{"role":"user",'
+            f'"content":"hi"}}]}}\' http://127.0.0.1:{http_port}/v1/chat/completions\n'
+            f"     .venv/bin/gtm audit tail --database-url {settings.database_url}"
+        )
+        if not once:
+            print("Serving until Ctrl-C.")
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+    finally:
+        stop.set()
+        await task
+
+
+async def until_up(node: Node, count: int, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        health = node.runtime.store.current.health
+        if sum(h.state is HealthState.UP for h in health.values()) >= count:
+            print(f"GTM probes: all {count} regions up")
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("regions did not come up; see the balancer logs")
+
+
+async def ask_dns(port: int, name: str, rdtype: str, subnet: str) -> dns.message.Message:
+    address, prefix = subnet.split("/")
+    query = dns.message.make_query(
+        name, rdtype, use_edns=0, options=[dns.edns.ECSOption(address, int(prefix))]
+    )
+    return await dns.asyncquery.udp(query, "127.0.0.1", port=port, timeout=3)
+
+
+def shown(reply: dns.message.Message) -> str:
+    items = [item.to_text().split()[0] for rrset in reply.answer for item in rrset]
+    return ",".join(items) or dns.rcode.to_text(reply.rcode())
+
+
+async def show_dns(port: int) -> None:
+    heading(f"Authoritative DNS on 127.0.0.1:{port} (UDP and TCP)")
     print(f"{'question':<32} {'client subnet (ECS)':<22} {'answer':<18} ECS scope")
     for name, rdtype, subnet in (
         ("chat.gtm.example.", "A", "85.214.0.0/24"),
@@ -184,28 +271,59 @@ async def live(settings: Settings, once: bool) -> None:
         ("gtm.example.", "SOA", "85.214.0.0/24"),
         ("nope.gtm.example.", "A", "85.214.0.0/24"),
     ):
-        address, prefix = subnet.split("/")
-        query = dns.message.make_query(
-            name, rdtype, use_edns=0, options=[dns.edns.ECSOption(address, int(prefix))]
-        )
-        reply = await dns.asyncquery.udp(query, "127.0.0.1", port=port, timeout=3)
-        shown = [item.to_text().split()[0] for rrset in reply.answer for item in rrset]
+        reply = await ask_dns(port, name, rdtype, subnet)
         scope = next((o.scopelen for o in reply.options if isinstance(o, dns.edns.ECSOption)), "-")
-        answer = ",".join(shown) or dns.rcode.to_text(reply.rcode())
-        print(f"{name + ' ' + rdtype:<32} {subnet:<22} {answer:<18} /{scope}")
-    print(
-        f"\nTry: dig @127.0.0.1 -p {port} chat.eu.gtm.example A +subnet=203.0.113.0/24\n"
-        f"     .venv/bin/gtm explain --client 8.8.8.8 --name chat.eu.gtm.example\n"
-        f"     .venv/bin/gtm audit tail --database-url {settings.database_url}"
-    )
-    if not once:
-        print("Serving until Ctrl-C.")
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    else:
-        stop.set()
-    await task
+        print(f"{name + ' ' + rdtype:<32} {subnet:<22} {shown(reply):<18} /{scope}")
+
+
+async def show_http(port: int) -> None:
+    heading(f"HTTP front on 127.0.0.1:{port}: redirect, then the region's balancer answers")
+    body = {
+        "model": "llama-3-8b",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": "Where is my data processed?"}],
+    }
+    async with httpx.AsyncClient(timeout=30) as client:
+        for host, client_ip, extra in (
+            ("chat.eu.gtm.example", "8.8.8.8", {}),
+            ("chat.gtm.example", "49.36.0.1", {}),
+            ("chat.gtm.example", "85.214.0.1", {"X-Data-Residency": "kr-personal"}),
+        ):
+            headers = {"Host": host, "X-Forwarded-For": client_ip, **extra}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            first = await client.post(url, json=body, headers=headers)
+            line = (
+                f"POST {host} from {client_ip}{' + ' + str(extra) if extra else ''}: "
+                f"{first.status_code}"
+            )
+            if first.status_code in (307, 308):
+                final = await client.post(first.headers["location"], json=body)
+                text = final.json()["choices"][0]["message"]["content"].strip()
+                line += (
+                    f" -> {first.headers['x-gtm-region']} {first.headers['location']}"
+                    f" -> {final.status_code} {text!r}"
+                )
+            else:
+                line += f" {first.text[:120]}"
+            print(line)
+
+
+async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:
+    heading("Failover: the eu-central balancer is killed")
+    before = shown(await ask_dns(dns_port, "chat.gtm.example.", "A", "85.214.0.0/24"))
+    fleet.kill("eu-central-lb")
+    started = time.monotonic()
+    while time.monotonic() - started < 15:
+        after = shown(await ask_dns(dns_port, "chat.gtm.example.", "A", "85.214.0.0/24"))
+        if after != before:
+            print(
+                f"a Berlin client's answer moved {before} -> {after} "
+                f"{time.monotonic() - started:.1f} s after the kill (probe interval 0.5 s, "
+                f"down after 3 failed probes)"
+            )
+            return
+        await asyncio.sleep(0.1)
+    print("the answer did not move within 15 s")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`make demo` runs to the end: the walkthrough, then the live DNS node's example answers."""
+"""`make demo` runs to the end: the walkthrough, then the live topology (regional balancers,
+simulated instances, DNS and the HTTP front) answering, and a failover."""
 
 from __future__ import annotations
 
@@ -26,4 +27,9 @@ def test_demo_once(tmp_path: Path) -> None:
     assert any(line.split()[:4] == ["chat.eu.gtm.example.", "A", "8.8.8.0/24", "192.0.2.30"]
                for line in text.splitlines())
     assert "NXDOMAIN" in text
+    assert "all 6 regions up" in text
+    # Through the front to the EU region's balancer and its simulated instance.
+    assert "POST chat.eu.gtm.example from 8.8.8.8: 307 -> eu-west" in text
+    assert "-> 200 'tok1" in text and ": 451 " in text
+    assert "answer moved 192.0.2.40 -> 192.0.2.30" in text
     assert (tmp_path / "demo.sqlite3").exists()
