@@ -41,25 +41,56 @@ class Fleet:
                 continue
             sim = f"127.0.0.1:{sim_port_base + i + 1}"
             config = self.directory / f"{region.id}.yaml"
-            config.write_text(yaml.safe_dump({
-                "region": region.id, "listen": f"127.0.0.1:{url.port}",
-                "instances": [{"id": f"{region.id}-a100-1", "url": f"http://{sim}",
-                               "gpu": "A100", "models": [MODEL]}],
-                "gtm_urls": [],  # GTM probes the balancers; nothing is pushed in the demo
-            }))
-            self._spawn(f"{region.id}-sim", [
-                "sim-backend", "--listen", sim, "--gpu", "A100", "--models", MODEL,
-                "--speedup", "20", "--seed", str(i)], env)
-            self._spawn(f"{region.id}-lb", ["serve", "--config", str(config), "--grace", "2"],
-                        env)
+            config.write_text(
+                yaml.safe_dump(
+                    {
+                        "region": region.id,
+                        "listen": f"127.0.0.1:{url.port}",
+                        "instances": [
+                            {
+                                "id": f"{region.id}-a100-1",
+                                "url": f"http://{sim}",
+                                "gpu": "A100",
+                                "models": [MODEL],
+                            }
+                        ],
+                        "gtm_urls": [],  # GTM probes the balancers; nothing is pushed in the demo
+                    }
+                )
+            )
+            self._spawn(
+                f"{region.id}-sim",
+                [
+                    "sim-backend",
+                    "--listen",
+                    sim,
+                    "--gpu",
+                    "A100",
+                    "--models",
+                    MODEL,
+                    "--speedup",
+                    "20",
+                    "--seed",
+                    str(i),
+                ],
+                env,
+            )
+            self._spawn(f"{region.id}-lb", ["serve", "--config", str(config), "--grace", "2"], env)
             self.balancers[region.id] = f"http://127.0.0.1:{url.port}"
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = (self.directory / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen(
-            [sys.executable, "-c", "from regional_lb.cli import app; app(prog_name='regional-lb')",
-             *args], env=env, stdout=log,
-            stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-c",
+                "from regional_lb.cli import app; app(prog_name='regional-lb')",
+                *args,
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -72,8 +103,9 @@ class Fleet:
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"balancers not ready: {', '.join(sorted(pending))} (logs in"
-                                   f" {self.directory})")
+                raise TimeoutError(
+                    f"balancers not ready: {', '.join(sorted(pending))} (logs in {self.directory})"
+                )
             time.sleep(0.2)
 
     def kill(self, name: str) -> None:

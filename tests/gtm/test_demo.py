@@ -24,8 +24,10 @@ def test_demo_once(tmp_path: Path) -> None:
     text = out.stdout
     assert "fail_closed" in text and "hash chain intact" in text
     # A US resolver's client with EU personal data is answered from Dublin.
-    assert any(line.split()[:4] == ["chat.eu.gtm.example.", "A", "8.8.8.0/24", "192.0.2.30"]
-               for line in text.splitlines())
+    assert any(
+        line.split()[:4] == ["chat.eu.gtm.example.", "A", "8.8.8.0/24", "192.0.2.30"]
+        for line in text.splitlines()
+    )
     assert "NXDOMAIN" in text
     assert "all 6 regions up" in text
     # Through the front to the EU region's balancer and its simulated instance.
