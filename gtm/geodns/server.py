@@ -48,6 +48,14 @@ class _Cached:
     truncated: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Exact:
+    tail: bytes  # the whole response after its ID
+    record: AuditRecord
+    stats_key: tuple[str, str, str]
+    truncated: bool
+
+
 def time_boundary(snapshot: Snapshot, now: float) -> float:
     """The next instant after ``now`` at which a decision from ``snapshot`` can change without a
     new snapshot: when a capacity report turns stale (DESIGN.md: stale reports are ignored)."""
@@ -79,17 +87,26 @@ class Responder:
         self.rrl = rate_limiter
         self._clock = clock
         self._cache: dict[tuple[object, ...], _Cached] = {}
+        self._exact: dict[tuple[bytes, object, bool], _Exact] = {}
         self._cache_version = -1
         self._cache_until = 0.0
         self._services: Mapping[str, object] = {}
 
-    def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
-        """The response to one message, or None to send nothing. Never raises on input."""
-        parsed = parse_query(wire)
-        if isinstance(parsed, Reject):
-            return self._reject(parsed, client, udp)
-        query = parsed
-        limit = udp_limit(query.edns) if udp else None
+    def respond(
+        self, wire: bytes, client: IPAddress, udp: bool, peer: str | None = None
+    ) -> bytes | None:
+        """The response to one message, or None to send nothing. Never raises on input.
+
+        ``peer`` is the sender's address as the transport gave it (cheaper to hash than an
+        address object); it keys the exact-query cache.
+        """
+        snapshot = self.runtime.store.current
+        now = self._clock()
+        if snapshot.version != self._cache_version or now >= self._cache_until:
+            self._cache, self._exact = {}, {}
+            self._cache_version = snapshot.version
+            self._cache_until = time_boundary(snapshot, now)
+            self._services = zone_data(snapshot.topology).services
         if udp and self.rrl is not None:
             verdict = self.rrl.check(client)
             if verdict is not Limit.ANSWER:
@@ -97,15 +114,25 @@ class Responder:
                 if verdict is Limit.DROP:
                     return None
                 self.stats.slipped += 1
-                return self._slip(query, client)
-
-        snapshot = self.runtime.store.current
-        now = self._clock()
-        if snapshot.version != self._cache_version or now >= self._cache_until:
-            self._cache = {}
-            self._cache_version = snapshot.version
-            self._cache_until = time_boundary(snapshot, now)
-            self._services = zone_data(snapshot.topology).services
+                limited = parse_query(wire)
+                return self._slip(limited, client) if isinstance(limited, Query) else None
+        # First level: the exact query bytes after the ID, from this sender, over this transport.
+        # The bytes fix name, type, flags, letter case and ECS; the sender fixes the location
+        # when there is no ECS. So the whole response but its ID is known: no parsing at all.
+        exact_key = (wire[2:], peer if peer is not None else client, udp)
+        exact = self._exact.get(exact_key)
+        if exact is not None:
+            self.stats.cache_hits += 1
+            self.runtime.count(exact.record)
+            self.stats.queries[exact.stats_key] += 1
+            if exact.truncated:
+                self.stats.truncated += 1
+            return wire[:2] + exact.tail
+        parsed = parse_query(wire)
+        if isinstance(parsed, Reject):
+            return self._reject(parsed, client, udp)
+        query = parsed
+        limit = udp_limit(query.edns) if udp else None
         key = self._key(query, client, limit, snapshot, self._services)
         cached = self._cache.get(key)
         if cached is None:
@@ -137,8 +164,12 @@ class Responder:
                 + query.qname
                 + template[12 + n :]
             )
+        stats_key = ("udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name)
+        if len(self._exact) >= _CACHE_LIMIT:
+            self._exact.clear()
+        self._exact[exact_key] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
         self.runtime.count(cached.record)
-        self.stats.queries["udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name] += 1
+        self.stats.queries[stats_key] += 1
         if cached.truncated:
             self.stats.truncated += 1
         return out
@@ -259,7 +290,8 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
         try:
-            out = self.responder.respond(data, _peer(str(addr[0])), udp=True)
+            host = str(addr[0])
+            out = self.responder.respond(data, _peer(host), udp=True, peer=host)
         except Exception:  # one bad packet must never take the listener down
             log.exception("dns.udp_failed", peer=str(addr[0]))
             return

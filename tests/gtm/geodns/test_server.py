@@ -340,3 +340,23 @@ async def test_every_response_is_counted_in_the_audit(
     finally:
         await engine.dispose()
     assert ip_network("198.51.100.0/24")  # the audit keeps networks, never addresses
+
+
+async def test_identical_bytes_from_two_networks_stay_two_clients(start_node: StartNode) -> None:
+    node = await start_node()
+    wire = q(use_edns=False).to_wire()
+    for source in ("127.0.0.1", "127.0.1.1", "127.0.0.1", "127.0.1.1"):
+        reply = await raw_udp(node, wire, source=source)
+        assert reply is not None and reply[:2] == wire[:2]
+    patched = b"\xbe\xef" + wire[2:]  # another ID: echoed, the rest served from the cache
+    reply = await raw_udp(node, patched)
+    assert reply is not None and reply[:2] == b"\xbe\xef"
+    assert dns.message.from_wire(reply).answer
+    await node.runtime.writer.flush()
+    engine = make_async_engine(node.runtime.settings.database_url)
+    try:
+        rows = await audit_query.tail(engine, 10)
+    finally:
+        await engine.dispose()
+    counts = {r["client_network"]: r["count"] for r in rows if r["name"] == "chat.gtm.example."}
+    assert counts == {"127.0.0.0/24": 3, "127.0.1.0/24": 2}
