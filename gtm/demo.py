@@ -24,6 +24,7 @@ import dns.edns
 import dns.message
 import dns.rcode
 import httpx
+from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from gtm.audit import query
@@ -178,20 +179,23 @@ async def live(settings: Settings, once: bool) -> None:
     topology = load_topology(settings.config)
     heading("Live: a regional balancer and a simulated A100 per region, on loopback")
     fleet = Fleet(Path(os.environ.get("GTM_DEMO_VAR", "var")) / "demo-fleet", SECRET)
+    dns_port, http_port = free_port(5353), free_port(8080)
     try:
-        fleet.start(topology)
+        # Balancers push their reports to the front (/v1/capacity) and GTM probes them too.
+        fleet.start(topology, gtm_urls=(f"http://127.0.0.1:{http_port}",))
         await asyncio.to_thread(fleet.wait_ready)
         print(
             f"{len(fleet.balancers)} balancers up: "
             + ", ".join(f"{r} {u}" for r, u in fleet.balancers.items())
         )
-        await serve_live(settings, once, fleet)
+        await serve_live(settings, once, fleet, dns_port, http_port)
     finally:
         fleet.stop()
 
 
-async def serve_live(settings: Settings, once: bool, fleet: Fleet) -> None:
-    dns_port, http_port = free_port(5353), free_port(8080)
+async def serve_live(
+    settings: Settings, once: bool, fleet: Fleet, dns_port: int, http_port: int
+) -> None:
     live_settings = settings.model_copy(
         update={
             "dns_listen": (f"127.0.0.1:{dns_port}",),
@@ -213,6 +217,11 @@ async def serve_live(settings: Settings, once: bool, fleet: Fleet) -> None:
     node = ready.result()
     try:
         await until_up(node, len(fleet.balancers))
+        await asyncio.sleep(1.5)  # a round of pushed reports
+        accepted = REGISTRY.get_sample_value(
+            "gtm_capacity_reports_pushed_total", {"result": "accepted"}
+        )
+        print(f"capacity reports pushed by the balancers and accepted: {accepted or 0:.0f}")
         await show_dns(dns_port)
         await show_http(http_port)
         await show_failover(node, fleet, dns_port)

@@ -3,7 +3,7 @@
 of it, as separate processes (``regional-lb sim-backend`` and ``regional-lb serve``).
 
 The balancer listens where the region's ``base_url`` says, so GTM's probes (``probe_url``) and
-redirects reach it; reports are signed with the secret given.
+redirects reach it; its reports are signed with the secret given and pushed to ``gtm_urls``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class Fleet:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     balancers: dict[str, str] = field(default_factory=dict)  # region -> base URL
 
-    def start(self, topology: Topology, sim_port_base: int = 8700) -> None:
+    def start(
+        self, topology: Topology, sim_port_base: int = 8700, gtm_urls: tuple[str, ...] = ()
+    ) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         env = os.environ | {"REGIONAL_LB_REPORT_SECRET": self.secret}
         for i, region in enumerate(topology.regions):
@@ -54,7 +56,7 @@ class Fleet:
                                 "models": [MODEL],
                             }
                         ],
-                        "gtm_urls": [],  # GTM probes the balancers; nothing is pushed in the demo
+                        "gtm_urls": list(gtm_urls),  # where reports are pushed (GTM also probes)
                     }
                 )
             )

@@ -17,3 +17,6 @@ SNAPSHOT_VERSION = Gauge("gtm_snapshot_version", "Version of the snapshot in for
 GEOIP_RELOAD_FAILURES = Counter(
     "gtm_geoip_reload_failures", "GeoIP files that changed but could not be opened"
 )
+CAPACITY_REPORTS = Counter(
+    "gtm_capacity_reports_pushed", "Capacity reports pushed by regional balancers", ["result"]
+)

@@ -26,6 +26,7 @@ import structlog
 from prometheus_client import generate_latest
 
 from gtm.audit.record import record_of
+from gtm.capacity import Rejected
 from gtm.decision import Decision, IPAddress, Outcome, Status
 from gtm.front.client_address import ForwardingError, TrustedProxies, client_address, parse_peer
 from gtm.front.metrics import FrontStats
@@ -39,6 +40,7 @@ from gtm.front.signals import (
     TenantIndex,
     signals_of,
 )
+from gtm.metrics import CAPACITY_REPORTS
 from gtm.routing import Channel, DecisionRequest, decide
 from gtm.runtime import Runtime
 from gtm.snapshot import Snapshot
@@ -54,6 +56,9 @@ Send = Callable[[Message], Awaitable[None]]
 ALLOWED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _ALLOW = ", ".join(sorted(ALLOWED_METHODS)).encode()
 OPS_PATHS = frozenset({"/livez", "/readyz", "/metrics"})
+# Regional balancers push their signed capacity reports here (DESIGN.md "Interfaces").
+CAPACITY_PATH = "/v1/capacity"
+CAPACITY_MAX_BYTES = 64 * 1024
 
 # Header kinds the front reads; everything else is passed over in one dictionary lookup.
 _HOST, _FORWARDED, _XFF, _RESIDENCY, _TENANT, _AUTH, _API_KEY = range(7)
@@ -149,14 +154,13 @@ class FrontApp:
             self._topology = snapshot.topology
             self._hosts.clear()
         host, service = self._host(host_values, snapshot)
-        if (
-            service is None
-            and host is not None
-            and scope["path"] in OPS_PATHS
-            and method in ("GET", "HEAD")
-        ):
-            await self._ops(scope["path"], send)
-            return
+        if service is None and host is not None:
+            if scope["path"] in OPS_PATHS and method in ("GET", "HEAD"):
+                await self._ops(scope["path"], send)
+                return
+            if scope["path"] == CAPACITY_PATH and method == "POST":
+                await self._capacity(scope, receive, send)
+                return
         try:
             if host is None:
                 raise _Reject(400, "bad_host", "a request needs exactly one valid Host header")
@@ -500,6 +504,46 @@ class FrontApp:
                 }
             )
             await send({"type": "http.response.body", "body": payload})
+
+    async def _capacity(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A pushed capacity report: verified (HMAC, freshness, order), then folded into the
+        snapshot. Not a routing decision, so not an audit row; counted in metrics."""
+        signature = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k == b"x-gtm-signature"), None
+        )
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if len(body) > CAPACITY_MAX_BYTES:
+                CAPACITY_REPORTS.labels("too_large").inc()
+                await _send_json(
+                    send,
+                    413,
+                    {"error": "too_large", "message": "a capacity report is a few hundred bytes"},
+                    [],
+                )
+                return
+            if not message.get("more_body", False):
+                break
+        result = self.runtime.intake.accept(body, signature, self.clock())
+        if isinstance(result, Rejected):
+            status = (
+                401
+                if result.reason.startswith("signature")
+                else 409
+                if result.reason.startswith(("replayed", "stale"))
+                else 400
+            )
+            CAPACITY_REPORTS.labels("rejected").inc()
+            await _send_json(
+                send, status, {"error": "report_rejected", "message": result.reason}, []
+            )
+            return
+        self.runtime.apply_report(result)
+        CAPACITY_REPORTS.labels("accepted").inc()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
 
 def proxy_targets(decision: Decision, snapshot: Snapshot) -> list[Target]:

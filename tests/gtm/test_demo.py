@@ -30,6 +30,8 @@ def test_demo_once(tmp_path: Path) -> None:
     )
     assert "NXDOMAIN" in text
     assert "all 6 regions up" in text
+    pushed = next(line for line in text.splitlines() if "pushed by the balancers" in line)
+    assert int(pushed.rsplit(" ", 1)[1]) > 0
     # Through the front to the EU region's balancer and its simulated instance.
     assert "POST chat.eu.gtm.example from 8.8.8.8: 307 -> eu-west" in text
     assert "-> 200 'tok1" in text and ": 451 " in text
