@@ -101,8 +101,9 @@ def serve(
     http: Annotated[str | None, typer.Option("--http", help="HTTP front HOST:PORT")] = None,
     admin: Annotated[str | None, typer.Option("--admin", help="admin API HOST:PORT")] = None,
     metrics: Annotated[str | None, typer.Option("--metrics", help="metrics HOST:PORT")] = None,
-    dns_workers: Annotated[
-        int | None, typer.Option("--dns-workers", help="DNS worker processes (SO_REUSEPORT)")
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", help="processes sharing the DNS and HTTP ports (SO_REUSEPORT)"),
     ] = None,
     node_id: Annotated[str | None, typer.Option("--node-id")] = None,
 ) -> None:
@@ -116,7 +117,7 @@ def serve(
         http_listen=http,
         admin_listen=admin,
         metrics_listen=metrics,
-        dns_workers=dns_workers,
+        workers=workers,
         node_id=node_id,
     )
     missing = ["--admin"] if settings.admin_listen else []
@@ -132,11 +133,12 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 
-    if settings.dns_workers > 1 and any(parse_listen(x)[1] == 0 for x in settings.dns_listen):
-        typer.echo("error: --dns-workers needs fixed ports (port 0 differs per worker)", err=True)
+    fixed = [*settings.dns_listen, *filter(None, [settings.http_listen])]
+    if settings.workers > 1 and any(parse_listen(x)[1] == 0 for x in fixed):
+        typer.echo("error: --workers needs fixed ports (port 0 differs per worker)", err=True)
         raise typer.Exit(2)
     try:
-        if settings.dns_workers > 1:
+        if settings.workers > 1:
             serve_workers(settings)
         else:
             serve_forever(settings)

@@ -74,7 +74,13 @@ async def run_node(
         if settings.http_listen:
             front_ready = asyncio.Event()
             node.http_task = asyncio.create_task(
-                serve_front(runtime, settings.http_listen, front_stop, ready=front_ready),
+                serve_front(
+                    runtime,
+                    settings.http_listen,
+                    front_stop,
+                    ready=front_ready,
+                    reuse_port=reuse_port,
+                ),
                 name="http-front",
             )
             ready_wait = asyncio.create_task(front_ready.wait())
@@ -148,7 +154,7 @@ def _worker(settings: Settings, index: int) -> None:
 
 
 def serve_workers(settings: Settings) -> None:
-    """``settings.dns_workers`` processes on the same DNS ports (SO_REUSEPORT): the kernel
+    """``settings.workers`` processes on the same DNS and HTTP ports (SO_REUSEPORT): the kernel
     spreads clients over them by address and port. This process is worker 0; the schema is
     migrated once, here, before any worker starts."""
     if settings.migrate_on_start:
@@ -157,7 +163,7 @@ def serve_workers(settings: Settings) -> None:
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(target=_worker, args=(settings, i), name=f"gtm-dns-w{i}")
-        for i in range(1, settings.dns_workers)
+        for i in range(1, settings.workers)
     ]
     for child in children:
         child.start()

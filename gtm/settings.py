@@ -39,9 +39,9 @@ class Settings(BaseSettings):
     dns_rate_slip: int = Field(default=2, ge=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
-    # Worker processes sharing the DNS ports (SO_REUSEPORT), each with its own answer cache
+    # Worker processes sharing the DNS and HTTP ports (SO_REUSEPORT), each with its own caches
     # and audit chain ("NODE/wN"); 1 answers in the main process.
-    dns_workers: int = Field(default=1, ge=1, le=64)
+    workers: int = Field(default=1, ge=1, le=64)
     http_listen: str | None = None
     admin_listen: str | None = None
     # Prometheus metrics on their own port (the HTTP front and admin API also serve /metrics).

@@ -12,7 +12,6 @@ request path.
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 import sys
 
@@ -21,6 +20,7 @@ import uvloop
 from gtm.audit.record import AuditRecord
 from gtm.front.server import FrontServer
 from gtm.logs import configure
+from gtm.node import tune_for_latency
 from gtm.runtime import Runtime
 from gtm.settings import load_settings
 
@@ -35,8 +35,7 @@ async def main(listen: str) -> None:
     runtime = Runtime(settings)
     await runtime.start()
     runtime.writer.count = _uncounted  # type: ignore[method-assign]
-    gc.collect()
-    gc.freeze()
+    tune_for_latency()  # the same process settings as `gtm serve`
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

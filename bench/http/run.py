@@ -5,7 +5,7 @@
 In one run, with the variants interleaved over rounds (the machine is shared and noisy, so only
 ratios measured side by side mean anything):
 
-- ``gtm``: the front (``python -m gtm.front``, one worker) on the demo topology with the bundled
+- ``gtm``: the front (``gtm serve --http``, one worker) on the demo topology with the bundled
   GeoLite2-City database: a full decision per request, residency signals, audit counting;
 - ``nginx``: nginx with ``libnginx-mod-http-geoip2`` returning the equivalent country-based 307
   (the script writes its configuration);
@@ -269,7 +269,7 @@ def start_gtm(
         "GTM_PROBES": "false",
     }
     env.pop("GTM_GEOIP_PATH", None)  # the bundled GeoLite2-City, the file nginx reads too
-    cmd = [sys.executable, "-m", "gtm.front", "--listen", f"127.0.0.1:{port}"]
+    cmd = [sys.executable, "-m", "gtm", "serve", "--http", f"127.0.0.1:{port}"]
     if uncounted:
         cmd = [sys.executable, str(HERE / "front_uncounted.py"), f"127.0.0.1:{port}"]
     if workers > 1:

@@ -278,14 +278,19 @@ async def _hand_over_counts(app: FrontApp, interval_s: float) -> None:
 
 
 async def serve_front(
-    runtime: Runtime, listen: str, stop: asyncio.Event, *, ready: asyncio.Event | None = None
+    runtime: Runtime,
+    listen: str,
+    stop: asyncio.Event,
+    *,
+    ready: asyncio.Event | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve the HTTP front on ``listen`` (``HOST:PORT``) until ``stop`` is set.
 
     Sets ``ready`` once listening; returns after the requests in flight have been answered (and
     counted: the caller's ``runtime.stop()`` then flushes them to the audit store).
     """
-    await FrontServer(runtime, listen).run(stop, ready)
+    await FrontServer(runtime, listen, reuse_port=reuse_port).run(stop, ready)
 
 
 __all__ = ["FrontServer", "HeadLimits", "parse_listen", "serve_front"]

@@ -173,8 +173,9 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
 
     import dns.message
     import dns.query
+    import httpx
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     db = tmp_path / "g.sqlite3"
     env = serve_env(tmp_path)
     proc = subprocess.Popen(
@@ -185,7 +186,9 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
             "serve",
             "--dns",
             f"127.0.0.1:{port}",
-            "--dns-workers",
+            "--http",
+            f"127.0.0.1:{http_port}",
+            "--workers",
             "2",
             "--node-id",
             "pair",
@@ -209,14 +212,25 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
             )
             answered += bool(reply.answer)
         assert answered == 200
+        redirected = 0
+        for _ in range(40):  # a new connection each time: spread like the datagrams
+            with httpx.Client() as client:
+                response = client.get(
+                    f"http://127.0.0.1:{http_port}/v1/models", headers={"Host": "chat.gtm.example"}
+                )
+            redirected += response.status_code == 307
+        assert redirected == 40
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         proc.stderr.close()
     with sqlite3.connect(db) as conn:
         by_node = dict(conn.execute("SELECT node, SUM(count) FROM decisions GROUP BY node"))
+        by_channel = dict(
+            conn.execute("SELECT channel, SUM(count) FROM decisions GROUP BY channel")
+        )
     assert set(by_node) == {"pair/w0", "pair/w1"}  # both answered, each its own chain
-    assert sum(by_node.values()) == 200
+    assert by_channel == {"dns": 200, "http": 40}
 
 
 def test_metrics_count_what_was_answered(server: int) -> None:
