@@ -25,7 +25,7 @@ import yaml
 from gtm import migrate
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
-from gtm.errors import ConfigError, GeoIPError, GTMError
+from gtm.errors import ConfigError, GTMError
 from gtm.listen import parse_listen
 from gtm.logs import configure as configure_logs
 from gtm.node import serve_forever, serve_workers
@@ -478,6 +478,3 @@ def audit_verify(database_url: DbOpt = None) -> None:
     typer.echo(f"{checked} row(s) checked, {len(breaks)} break(s)")
     if breaks:
         raise typer.Exit(1)
-
-
-__all__ = ["GeoIPError", "app"]

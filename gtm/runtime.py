@@ -21,7 +21,6 @@ from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.capacity import CapacityIntake
-from gtm.errors import ConfigError, GeoIPError
 from gtm.geoip import GeoDatabase, GeoIPSource, default_database_path
 from gtm.health import TargetHealth, Thresholds
 from gtm.policy import PolicySet, load_policy
@@ -166,6 +165,3 @@ class Runtime:
                 await self.reload_geoip()
             except Exception:  # the poller must outlive any single bad read
                 log.exception("geoip.poll_failed")
-
-
-__all__ = ["ConfigError", "Documents", "GeoIPError", "Runtime", "build_snapshot", "load_documents"]

@@ -188,7 +188,9 @@ async def test_two_nodes_keep_separate_chains(
     assert breaks == []
     exported = [r async for r in query.export(engine)]
     assert len(exported) == 6
-    assert json.dumps(exported)
+    assert json.loads(json.dumps(exported)) == exported  # exported rows survive JSON unchanged
+    assert {r["node"] for r in exported} == {"node-1", "node-2"}
+    assert {r["channel"] for r in exported} == {"dns", "http"}
 
 
 def test_migrations_match_the_models_and_go_down_and_up(database_url: str) -> None:
