@@ -52,6 +52,8 @@ class Reason(StrEnum):
     WEIGHT_ZERO = "weight-zero"
     CANNOT_TAKE_WORK = "cannot-take-work"
     FAIL_STATIC = "fail-static"
+    READMITTING = "readmitting"  # back from an outage, this client not re-admitted yet
+    READMIT_HOLD = "readmit-hold"  # keeps the client while its best region is re-admitted
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ a global registry; defining them per instance would register twice)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS_COUNTED = Counter(
     "gtm_audit_decisions_counted", "Answers counted towards audit rows", ["channel"]
@@ -20,3 +20,33 @@ GEOIP_RELOAD_FAILURES = Counter(
 CAPACITY_REPORTS = Counter(
     "gtm_capacity_reports_pushed", "Capacity reports pushed by regional balancers", ["result"]
 )
+STATE_SYNC_AGE = Gauge(
+    "gtm_state_sync_age_seconds",
+    "Seconds since this node last synced region state and documents with the shared database",
+)
+REGION_STATE = Gauge(
+    "gtm_region_state", "Region state in force (1 for the current state)", ["region", "state"]
+)
+REGION_ADMITTED = Gauge(
+    "gtm_region_admitted_share",
+    "Share of its clients a region has back while re-admitted",
+    ["region"],
+)
+REGION_UTILISATION = Gauge(
+    "gtm_region_utilisation", "Utilisation in the last capacity report", ["region"]
+)
+REGION_REPORT_TS = Gauge(
+    "gtm_region_report_timestamp_seconds",
+    "Unix time of the last accepted capacity report (report age = time() - this)",
+    ["region"],
+)
+REGION_SPILL_SHARE = Gauge(
+    "gtm_region_spill_share", "Share of a spilling region's clients sent elsewhere", ["region"]
+)
+PROBE_LATENCY = Histogram(
+    "gtm_probe_latency_seconds",
+    "Latency of region probes that got an answer",
+    ["region"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+PROBE_FAILURES = Counter("gtm_probe_failures", "Region probes that failed", ["region"])

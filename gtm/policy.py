@@ -23,7 +23,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gtm.documents import read_yaml, validate_document
+from gtm.documents import parse_yaml, validate_document
 from gtm.errors import ConfigError, Problem
 from gtm.topology import Topology
 
@@ -327,15 +327,34 @@ def policy_files(paths: Iterable[Path]) -> list[Path]:
 
 def load_policy(paths: Iterable[Path], topology: Topology | None = None) -> PolicySet:
     """Read, validate and merge policy documents; every problem in every file at once."""
-    problems: list[Problem] = []
-    documents: list[tuple[str, PolicyDocument]] = []
     files = policy_files(paths)
     if not files:
         raise ConfigError([Problem("policies", "", "no policy documents found")])
+    problems: list[Problem] = []
+    sources: list[tuple[str, str]] = []
     for path in files:
         try:
+            sources.append((str(path), path.read_text(encoding="utf-8")))
+        except OSError as exc:
+            problems.append(Problem(str(path), "", f"cannot read file: {exc.strerror}"))
+    if problems:
+        raise ConfigError(problems)
+    return parse_policies(sources, topology)
+
+
+def parse_policies(
+    sources: Sequence[tuple[str, str]], topology: Topology | None = None
+) -> PolicySet:
+    """Validate and merge policy documents given as (name, YAML text): files, or documents
+    published through the shared database."""
+    if not sources:
+        raise ConfigError([Problem("policies", "", "no policy documents found")])
+    problems: list[Problem] = []
+    documents: list[tuple[str, PolicyDocument]] = []
+    for name, text in sources:
+        try:
             documents.append(
-                (str(path), validate_document(PolicyDocument, read_yaml(path), str(path)))
+                (name, validate_document(PolicyDocument, parse_yaml(text, name), name))
             )
         except ConfigError as exc:
             problems.extend(exc.problems)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import structlog
 
+from gtm import metrics
 from gtm.capacity import CapacityIntake, Rejected
 from gtm.health import TargetHealth, Thresholds, observe
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport
@@ -128,6 +129,9 @@ class Prober:
         self.probes += 1
         if not outcome.ok:
             self.failures += 1
+            metrics.PROBE_FAILURES.labels(region).inc()
+        if outcome.report is not None or outcome.ok:
+            metrics.PROBE_LATENCY.labels(region).observe(outcome.latency_s)
         if outcome.report is not None:
             self.on_report(outcome.report)
         before = self.health[region]

@@ -8,9 +8,10 @@ steps follow DESIGN.md "The decision":
 2. residency   every matching policy rule narrows the allowed set; nothing adds a region back
 3. health      down, draining, zero-weight and "cannot take work" regions drop out
 4. rank        a configured latency map first, then great-circle distance divided by weight
-5. capacity    a region over its high watermark sheds the share of clients (by a stable hash of
-               their network) that brings it back to its low watermark, to the next allowed
-               region with fresh headroom
+5. capacity    a region being re-admitted after an outage takes back a growing share of its
+               clients, and a region over its high watermark sheds the share of clients that
+               brings it back to its low watermark, to the next allowed region with fresh
+               headroom; both choose clients by a stable hash of their network
 6. outcome     the region, its addresses, a TTL and a verdict for every candidate
 
 Steps 1-4 do not depend on the individual client and are memoised per snapshot
@@ -125,8 +126,20 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
     if plan.outcome is not Outcome.ANSWER:
         return Decision(*head, location, net, 0, snapshot.versions)
 
-    # 5. Capacity / spillover, per client network.
+    # 5. Re-admission, then capacity / spillover, per client network.
     chosen = plan.healthy[0]
+    health = snapshot.health.get(chosen.id)
+    if (
+        health is not None
+        and health.admitted < 1.0
+        and len(plan.healthy) > 1
+        # The highest points come back first: the spill share (below) sheds the lowest, so a
+        # region that spills while it ramps up does not send away the clients just readmitted.
+        and spill_point(net, chosen.id) <= 1.0 - health.admitted
+    ):
+        held = _held_back_head(plan, health.admitted, snapshot)
+        scope = _scope(location, net, ecs, plan.location_dependent, spilled=True)
+        return Decision(*held, location, net, scope, snapshot.versions)
     spill = snapshot.topology.routing.spillover
     cap = snapshot.capacity.get(chosen.id)
     if (
@@ -185,6 +198,24 @@ def _spilled_head(plan: Plan, utilisation: float, snapshot: Snapshot, now: float
     # Holding the plan in the entry keeps its id from being reused by another plan.
     snapshot.spills[id(plan)] = (plan, valid_after, valid_until, head)
     return head
+
+
+def _held_back_head(plan: Plan, admitted: float, snapshot: Snapshot) -> Head:
+    """A client its recovering best region has not re-admitted yet stays on the next healthy
+    allowed region, where failover had sent it (rule 1: plan.healthy is inside the allowed set).
+    Rare and brief, so not memoised."""
+    chosen, target = plan.healthy[0], plan.healthy[1]
+    candidates = _replace(
+        _replace(
+            plan.candidates,
+            Candidate(
+                chosen.id, Status.ELIGIBLE, Reason.READMITTING, f"re-admitted {admitted:.0%}"
+            ),
+        ),
+        Candidate(target.id, Status.CHOSEN, Reason.READMIT_HOLD, f"while {chosen.id} returns"),
+    )
+    ttl = min(plan.ttl, snapshot.topology.routing.degraded_ttl)
+    return decision_head(plan, Outcome.ANSWER, (target,), candidates, ttl)
 
 
 def _spill_target(

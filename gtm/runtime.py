@@ -1,4 +1,5 @@
-"""One GTM node's moving parts: the snapshot store, GeoIP reloading and the audit writer.
+"""One GTM node's moving parts: the snapshot store, GeoIP reloading, the audit writer, region
+probing and capacity intake, and the sync of region state and documents with the fleet.
 
 ``gtm serve`` starts a :class:`Runtime` and puts its listeners on top; tests and the demo use
 it the same way. Loading is all-or-nothing: a bad topology, policy or GeoIP file stops the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +23,19 @@ from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.capacity import CapacityIntake
+from gtm.documents import parse_yaml
+from gtm.errors import ConfigError
 from gtm.geoip import GeoDatabase, GeoIPSource, default_database_path
 from gtm.health import TargetHealth, Thresholds
-from gtm.policy import PolicySet, load_policy
+from gtm.policy import PolicySet, load_policy, parse_policies
 from gtm.probing import Prober
+from gtm.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.routing import spill_share
 from gtm.settings import Settings
-from gtm.snapshot import RegionHealth, Snapshot, SnapshotStore, next_capacity
-from gtm.topology import Topology, load_topology
+from gtm.shared_state import Published
+from gtm.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
+from gtm.state_sync import StateSync
+from gtm.topology import Topology, load_topology, parse_topology
 from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)
@@ -43,6 +51,17 @@ def load_documents(config: Path, policies: tuple[Path, ...]) -> Documents:
     """Topology and policy, validated together; :class:`ConfigError` with every problem."""
     topology = load_topology(config)
     return Documents(topology, load_policy(policies, topology))
+
+
+def documents_from_published(published: Published) -> Documents:
+    """Documents published through the shared database, validated like files."""
+    source = f"published documents #{published.id}"
+    topology = parse_topology(parse_yaml(published.topology, f"{source}: topology"), source)
+    policy = parse_policies(
+        [(f"{source}: {name}", text) for name, text in sorted(published.policies.items())],
+        topology,
+    )
+    return Documents(topology, policy)
 
 
 def geoip_path(settings: Settings) -> Path:
@@ -78,25 +97,30 @@ class Runtime:
         self.intake = CapacityIntake(
             secret, {r.id for r in topology.regions}, topology.routing.spillover.stale_after_s
         )
-        targets = {r.id: str(r.probe_url) for r in topology.regions if r.probe_url}
-        self.prober: Prober | None = None
-        if settings.probes and targets:
-            self.prober = Prober(
-                targets,
-                self.intake,
-                interval_s=settings.probe_interval_s,
-                timeout_s=settings.probe_timeout_s,
-                jitter=settings.probe_jitter,
-                thresholds=Thresholds(settings.health_rise, settings.health_fall),
-                on_health=self._health_changed,
-                on_report=self.apply_report,
-            )
+        self.prober: Prober | None = self._make_prober(topology)
+        self.book = RegionBook(
+            settings.node_id,
+            tuple(r.id for r in topology.regions),
+            quorum=settings.health_quorum,
+            max_age_s=settings.health_observation_max_age_s,
+            readmit_window_s=topology.routing.readmit_window_s,
+        )
+        self.sync = StateSync(
+            self.engine,
+            self.book,
+            interval_s=settings.state_sync_interval_s,
+            own_observations=self._own_observations,
+            on_compose=self._apply_composed,
+            on_documents=self._apply_documents,
+        )
+        metrics.STATE_SYNC_AGE.set_function(lambda: self.sync.age_s)
         metrics.SNAPSHOT_VERSION.set(1)
 
     async def start(self) -> None:
         if self.settings.migrate_on_start:
             await asyncio.to_thread(migrate.upgrade, self.settings.database_url)
         await self.writer.start()
+        await self.sync.start()  # adopts the fleet's published documents before probing starts
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
         if self.prober is not None:
             await self.prober.start()
@@ -111,6 +135,7 @@ class Runtime:
     async def stop(self) -> None:
         if self.prober is not None:
             await self.prober.stop()
+        await self.sync.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -140,12 +165,114 @@ class Runtime:
             report.can_take_work and not report.draining,
             spill,
         )
+        state = capacity[report.region]
+        metrics.REGION_UTILISATION.labels(report.region).set(report.utilisation)
+        metrics.REGION_REPORT_TS.labels(report.region).set(report.ts)
+        metrics.REGION_SPILL_SHARE.labels(report.region).set(
+            spill_share(report.utilisation, spill.low_watermark, spill.max_share)
+            if state.spilling
+            else 0.0
+        )
         return self.swap(capacity=capacity)
 
+    def _make_prober(self, topology: Topology) -> Prober | None:
+        settings = self.settings
+        targets = {r.id: str(r.probe_url) for r in topology.regions if r.probe_url}
+        if not settings.probes or not targets:
+            return None
+        return Prober(
+            targets,
+            self.intake,
+            interval_s=settings.probe_interval_s,
+            timeout_s=settings.probe_timeout_s,
+            jitter=settings.probe_jitter,
+            thresholds=Thresholds(settings.health_rise, settings.health_fall),
+            on_health=self._health_changed,
+            on_report=self.apply_report,
+        )
+
+    def _own_observations(self, now: float) -> list[Observation]:
+        # The prober's tasks keep every target's health current (a probe ends within its
+        # timeout), so while it runs its view is fresh as of now.
+        if self.prober is None:
+            return []
+        node = self.settings.node_id
+        return [
+            Observation(node, region, h.state, h.since, now, h.detail)
+            for region, h in self.prober.health.items()
+        ]
+
     def _health_changed(self, region: str, before: TargetHealth, after: TargetHealth) -> None:
-        health = dict(self.store.current.health)
-        health[region] = RegionHealth(after.state, after.since, after.detail)
-        self.swap(health=health)
+        """This node's probes changed their mind: take it into account at once, not at the
+        next sync, and record it."""
+        now = time.time()
+        node = self.settings.node_id
+        self.book.observe(Observation(node, region, after.state, after.since, now, after.detail))
+        self.sync.queue(
+            [RegionEvent(now, node, region, "observed", after.state, before.state, after.detail)]
+        )
+        self.sync.recompose(now)
+
+    def _apply_composed(self, composed: Composed) -> None:
+        current = self.store.current
+        changes: dict[str, object] = {}
+        if _routing_view(composed.health) != _routing_view(current.health):
+            changes["health"] = composed.health
+        if dict(composed.weights) != dict(current.weights):
+            changes["weights"] = composed.weights
+        if changes:
+            self.swap(**changes)
+        for region, health in composed.health.items():
+            for state in HealthState:
+                metrics.REGION_STATE.labels(region, state.value).set(
+                    1.0 if health.state is state else 0.0
+                )
+            metrics.REGION_ADMITTED.labels(region).set(health.admitted)
+
+    def _apply_documents(self, published: Published) -> None:
+        try:
+            docs = documents_from_published(published)
+        except ConfigError as exc:
+            # The publisher validated them; a node that still cannot (an older version) keeps
+            # what it has and says why, rather than answering from half a configuration.
+            log.error(
+                "documents.rejected",
+                id=published.id,
+                problems=[str(p) for p in exc.problems],
+            )
+            return
+        current = self.store.current
+        if (
+            docs.topology.fingerprint() == current.topology.fingerprint()
+            and docs.policy.version == current.policy.version
+        ):
+            return
+        topology = docs.topology
+        self.swap(topology=topology, policy=docs.policy)
+        self.book.retarget(tuple(r.id for r in topology.regions))
+        self.book.readmit_window_s = topology.routing.readmit_window_s
+        self.intake.regions = {r.id for r in topology.regions}
+        self.intake.stale_after_s = topology.routing.spillover.stale_after_s
+        before = {r.id: r.probe_url for r in current.topology.regions}
+        if before != {r.id: r.probe_url for r in topology.regions}:
+            self._tasks.append(
+                asyncio.get_running_loop().create_task(self._reprobe(topology), name="reprobe")
+            )
+        log.info(
+            "documents.applied",
+            id=published.id,
+            actor=published.actor,
+            reason=published.reason,
+            topology=topology.fingerprint(),
+            policy=docs.policy.version,
+        )
+
+    async def _reprobe(self, topology: Topology) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
+        self.prober = self._make_prober(topology)
+        if self.prober is not None:
+            await self.prober.start()
 
     async def reload_geoip(self) -> bool:
         """Check the GeoIP file once; swap a new snapshot if it changed and opened cleanly."""
@@ -165,3 +292,8 @@ class Runtime:
                 await self.reload_geoip()
             except Exception:  # the poller must outlive any single bad read
                 log.exception("geoip.poll_failed")
+
+
+def _routing_view(health: Mapping[str, RegionHealth]) -> dict[str, tuple[HealthState, float]]:
+    """What routing reads of region health; details alone do not warrant a new snapshot."""
+    return {r: (h.state, h.admitted) for r, h in health.items()}

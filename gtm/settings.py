@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     probe_jitter: float = Field(default=0.1, ge=0, lt=1)
     health_rise: int = Field(default=2, ge=1)
     health_fall: int = Field(default=3, ge=1)
+    # Several nodes on one database: a region's state needs this many fresh observations
+    # agreeing (fewer when fewer nodes are alive: a node alone decides by itself).
+    health_quorum: int = Field(default=1, ge=1)
+    # A node's observation counts while it is younger than this.
+    health_observation_max_age_s: float = Field(default=3.0, gt=0)
+    # How often a node exchanges observations, overrides and published documents with the
+    # shared database (the bound on how late another node's change takes effect here).
+    state_sync_interval_s: float = Field(default=0.5, gt=0)
     # Shared secret the regional balancers sign capacity reports with; unset accepts unsigned
     # reports, which only a closed test network should do.
     report_secret: SecretStr | None = None

@@ -32,6 +32,9 @@ class RegionHealth:
     state: HealthState
     since: float  # unix seconds of the last state change
     detail: str = ""
+    # Share of its clients a region being re-admitted after an outage has back (0..1); the
+    # rest stay where failover sent them (gtm.region_state, gtm.routing).
+    admitted: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,8 @@ class Snapshot:
     geo: GeoDatabase
     health: Mapping[str, RegionHealth] = field(default_factory=dict)
     capacity: Mapping[str, RegionCapacity] = field(default_factory=dict)
+    # Operator weight overrides, replacing the topology's weight of a region.
+    weights: Mapping[str, float] = field(default_factory=dict)
     built_at: float = 0.0
     versions: Versions = field(init=False)
     regions: Mapping[str, RegionView] = field(init=False, repr=False)
@@ -123,6 +128,7 @@ class Snapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "health", _frozen(self.health))
         object.__setattr__(self, "capacity", _frozen(self.capacity))
+        object.__setattr__(self, "weights", _frozen(self.weights))
         object.__setattr__(
             self,
             "versions",
@@ -139,7 +145,7 @@ class Snapshot:
                         r.id,
                         r.lat,
                         r.lon,
-                        r.weight,
+                        self.weights.get(r.id, r.weight),
                         tuple(str(a) for a in r.ipv4),
                         tuple(str(a) for a in r.ipv6),
                         str(r.base_url).rstrip("/"),
@@ -158,8 +164,8 @@ class Snapshot:
         when only capacity changed and no region's "cannot take work" report did (the routine
         case: every region reports each second or so, and spillover is worked out per query).
         """
-        if "topology" in changes:
-            changes["ranks"] = {}  # rankings of another topology do not carry over
+        if "topology" in changes or "weights" in changes:
+            changes["ranks"] = {}  # rankings of another topology or weights do not carry over
         if "policy" in changes:
             changes["verdicts"] = {}
         successor = dataclasses.replace(

@@ -186,6 +186,10 @@ class Routing(_Strict):
     unknown_health_is_up: bool = True
     # TTL used while the answer is degraded (fail-static, spill) so clients come back soon.
     degraded_ttl: int = Field(default=10, ge=0)
+    # A region back from down or draining takes its clients back gradually over this window (a
+    # linear ramp by a stable hash of client networks), so a cold region is not hit by all of
+    # its traffic at once; 0 re-admits at once.
+    readmit_window_s: float = Field(default=10.0, ge=0)
     # Preferred region order for clients in a country or continent, ahead of distance. Keys are
     # "country:DE" or "continent:EU" (the prefixes keep "AS", Asia, apart from American Samoa);
     # a country entry wins over its continent's.

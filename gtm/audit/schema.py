@@ -1,16 +1,21 @@
-"""Tables of the audit store. Alembic migrations in ``migrations/`` create them; this module is
-their ``target_metadata`` and the single place queries take column names from."""
+"""Tables of the shared store: the audit log of decisions and the fleet's shared region state.
+
+Alembic migrations in ``migrations/`` create them; this module is their ``target_metadata`` and
+the single place queries take column names from."""
 
 from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
+    Float,
     Index,
     Integer,
     MetaData,
     String,
+    Text,
     Table,
     UniqueConstraint,
 )
@@ -63,4 +68,64 @@ decisions = Table(
     Index("ix_decisions_first_at_us", "first_at_us"),
     Index("ix_decisions_region", "region"),
     Index("ix_decisions_outcome", "outcome"),
+)
+
+# Every change of a region's state: what a node's probes concluded ("observed"), what came into
+# force on a node after the quorum and the operator's overrides ("in_force"), and every
+# operator action ("override", with who and why). Append-only; probes themselves are metrics.
+region_events = Table(
+    "region_events",
+    metadata,
+    Column("id", _BigId, primary_key=True, autoincrement=True),
+    Column("at_us", BigInteger, nullable=False),
+    Column("node", String(64), nullable=False),
+    Column("region", String(64), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("state", String(16)),
+    Column("previous", String(16)),
+    Column("detail", Text, nullable=False),
+    Column("actor", String(128)),
+    Column("reason", Text),
+    Index("ix_region_events_at_us", "at_us"),
+    Index("ix_region_events_region", "region"),
+)
+
+# The latest health observation of each (node, region): refreshed while the node probes, so a
+# quorum counts only fresh rows and a dead node's view ages out by itself.
+health_observations = Table(
+    "health_observations",
+    metadata,
+    Column("node", String(64), primary_key=True),
+    Column("region", String(64), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("since_us", BigInteger, nullable=False),
+    Column("observed_at_us", BigInteger, nullable=False),
+    Column("detail", Text, nullable=False),
+)
+
+# Operator overrides in force, one row per region (history lives in region_events).
+region_overrides = Table(
+    "region_overrides",
+    metadata,
+    Column("region", String(64), primary_key=True),
+    Column("drain", Boolean, nullable=False),
+    Column("weight", Float),
+    Column("force", String(8)),  # "up" | "down" | NULL
+    Column("expires_at_us", BigInteger),  # the whole override lapses then; NULL: until cleared
+    Column("actor", String(128), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("set_at_us", BigInteger, nullable=False),
+)
+
+# Topology and policy documents published for the whole fleet; the newest row is in force.
+documents = Table(
+    "documents",
+    metadata,
+    Column("id", _BigId, primary_key=True, autoincrement=True),
+    Column("published_at_us", BigInteger, nullable=False),
+    Column("topology", Text, nullable=False),  # YAML text
+    Column("policies", JSON, nullable=False),  # {file name: YAML text}
+    Column("fingerprint", String(64), nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("reason", Text, nullable=False),
 )

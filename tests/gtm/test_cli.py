@@ -129,7 +129,7 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
         if proc.stderr is not None:
             proc.stderr.close()
     # serve migrated the database: the audit commands work on it.
-    assert run(["db", "current"], env).stdout.strip() == "current 0001, newest 0001"
+    assert run(["db", "current"], env).stdout.strip() == "current 0002, newest 0002"
     verify = run(["audit", "verify"], env)
     assert verify.returncode == 0
     assert "0 row(s) checked" in verify.stdout

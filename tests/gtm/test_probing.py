@@ -23,6 +23,7 @@ from tests.conftest import DEMO, POLICIES
 SECRET = "s3cret"
 INTERVAL = 0.2
 DE = "198.51.100.0/24"
+READMIT_S = 1.0
 
 
 class FakeBalancer:
@@ -86,6 +87,7 @@ async def fleet(
 ) -> AsyncIterator[tuple[Runtime, dict[str, FakeBalancer]]]:
     balancers = {}
     data: dict[str, Any] = yaml.safe_load(DEMO.read_text())
+    data.setdefault("routing", {})["readmit_window_s"] = READMIT_S
     for region in data["regions"]:
         b = balancers[region["id"]] = FakeBalancer(region["id"])
         await b.start()
@@ -132,6 +134,29 @@ async def until(check: Callable[[], bool], within: float) -> float:
     return time.monotonic() - started
 
 
+def share_on(runtime: Runtime, region: str, networks: int = 256) -> float:
+    """The share of German client networks answered with ``region``."""
+    snapshot, now = runtime.store.current, time.time()
+    return (
+        sum(
+            decide(
+                DecisionRequest(
+                    Channel.DNS,
+                    ip_address("203.0.113.1"),
+                    "chat",
+                    "chat",
+                    ecs=ip_network(f"100.{72 + i // 256}.{i % 256}.0/24"),
+                ),
+                snapshot,
+                now,
+            ).region
+            == region
+            for i in range(networks)
+        )
+        / networks
+    )
+
+
 def state(runtime: Runtime, region: str) -> HealthState | None:
     h = runtime.store.current.health.get(region)
     return h.state if h is not None else None
@@ -160,7 +185,16 @@ async def test_a_killed_balancer_is_routed_around_and_readmitted(fleet) -> None:
     assert state(runtime, "eu-central") is HealthState.DOWN and took < 2
     assert ask(runtime).ttl == 10  # failing over: short TTL
     await balancers["eu-central"].start(port)
-    await until(lambda: ask(runtime).region == "eu-central", 3)
+    # Re-admitted gradually: a growing share of client networks comes back, never all at once.
+    await until(lambda: state(runtime, "eu-central") is HealthState.UP, 3)
+    shares = [share_on(runtime, "eu-central")]
+    while shares[-1] < 1.0:
+        await asyncio.sleep(0.05)
+        shares.append(share_on(runtime, "eu-central"))
+        assert len(shares) < 100, shares
+    assert shares == sorted(shares)  # growing only: no client flips back and forth
+    assert any(0.0 < s < 1.0 for s in shares), shares
+    assert share_on(runtime, "eu-west") == 0.0
 
 
 @pytest.mark.parametrize("mode", ["slow", "forged"])
@@ -183,8 +217,8 @@ async def test_draining_and_refusing_take_effect_at_once(fleet) -> None:  # type
     took = await until(lambda: state(runtime, "eu-central") is HealthState.DRAINING, 2)
     assert took < 1 and ask(runtime).region == "eu-west"
     balancers["eu-central"].mode = "ok"
-    await until(lambda: ask(runtime).region == "eu-central", 2)
     await until(lambda: state(runtime, "eu-central") is HealthState.UP, 2)
+    await until(lambda: share_on(runtime, "eu-central") == 1.0, 1 + READMIT_S)
     balancers["eu-central"].mode = "refuse"  # the balancer's own report says it cannot work
     moved: list[Any] = []
     await until(lambda: (d := ask(runtime)).region == "eu-west" and not moved.append(d), 2)

@@ -1,0 +1,261 @@
+"""The fleet's shared region state in the database: observations, overrides, events, documents.
+
+Every GTM node of a deployment uses the same database (SQLite for one node, PostgreSQL for
+several). Nodes write their own health observations and region events here and read their
+peers' observations, the operators' overrides and the newest published documents on each sync
+(:mod:`gtm.state_sync`); the CLI writes overrides and documents. Times are stored as unix
+microseconds, like the audit log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, desc, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from gtm.audit.schema import documents, health_observations, region_events, region_overrides
+from gtm.region_state import Force, Observation, Override, RegionEvent
+from gtm.snapshot import HealthState
+
+
+def _us(t: float) -> int:
+    return int(t * 1_000_000)
+
+
+def _s(us: int | None) -> float | None:
+    return None if us is None else us / 1_000_000
+
+
+async def write_observations(engine: AsyncEngine, observations: Iterable[Observation]) -> None:
+    rows = [
+        {
+            "node": o.node,
+            "region": o.region,
+            "state": o.state.value,
+            "since_us": _us(o.since),
+            "observed_at_us": _us(o.observed_at),
+            "detail": o.detail[:500],
+        }
+        for o in observations
+    ]
+    if not rows:
+        return
+    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(health_observations)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["node", "region"],
+        set_={c: stmt.excluded[c] for c in ("state", "since_us", "observed_at_us", "detail")},
+    )
+    async with engine.begin() as conn:
+        await conn.execute(stmt, rows)
+
+
+async def read_observations(engine: AsyncEngine, newer_than: float) -> list[Observation]:
+    query = select(health_observations).where(
+        health_observations.c.observed_at_us >= _us(newer_than)
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).mappings().all()
+    return [
+        Observation(
+            r["node"],
+            r["region"],
+            HealthState(r["state"]),
+            r["since_us"] / 1e6,
+            r["observed_at_us"] / 1e6,
+            r["detail"],
+        )
+        for r in rows
+    ]
+
+
+async def append_events(engine: AsyncEngine, events: Iterable[RegionEvent]) -> None:
+    rows = [_event_row(e) for e in events]
+    if rows:
+        async with engine.begin() as conn:
+            await conn.execute(insert(region_events), rows)
+
+
+def _event_row(e: RegionEvent) -> dict[str, Any]:
+    return {
+        "at_us": _us(e.at),
+        "node": e.node,
+        "region": e.region,
+        "kind": e.kind,
+        "state": e.state,
+        "previous": e.previous,
+        "detail": e.detail,
+        "actor": e.actor,
+        "reason": e.reason,
+    }
+
+
+async def read_events(
+    engine: AsyncEngine, region: str | None = None, limit: int = 50
+) -> list[RegionEvent]:
+    """The newest events, newest first."""
+    query = select(region_events).order_by(desc(region_events.c.id)).limit(limit)
+    if region is not None:
+        query = query.where(region_events.c.region == region)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).mappings().all()
+    return [
+        RegionEvent(
+            r["at_us"] / 1e6,
+            r["node"],
+            r["region"],
+            r["kind"],
+            r["state"],
+            r["previous"],
+            r["detail"],
+            r["actor"],
+            r["reason"],
+        )
+        for r in rows
+    ]
+
+
+async def read_overrides(engine: AsyncEngine) -> list[Override]:
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(region_overrides))).mappings().all()
+    return [
+        Override(
+            r["region"],
+            bool(r["drain"]),
+            r["weight"],
+            Force(r["force"]) if r["force"] else None,
+            _s(r["expires_at_us"]),
+            r["actor"],
+            r["reason"],
+            r["set_at_us"] / 1e6,
+        )
+        for r in rows
+    ]
+
+
+async def put_override(engine: AsyncEngine, override: Override, node: str) -> None:
+    """Replace a region's override and record who did it and why, in one transaction."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            delete(region_overrides).where(region_overrides.c.region == override.region)
+        )
+        await conn.execute(
+            insert(region_overrides),
+            {
+                "region": override.region,
+                "drain": override.drain,
+                "weight": override.weight,
+                "force": override.force.value if override.force else None,
+                "expires_at_us": None if override.expires_at is None else _us(override.expires_at),
+                "actor": override.actor,
+                "reason": override.reason,
+                "set_at_us": _us(override.set_at),
+            },
+        )
+        until = (
+            ""
+            if override.expires_at is None
+            else time.strftime(" until %Y-%m-%dT%H:%M:%SZ", time.gmtime(override.expires_at))
+        )
+        await _event(
+            conn,
+            RegionEvent(
+                override.set_at,
+                node,
+                override.region,
+                "override",
+                None,
+                None,
+                f"set: {override.describe()}{until}",
+                override.actor,
+                override.reason,
+            ),
+        )
+
+
+async def clear_override(
+    engine: AsyncEngine, region: str, actor: str, reason: str, node: str, now: float
+) -> bool:
+    """Remove a region's override; False when it had none."""
+    async with engine.begin() as conn:
+        result = await conn.execute(
+            delete(region_overrides).where(region_overrides.c.region == region)
+        )
+        if not result.rowcount:
+            return False
+        await _event(
+            conn, RegionEvent(now, node, region, "override", None, None, "cleared", actor, reason)
+        )
+        return True
+
+
+async def _event(conn: AsyncConnection, event: RegionEvent) -> None:
+    await conn.execute(insert(region_events), _event_row(event))
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    id: int
+    fingerprint: str
+    topology: str  # YAML text
+    policies: Mapping[str, str]  # file name -> YAML text
+    actor: str
+    reason: str
+    published_at: float
+
+
+async def publish(
+    engine: AsyncEngine,
+    topology: str,
+    policies: Mapping[str, str],
+    fingerprint: str,
+    actor: str,
+    reason: str,
+    now: float,
+) -> int:
+    async with engine.begin() as conn:
+        result = await conn.execute(
+            insert(documents).returning(documents.c.id),
+            {
+                "published_at_us": _us(now),
+                "topology": topology,
+                "policies": dict(policies),
+                "fingerprint": fingerprint,
+                "actor": actor,
+                "reason": reason,
+            },
+        )
+        return int(result.scalar_one())
+
+
+async def newest_document_id(engine: AsyncEngine) -> int | None:
+    """Cheap: polled on every sync; the full row is read only when this moves."""
+    async with engine.connect() as conn:
+        return (
+            await conn.execute(select(documents.c.id).order_by(desc(documents.c.id)).limit(1))
+        ).scalar_one_or_none()
+
+
+async def read_published(engine: AsyncEngine, document_id: int) -> Published | None:
+    async with engine.connect() as conn:
+        row = (
+            (await conn.execute(select(documents).where(documents.c.id == document_id)))
+            .mappings()
+            .first()
+        )
+    if row is None:
+        return None
+    return Published(
+        row["id"],
+        row["fingerprint"],
+        row["topology"],
+        row["policies"],
+        row["actor"],
+        row["reason"],
+        row["published_at_us"] / 1e6,
+    )

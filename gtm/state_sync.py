@@ -1,0 +1,156 @@
+"""Keeping one node in step with the fleet through the shared database.
+
+Every ``interval_s`` (0.5 s by default) a node writes its own health observations and any
+region events it has queued, then reads its peers' fresh observations, the operators'
+overrides and the id of the newest published documents; the :class:`~gtm.region_state.RegionBook`
+then composes the state in force and the runtime swaps a snapshot if it changed. Version polling
+rather than PostgreSQL LISTEN/NOTIFY: one code path for SQLite and PostgreSQL, a bound on how
+late a change arrives (one interval) that meets the 2-second target, and nothing to re-arm after
+a lost connection.
+
+When the database is away the node keeps answering from what it has: its own probes go on
+deciding (its peers' observations age out, so it decides alone), queued events wait in memory,
+and ``age_s`` (exported as ``gtm_state_sync_age_seconds``) says how old its view of the fleet is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm import shared_state
+from gtm.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.shared_state import Published
+
+log = structlog.get_logger(__name__)
+
+# Events kept in memory while the database is away; beyond this the oldest are dropped (and
+# counted): a region flapping through a day-long outage must not exhaust memory.
+MAX_PENDING_EVENTS = 10_000
+
+
+class StateSync:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        book: RegionBook,
+        *,
+        interval_s: float,
+        own_observations: Callable[[float], list[Observation]],
+        on_compose: Callable[[Composed], None],
+        on_documents: Callable[[Published], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.book = book
+        self.interval_s = interval_s
+        self.own_observations = own_observations
+        self.on_compose = on_compose
+        self.on_documents = on_documents
+        self._clock = clock
+        self.pending: deque[RegionEvent] = deque(maxlen=MAX_PENDING_EVENTS)
+        self.dropped_events = 0
+        self.document_id: int | None = None
+        self.last_ok: float | None = None
+        self.started_at = clock()
+        self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+        self._down_since: float | None = None
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the node last heard from the shared database."""
+        return self._clock() - (self.last_ok if self.last_ok is not None else self.started_at)
+
+    async def start(self) -> None:
+        await self.sync_once()  # start from the fleet's state and documents when reachable
+        self._task = asyncio.create_task(self._loop(), name="state-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        # One last try: events of the final seconds (a drain on shutdown) reach the database.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await self._flush_events()
+
+    def queue(self, events: tuple[RegionEvent, ...] | list[RegionEvent]) -> None:
+        for event in events:
+            if len(self.pending) == self.pending.maxlen:
+                self.dropped_events += 1
+            self.pending.append(event)
+
+    def recompose(self, now: float | None = None) -> Composed:
+        """Compose the state in force now and hand it to the runtime (no I/O)."""
+        composed = self.book.compose(self._clock() if now is None else now)
+        self.queue(composed.events)
+        for event in composed.events:
+            log.info(
+                "region.in_force" if event.kind == "in_force" else "region.override",
+                region=event.region,
+                state=event.state,
+                previous=event.previous,
+                detail=event.detail,
+            )
+        self.on_compose(composed)
+        return composed
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sync_once()
+            except Exception:  # the loop must outlive any single failure
+                log.exception("state_sync.failed")
+
+    async def sync_once(self) -> bool:
+        now = self._clock()
+        own = self.own_observations(now)
+        for observation in own:
+            self.book.observe(observation)
+        published: Published | None = None
+        try:
+            async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+                await shared_state.write_observations(self.engine, own)
+                await self._flush_events()
+                peers = await shared_state.read_observations(self.engine, now - self.book.max_age_s)
+                overrides = await shared_state.read_overrides(self.engine)
+                newest = await shared_state.newest_document_id(self.engine)
+                if newest is not None and newest != self.document_id:
+                    published = await shared_state.read_published(self.engine, newest)
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            self.failures += 1
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("state_sync.database_unreachable", error=f"{type(exc).__name__}")
+            self.recompose(now)  # own probes keep deciding; peers' views age out
+            return False
+        if self._down_since is not None:
+            log.info("state_sync.database_back", after_s=round(now - self._down_since, 1))
+            self._down_since = None
+        self.last_ok = now
+        self.book.replace_peers(peers)
+        self.book.set_overrides(overrides)
+        if published is not None:
+            self.document_id = published.id
+            self.on_documents(published)
+        self.recompose(now)
+        return True
+
+    async def _flush_events(self) -> None:
+        if not self.pending:
+            return
+        batch = list(self.pending)
+        await shared_state.append_events(self.engine, batch)
+        for _ in batch:
+            self.pending.popleft()
