@@ -12,12 +12,11 @@ import csv
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import datetime
 from ipaddress import ip_address, ip_network
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -25,14 +24,14 @@ import yaml
 from gtm import migrate
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
+from gtm.cli_common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.cli_fleet import config_app, region_app
 from gtm.errors import ConfigError, GTMError
 from gtm.listen import parse_listen
-from gtm.logs import configure as configure_logs
 from gtm.node import serve_forever, serve_workers
 from gtm.policy import json_schema, load_policy
 from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import build_snapshot
-from gtm.settings import Settings, load_settings
 from gtm.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
 from gtm.topology import load_topology, normalise_dns_name
 
@@ -47,44 +46,8 @@ audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True
 app.add_typer(db_app, name="db")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
-
-T = TypeVar("T")
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="topology YAML [GTM_CONFIG]")]
-PoliciesOpt = Annotated[
-    list[Path] | None, typer.Option("--policies", help="policy file or directory [GTM_POLICIES]")
-]
-DbOpt = Annotated[str | None, typer.Option("--database-url", help="[GTM_DATABASE_URL]")]
-GeoOpt = Annotated[Path | None, typer.Option("--geoip-path", help="[GTM_GEOIP_PATH]")]
-
-
-def _fail(exc: GTMError) -> typer.Exit:
-    if isinstance(exc, ConfigError):
-        typer.echo(f"error: {len(exc.problems)} problem(s):", err=True)
-        for problem in exc.problems:
-            typer.echo(f"  {problem}", err=True)
-    else:
-        typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(2)
-
-
-def _settings(**overrides: Any) -> Settings:
-    if overrides.get("policies"):
-        overrides["policies"] = tuple(overrides["policies"])
-    try:
-        settings = load_settings(**overrides)
-    except ConfigError as exc:
-        raise _fail(exc) from exc
-    configure_logs(settings.log_format, settings.log_level)
-    return settings
-
-
-def _run(coro: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await coro()
-
-    return asyncio.run(main())
-
+app.add_typer(region_app, name="region")
+app.add_typer(config_app, name="config")
 
 # -- serve -------------------------------------------------------------------------------------
 
@@ -108,7 +71,7 @@ def serve(
     node_id: Annotated[str | None, typer.Option("--node-id")] = None,
 ) -> None:
     """Run a GTM node: snapshot, GeoIP reload and audit writer, plus the listeners asked for."""
-    settings = _settings(
+    settings = cli_settings(
         config=config,
         policies=policies,
         database_url=database_url,
@@ -143,7 +106,7 @@ def serve(
         else:
             serve_forever(settings)
     except GTMError as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     except OSError as exc:  # a listen address that cannot be bound
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -233,7 +196,7 @@ def explain(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Decide for one client and print the decision with a reason for every region."""
-    settings = _settings(config=config, policies=policies, geoip_path=geoip_path)
+    settings = cli_settings(config=config, policies=policies, geoip_path=geoip_path)
     try:
         client_ip = ip_address(client)
         ecs_net = ip_network(ecs, strict=True) if ecs else None
@@ -247,7 +210,7 @@ def explain(
             snapshot = _apply_state(snapshot, state, now)
     except (GTMError, OSError, ValueError, KeyError) as exc:
         if isinstance(exc, GTMError):
-            raise _fail(exc) from exc
+            raise fail(exc) from exc
         typer.echo(f"error: --state {state}: {exc}", err=True)
         raise typer.Exit(2) from exc
     topo = snapshot.topology
@@ -311,7 +274,7 @@ def db_upgrade(
     database_url: DbOpt = None, revision: Annotated[str, typer.Option("--revision")] = "head"
 ) -> None:
     """Bring the schema up to ``revision`` (default: the newest)."""
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
     migrate.upgrade(settings.database_url, revision)
     typer.echo(f"database at revision {migrate.current_revision(settings.database_url)}")
 
@@ -319,14 +282,14 @@ def db_upgrade(
 @db_app.command("downgrade")
 def db_downgrade(revision: str, database_url: DbOpt = None) -> None:
     """Take the schema down to ``revision`` ("base" removes every table)."""
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
     migrate.downgrade(settings.database_url, revision)
     typer.echo(f"database at revision {migrate.current_revision(settings.database_url)}")
 
 
 @db_app.command("current")
 def db_current(database_url: DbOpt = None) -> None:
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
     current = migrate.current_revision(settings.database_url)
     head = migrate.head_revision(settings.database_url)
     typer.echo(f"current {current}, newest {head}")
@@ -346,7 +309,7 @@ def policy_validate(
         topology = load_topology(config) if config is not None else None
         policy = load_policy(paths, topology)
     except ConfigError as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     typer.echo(
         f"ok: {len(policy.documents)} document(s), {len(policy.rules)} rule(s), "
         f"version {policy.version}"
@@ -379,7 +342,7 @@ def audit_tail(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Print the newest decisions (and keep printing new ones with --follow)."""
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
 
     async def main() -> None:
         engine = make_async_engine(settings.database_url)
@@ -401,7 +364,7 @@ def audit_tail(
             await engine.dispose()
 
     with contextlib.suppress(KeyboardInterrupt):
-        _run(main)
+        run_async(main)
 
 
 def _time_us(value: str | None) -> int | None:
@@ -427,7 +390,7 @@ def audit_export(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
     out = output.open("w", newline="", encoding="utf-8") if output else sys.stdout
 
     async def main() -> int:
@@ -453,7 +416,7 @@ def audit_export(
         return n
 
     try:
-        n = _run(main)
+        n = run_async(main)
     finally:
         if output:
             out.close()
@@ -463,7 +426,7 @@ def audit_export(
 @audit_app.command("verify")
 def audit_verify(database_url: DbOpt = None) -> None:
     """Check every node's hash chain; exit 1 if any row was altered, removed or reordered."""
-    settings = _settings(database_url=database_url)
+    settings = cli_settings(database_url=database_url)
 
     async def main() -> tuple[int, list[Any]]:
         engine = make_async_engine(settings.database_url)
@@ -472,7 +435,7 @@ def audit_verify(database_url: DbOpt = None) -> None:
         finally:
             await engine.dispose()
 
-    checked, breaks = _run(main)
+    checked, breaks = run_async(main)
     for b in breaks:
         typer.echo(f"BROKEN {b.node}#{b.node_seq}: {b.problem}")
     typer.echo(f"{checked} row(s) checked, {len(breaks)} break(s)")

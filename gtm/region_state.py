@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from gtm.snapshot import HealthState, RegionHealth
@@ -42,19 +42,31 @@ class Observation:
 
 @dataclass(frozen=True, slots=True)
 class Override:
-    """An operator's word on a region; every part lapses together at ``expires_at``."""
+    """An operator's word on a region. A forced state always lapses (``force_until``); a drain
+    or a weight lapses at ``expires_at`` when one was given."""
 
     region: str
     drain: bool = False
     weight: float | None = None
     force: Force | None = None
+    force_until: float | None = None
     expires_at: float | None = None
     actor: str = ""
     reason: str = ""
     set_at: float = 0.0
 
-    def active(self, now: float) -> bool:
-        return self.expires_at is None or now < self.expires_at
+    def effective(self, now: float) -> Override | None:
+        """What is still in force at ``now``; None when nothing is."""
+        force_on = self.force is not None and (self.force_until is None or now < self.force_until)
+        rest_on = self.expires_at is None or now < self.expires_at
+        drain = self.drain and rest_on
+        weight = self.weight if rest_on else None
+        force = self.force if force_on else None
+        if not drain and weight is None and force is None:
+            return None
+        if (drain, weight, force) == (self.drain, self.weight, self.force):
+            return self
+        return replace(self, drain=drain, weight=weight, force=force)
 
     def describe(self) -> str:
         parts = []
@@ -157,6 +169,7 @@ class RegionBook:
     readmit_window_s: float = 0.0
     observations: dict[tuple[str, str], Observation] = field(default_factory=dict)
     overrides: dict[str, Override] = field(default_factory=dict)
+    _effective: dict[str, Override] = field(default_factory=dict)
     _agreed: dict[str, HealthState] = field(default_factory=dict)
     _in_force: dict[str, RegionHealth] = field(default_factory=dict)
     _recovered_at: dict[str, float] = field(default_factory=dict)
@@ -179,21 +192,33 @@ class RegionBook:
         self.regions = regions
         keep = set(regions)
         self.observations = {k: v for k, v in self.observations.items() if k[1] in keep}
-        for table in (self._agreed, self._in_force, self._recovered_at):
+        for table in (self._effective, self._agreed, self._in_force, self._recovered_at):
             for region in [r for r in table if r not in keep]:
                 del table[region]
 
     def compose(self, now: float) -> Composed:
         events: list[RegionEvent] = []
-        for region, override in list(self.overrides.items()):
-            if not override.active(now):
-                del self.overrides[region]
+        effective: dict[str, Override] = {}
+        for region, override in self.overrides.items():
+            still = override.effective(now)
+            was = self._effective.get(region)
+            if (
+                was is not None
+                and was.set_at == override.set_at
+                and (still is None or still.describe() != was.describe())
+            ):
+                # The same override as last time, with less of it in force: a part lapsed.
+                lapsed = was.describe() if still is None else f"{was.describe()} -> "
+                lapsed += "" if still is None else still.describe()
                 events.append(
                     RegionEvent(
                         now, self.node, region, "override", None, None,
-                        f"expired: {override.describe()}", override.actor, override.reason,
+                        f"lapsed: {lapsed}", override.actor, override.reason,
                     )
                 )  # fmt: skip
+            if still is not None:
+                effective[region] = still
+        self._effective = effective
         health: dict[str, RegionHealth] = {}
         ramping = False
         for region in self.regions:
@@ -206,7 +231,7 @@ class RegionBook:
                 self._agreed.get(region, HealthState.UNKNOWN),
             )
             self._agreed[region] = agreed
-            state, detail = in_force(agreed, self.overrides.get(region))
+            state, detail = in_force(agreed, effective.get(region))
             if not detail:
                 detail = _detail(seen, agreed, now, self.max_age_s)
             before = self._in_force.get(region)
@@ -231,7 +256,7 @@ class RegionBook:
             self._in_force[region] = current
             health[region] = current
         weights = {
-            r: o.weight for r, o in self.overrides.items() if o.weight is not None and r in health
+            r: o.weight for r, o in effective.items() if o.weight is not None and r in health
         }
         return Composed(health, weights, tuple(events), ramping)
 

@@ -31,6 +31,10 @@ def _s(us: int | None) -> float | None:
     return None if us is None else us / 1_000_000
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 async def write_observations(engine: AsyncEngine, observations: Iterable[Observation]) -> None:
     rows = [
         {
@@ -129,6 +133,7 @@ async def read_overrides(engine: AsyncEngine) -> list[Override]:
             bool(r["drain"]),
             r["weight"],
             Force(r["force"]) if r["force"] else None,
+            _s(r["force_until_us"]),
             _s(r["expires_at_us"]),
             r["actor"],
             r["reason"],
@@ -151,17 +156,20 @@ async def put_override(engine: AsyncEngine, override: Override, node: str) -> No
                 "drain": override.drain,
                 "weight": override.weight,
                 "force": override.force.value if override.force else None,
+                "force_until_us": None
+                if override.force_until is None
+                else _us(override.force_until),
                 "expires_at_us": None if override.expires_at is None else _us(override.expires_at),
                 "actor": override.actor,
                 "reason": override.reason,
                 "set_at_us": _us(override.set_at),
             },
         )
-        until = (
-            ""
-            if override.expires_at is None
-            else time.strftime(" until %Y-%m-%dT%H:%M:%SZ", time.gmtime(override.expires_at))
-        )
+        until = ""
+        if override.force_until is not None:
+            until += f"; force until {_iso(override.force_until)}"
+        if override.expires_at is not None:
+            until += f"; drain/weight until {_iso(override.expires_at)}"
         await _event(
             conn,
             RegionEvent(

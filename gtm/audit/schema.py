@@ -15,8 +15,8 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
-    Text,
     Table,
+    Text,
     UniqueConstraint,
 )
 
@@ -111,7 +111,8 @@ region_overrides = Table(
     Column("drain", Boolean, nullable=False),
     Column("weight", Float),
     Column("force", String(8)),  # "up" | "down" | NULL
-    Column("expires_at_us", BigInteger),  # the whole override lapses then; NULL: until cleared
+    Column("force_until_us", BigInteger),  # a forced state always lapses
+    Column("expires_at_us", BigInteger),  # when drain and weight lapse; NULL: until cleared
     Column("actor", String(128), nullable=False),
     Column("reason", Text, nullable=False),
     Column("set_at_us", BigInteger, nullable=False),

@@ -51,6 +51,7 @@ def upgrade() -> None:
         sa.Column("drain", sa.Boolean, nullable=False),
         sa.Column("weight", sa.Float),
         sa.Column("force", sa.String(8)),
+        sa.Column("force_until_us", sa.BigInteger),
         sa.Column("expires_at_us", sa.BigInteger),
         sa.Column("actor", sa.String(128), nullable=False),
         sa.Column("reason", sa.Text, nullable=False),

@@ -1,0 +1,337 @@
+"""``gtm region ...`` and ``gtm config ...``: operator controls and fleet-wide documents.
+
+Both work on the shared database every node syncs with, so a change made here is in force on
+every node within one sync interval; each change records who made it and why.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm import migrate, operator, shared_state
+from gtm.audit.database import make_async_engine
+from gtm.cli_common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.errors import ConfigError, GTMError
+from gtm.policy import policy_files
+from gtm.region_state import Force, Override, RegionBook, RegionEvent
+from gtm.runtime import documents_from_published, load_documents
+from gtm.settings import Settings
+from gtm.topology import Topology
+
+region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
+config_app = typer.Typer(help="Documents published to every node.", no_args_is_help=True)
+
+WhyOpt = Annotated[str, typer.Option("--why", help="why (recorded with the change)")]
+WhoOpt = Annotated[
+    str | None, typer.Option("--who", help="who makes the change [default: the login name]")
+]
+ForOpt = Annotated[
+    str | None, typer.Option("--for", help="lapse after this long: 90s, 15m, 2h, 1d")
+]
+
+
+def _who(who: str | None) -> str:
+    return who or getpass.getuser()
+
+
+def _duration(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return operator.parse_duration(text)
+    except ValueError as exc:
+        raise fail(GTMError(str(exc))) from exc
+
+
+async def _topology(engine: AsyncEngine, settings: Settings) -> Topology:
+    """The topology in force: the newest published one, else the configured file."""
+    newest = await shared_state.newest_document_id(engine)
+    if newest is not None:
+        published = await shared_state.read_published(engine, newest)
+        if published is not None:
+            return documents_from_published(published).topology
+    return load_documents(settings.config, settings.policies).topology
+
+
+def _change(database_url: str | None, region: str, change: Any) -> None:
+    settings = cli_settings(database_url=database_url)
+    migrate.upgrade(settings.database_url)
+
+    async def main() -> Override | None:
+        engine = make_async_engine(settings.database_url)
+        try:
+            topology = await _topology(engine, settings)
+            if not topology.has_region(region):
+                known = ", ".join(r.id for r in topology.regions)
+                raise GTMError(f"no region {region!r} (regions: {known})")
+            result: Override | None = await change(engine, time.time())
+            return result
+        finally:
+            await engine.dispose()
+
+    try:
+        now_in_force = run_async(main)
+    except (GTMError, ValueError) as exc:
+        raise fail(exc if isinstance(exc, GTMError) else GTMError(str(exc))) from exc
+    typer.echo(f"{region}: {now_in_force.describe() if now_in_force else 'no override'}")
+
+
+@region_app.command("drain")
+def region_drain(
+    region: str, why: WhyOpt, who: WhoOpt = None, for_: ForOpt = None, database_url: DbOpt = None
+) -> None:
+    """Stop sending new clients to REGION (DNS and HTTP answers move at once)."""
+    seconds = _duration(for_)
+    _change(
+        database_url,
+        region,
+        lambda engine, now: operator.amend(
+            engine, region, actor=_who(who), reason=why, now=now, drain=True, expires_for_s=seconds
+        ),
+    )
+
+
+@region_app.command("undrain")
+def region_undrain(
+    region: str, why: WhyOpt, who: WhoOpt = None, database_url: DbOpt = None
+) -> None:
+    """Send clients to REGION again (re-admitted gradually over the readmit window)."""
+    _change(
+        database_url,
+        region,
+        lambda engine, now: operator.amend(
+            engine, region, actor=_who(who), reason=why, now=now, drain=False
+        ),
+    )
+
+
+@region_app.command("weight")
+def region_weight(
+    region: str,
+    weight: Annotated[
+        float | None, typer.Argument(help="0 = no traffic; omit with --reset")
+    ] = None,
+    reset: Annotated[bool, typer.Option("--reset", help="back to the topology's weight")] = False,
+    why: WhyOpt = "",
+    who: WhoOpt = None,
+    for_: ForOpt = None,
+    database_url: DbOpt = None,
+) -> None:
+    """Set REGION's weight in the ranking (distance / weight), replacing the topology's."""
+    if (weight is None) != reset:
+        raise fail(GTMError("give a weight, or --reset"))
+    seconds = _duration(for_)
+    _change(
+        database_url,
+        region,
+        lambda engine, now: operator.amend(
+            engine, region, actor=_who(who), reason=why, now=now, weight=weight,
+            expires_for_s=seconds,
+        ),
+    )  # fmt: skip
+
+
+@region_app.command("force")
+def region_force(
+    region: str,
+    state: Annotated[str, typer.Argument(help="up, down, or none to end a forced state")],
+    why: WhyOpt,
+    for_: ForOpt = None,
+    who: WhoOpt = None,
+    database_url: DbOpt = None,
+) -> None:
+    """Force REGION up or down whatever the probes say, for a limited time (--for)."""
+    if state not in ("up", "down", "none"):
+        raise fail(GTMError(f"state must be up, down or none, not {state!r}"))
+    forced = None if state == "none" else Force(state)
+    seconds = _duration(for_)
+    _change(
+        database_url,
+        region,
+        lambda engine, now: operator.amend(
+            engine, region, actor=_who(who), reason=why, now=now, force=forced,
+            force_for_s=seconds,
+        ),
+    )  # fmt: skip
+
+
+@region_app.command("clear")
+def region_clear(region: str, why: WhyOpt, who: WhoOpt = None, database_url: DbOpt = None) -> None:
+    """Remove every override of REGION."""
+
+    async def change(engine: AsyncEngine, now: float) -> None:
+        await operator.clear(engine, region, actor=_who(who), reason=why, now=now)
+
+    _change(database_url, region, change)
+
+
+@region_app.command("status")
+def region_status(
+    database_url: DbOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Each region's state as the fleet's quorum sees it, every node's view, and overrides."""
+    settings = cli_settings(database_url=database_url)
+    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
+
+    async def main() -> list[dict[str, Any]]:
+        engine = make_async_engine(settings.database_url)
+        try:
+            topology = await _topology(engine, settings)
+            now = time.time()
+            observations = await shared_state.read_observations(engine, 0)
+            overrides = await shared_state.read_overrides(engine)
+        finally:
+            await engine.dispose()
+        book = RegionBook(
+            operator.OPERATOR_NODE,
+            tuple(r.id for r in topology.regions),
+            quorum=settings.health_quorum,
+            max_age_s=settings.health_observation_max_age_s,
+        )
+        book.replace_peers(observations)
+        book.set_overrides(overrides)
+        composed = book.compose(now)
+        by_region = {o.region: o for o in overrides}
+        rows = []
+        for region in topology.regions:
+            override = by_region.get(region.id)
+            effective = override.effective(now) if override is not None else None
+            rows.append(
+                {
+                    "region": region.id,
+                    "state": composed.health[region.id].state.value,
+                    "detail": composed.health[region.id].detail,
+                    "override": effective.describe() if effective else None,
+                    "override_by": f"{effective.actor}: {effective.reason}" if effective else None,
+                    "nodes": {
+                        o.node: {
+                            "state": o.state.value,
+                            "age_s": round(now - o.observed_at, 1),
+                            "fresh": now - o.observed_at <= settings.health_observation_max_age_s,
+                        }
+                        for o in observations
+                        if o.region == region.id
+                    },
+                }
+            )
+        return rows
+
+    try:
+        rows = run_async(main)
+    except ConfigError as exc:
+        raise fail(exc) from exc
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        nodes = " ".join(
+            f"{n}={v['state']}{'' if v['fresh'] else '(stale)'}" for n, v in row["nodes"].items()
+        )
+        override = f"  [{row['override']} — {row['override_by']}]" if row["override"] else ""
+        typer.echo(f"{row['region']:<16} {row['state']:<9} {nodes or '-'}{override}")
+
+
+@region_app.command("events")
+def region_events(
+    region: Annotated[str | None, typer.Option("--region")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
+    database_url: DbOpt = None,
+) -> None:
+    """Region state changes and operator actions, newest first."""
+    settings = cli_settings(database_url=database_url)
+    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
+
+    async def main() -> list[RegionEvent]:
+        engine = make_async_engine(settings.database_url)
+        try:
+            return await shared_state.read_events(engine, region, limit)
+        finally:
+            await engine.dispose()
+
+    for e in run_async(main):
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.at))
+        change = f"{e.previous} -> {e.state}" if e.state else ""
+        who = f" by {e.actor}: {e.reason}" if e.actor else ""
+        typer.echo(f"{when} {e.node:<12} {e.region:<14} {e.kind:<9} {change} {e.detail}{who}")
+
+
+@config_app.command("publish")
+def config_publish(
+    why: WhyOpt,
+    config: ConfigOpt = None,
+    policies: PoliciesOpt = None,
+    who: WhoOpt = None,
+    database_url: DbOpt = None,
+) -> None:
+    """Validate the topology and policies and put them in force on every node."""
+    settings = cli_settings(config=config, policies=policies, database_url=database_url)
+    if not why.strip():
+        raise fail(GTMError("say why: --why is required"))
+    try:
+        docs = load_documents(settings.config, settings.policies)
+        topology_text = settings.config.read_text(encoding="utf-8")
+        policy_texts = {
+            p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)
+        }
+    except ConfigError as exc:
+        raise fail(exc) from exc
+    if len(policy_texts) != len(policy_files(settings.policies)):
+        raise fail(GTMError("two policy files share a name; publish needs distinct names"))
+    digest = hashlib.sha256(topology_text.encode())
+    for name, text in sorted(policy_texts.items()):
+        digest.update(name.encode() + b"\0" + text.encode())
+    migrate.upgrade(settings.database_url)
+
+    async def main() -> int:
+        engine = make_async_engine(settings.database_url)
+        try:
+            return await shared_state.publish(
+                engine,
+                topology_text,
+                policy_texts,
+                digest.hexdigest()[:32],
+                _who(who),
+                why,
+                time.time(),
+            )
+        finally:
+            await engine.dispose()
+
+    document_id = run_async(main)
+    typer.echo(
+        f"published #{document_id}: topology {docs.topology.fingerprint()}, "
+        f"policy {docs.policy.version}"
+    )
+
+
+@config_app.command("show")
+def config_show(database_url: DbOpt = None) -> None:
+    """The documents in force on the fleet (the newest published)."""
+    settings = cli_settings(database_url=database_url)
+    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
+
+    async def main() -> shared_state.Published | None:
+        engine = make_async_engine(settings.database_url)
+        try:
+            newest = await shared_state.newest_document_id(engine)
+            return None if newest is None else await shared_state.read_published(engine, newest)
+        finally:
+            await engine.dispose()
+
+    published = run_async(main)
+    if published is None:
+        typer.echo("nothing published: nodes use their configured files")
+        return
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(published.published_at))
+    typer.echo(
+        f"#{published.id} published {when} by {published.actor}: {published.reason}\n"
+        f"  policies: {', '.join(sorted(published.policies))}"
+    )

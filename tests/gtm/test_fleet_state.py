@@ -1,0 +1,253 @@
+"""Several GTM nodes on one PostgreSQL: quorum, operator controls and published documents reach
+every node through the shared database; a node that loses the database keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from sqlalchemy import func, select
+
+from gtm import operator, shared_state
+from gtm.audit.schema import region_events
+from gtm.region_state import Force, Observation
+from gtm.runtime import Runtime
+from gtm.settings import Settings
+from gtm.snapshot import HealthState
+from tests.conftest import DEMO, POLICIES
+from tests.support.balancer import SECRET, FakeBalancer
+from tests.support.postgres import postgres_database
+from tests.support.tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.postgres
+
+SYNC_S = 0.2
+
+
+@pytest.fixture
+def database_url() -> Iterator[str]:
+    with postgres_database() as url:
+        yield url
+
+
+@pytest.fixture
+async def balancers(tmp_path: Path) -> AsyncIterator[tuple[Path, dict[str, FakeBalancer]]]:
+    found: dict[str, FakeBalancer] = {}
+    data: dict[str, Any] = yaml.safe_load(DEMO.read_text())
+    data.setdefault("routing", {})["readmit_window_s"] = 0
+    for region in data["regions"]:
+        b = found[region["id"]] = FakeBalancer(region["id"])
+        await b.start()
+        region["probe_url"] = f"http://127.0.0.1:{b.port}/gtm/capacity"
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(data))
+    yield config, found
+    for b in found.values():
+        await b.stop()
+
+
+def node_settings(tmp_path: Path, config: Path, url: str, node: str, **extra: Any) -> Settings:
+    return Settings(
+        config=config,
+        policies=(POLICIES,),
+        database_url=url,
+        spool_dir=tmp_path / f"spool-{node}",
+        node_id=node,
+        probe_interval_s=0.2,
+        probe_timeout_s=0.15,
+        health_rise=2,
+        health_fall=3,
+        report_secret=SECRET,
+        state_sync_interval_s=SYNC_S,
+        health_observation_max_age_s=1.0,
+        audit_flush_interval_s=0.2,
+        **extra,
+    )
+
+
+@pytest.fixture
+async def nodes(
+    tmp_path: Path,
+    balancers: tuple[Path, dict[str, FakeBalancer]],
+    database_url: str,
+    geoip_path: Path,
+) -> AsyncIterator[list[Runtime]]:
+    config, _ = balancers
+    runtimes = [
+        Runtime(
+            node_settings(tmp_path, config, database_url, n, geoip_path=geoip_path, health_quorum=2)
+        )
+        for n in ("node-a", "node-b")
+    ]
+    for r in runtimes:
+        await r.start()
+    yield runtimes
+    for r in runtimes:
+        await r.stop()
+
+
+def state(runtime: Runtime, region: str) -> HealthState | None:
+    health = runtime.store.current.health.get(region)
+    return health.state if health is not None else None
+
+
+async def until(check: Callable[[], bool], within: float) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"not within {within} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+async def test_a_quorum_of_nodes_decides_and_a_lone_node_decides_alone(
+    nodes: list[Runtime],
+) -> None:
+    a, b = nodes
+    for n in nodes:
+        await until(lambda n=n: state(n, "eu-central") is HealthState.UP, 5)  # type: ignore[misc]
+
+    async def peers_say(state_: HealthState, *peers: str) -> None:
+        now = time.time()
+        await shared_state.write_observations(
+            a.engine, [Observation(p, "eu-central", state_, now, now) for p in peers]
+        )
+
+    # Two nodes see it up, one peer says down: no quorum of two for "down".
+    for _ in range(5):
+        await peers_say(HealthState.DOWN, "node-c")
+        await asyncio.sleep(SYNC_S)
+    assert state(a, "eu-central") is HealthState.UP and state(b, "eu-central") is HealthState.UP
+    # Three peers say down against two: down on both nodes, though their own probes say up.
+    for _ in range(8):
+        await peers_say(HealthState.DOWN, "node-c", "node-d", "node-e")
+        await asyncio.sleep(SYNC_S)
+        if (
+            state(a, "eu-central") is HealthState.DOWN
+            and state(b, "eu-central") is HealthState.DOWN
+        ):
+            break
+    assert state(a, "eu-central") is HealthState.DOWN and state(b, "eu-central") is HealthState.DOWN
+    # The peers go quiet: their observations age out and the live nodes' own view returns.
+    await until(lambda: state(a, "eu-central") is HealthState.UP, 3)
+    await until(lambda: state(b, "eu-central") is HealthState.UP, 3)
+    await until(lambda: not a.sync.pending and not b.sync.pending, 2)
+    async with a.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                select(region_events.c.node, func.count())
+                .where(region_events.c.region == "eu-central", region_events.c.kind == "in_force")
+                .group_by(region_events.c.node)
+            )
+        ).all()
+    # unknown -> up -> down -> up, recorded by each node
+    assert dict(rows) == {"node-a": 3, "node-b": 3}
+
+
+async def test_operator_controls_reach_every_node_within_two_seconds(nodes: list[Runtime]) -> None:
+    a, b = nodes
+    for n in nodes:
+        await until(lambda n=n: state(n, "us-east") is HealthState.UP, 5)  # type: ignore[misc]
+    await operator.amend(
+        a.engine, "us-east", actor="ops", reason="GPU driver upgrade", now=time.time(), drain=True
+    )
+    for n in nodes:
+        took = await until(lambda n=n: state(n, "us-east") is HealthState.DRAINING, 2)  # type: ignore[misc]
+        assert took < 2
+    await operator.amend(
+        a.engine,
+        "us-east",
+        actor="ops",
+        reason="probe false positive",
+        now=time.time(),
+        drain=False,
+        force=Force.DOWN,
+        force_for_s=1.0,
+        weight=0.25,
+    )
+    await until(lambda: state(b, "us-east") is HealthState.DOWN, 2)
+    assert b.store.current.regions["us-east"].weight == 0.25
+    # The forced state lapses by itself; the weight stays until cleared.
+    await until(lambda: state(b, "us-east") is HealthState.UP, 3)
+    assert b.store.current.regions["us-east"].weight == 0.25
+    await operator.clear(a.engine, "us-east", actor="ops", reason="done", now=time.time())
+    await until(lambda: b.store.current.regions["us-east"].weight == 1.0, 2)
+    events = await shared_state.read_events(a.engine, "us-east")
+    operator_events = [
+        (e.actor, e.reason, e.detail.split(":")[0]) for e in events if e.kind == "override"
+    ]
+    assert ("ops", "GPU driver upgrade", "set") in operator_events
+    assert ("ops", "done", "cleared") in operator_events
+    assert any(d == "lapsed" for _, _, d in operator_events)
+
+
+async def test_published_documents_are_in_force_on_every_node_within_two_seconds(
+    nodes: list[Runtime], balancers: tuple[Path, dict[str, FakeBalancer]]
+) -> None:
+    config, _ = balancers
+    data = yaml.safe_load(config.read_text())
+    data["routing"]["degraded_ttl"] = 7
+    policies = {p.name: p.read_text() for p in sorted(POLICIES.glob("*.yaml"))}
+    before = [n.store.current.topology.fingerprint() for n in nodes]
+    await shared_state.publish(
+        nodes[0].engine, yaml.safe_dump(data), policies, "f" * 32, "ops", "shorter TTL", time.time()
+    )
+    for n in nodes:
+        took = await until(lambda n=n: n.store.current.topology.routing.degraded_ttl == 7, 2)  # type: ignore[misc]
+        assert took < 2
+    assert [n.store.current.topology.fingerprint() for n in nodes] != before
+    # A broken document is refused by every node, which keeps what it has.
+    await shared_state.publish(
+        nodes[0].engine, "zone: [", policies, "e" * 32, "ops", "typo", time.time()
+    )
+    await asyncio.sleep(3 * SYNC_S)
+    assert all(n.store.current.topology.routing.degraded_ttl == 7 for n in nodes)
+
+
+async def test_a_node_that_loses_the_database_keeps_answering_and_catches_up(
+    tmp_path: Path,
+    balancers: tuple[Path, dict[str, FakeBalancer]],
+    database_url: str,
+    geoip_path: Path,
+) -> None:
+    config, fake = balancers
+    from sqlalchemy.engine import make_url
+
+    real = make_url(database_url)
+    proxy = TcpProxy(real.host or "127.0.0.1", real.port or 5432)
+    await proxy.start()
+    via_proxy = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    node = Runtime(node_settings(tmp_path, config, via_proxy, "node-a", geoip_path=geoip_path))
+    await node.start()
+    try:
+        await until(lambda: state(node, "eu-west") is HealthState.UP, 5)
+        assert node.sync.age_s < 1
+        await proxy.stop()  # the database goes away (connections cut, new ones refused)
+        await until(lambda: node.sync.age_s > 2, 6)
+        # Its own probes still decide: a region failing now is routed around.
+        await fake["eu-west"].stop()
+        await until(lambda: state(node, "eu-west") is HealthState.DOWN, 3)
+        assert node.sync.pending, "the state change waits in memory for the database"
+        await proxy.start()
+        await until(lambda: node.sync.age_s < 1, 8)
+        await until(lambda: not node.sync.pending, 3)
+    finally:
+        await node.stop()
+        await proxy.stop()
+    events = await shared_state_events(database_url)
+    assert ("node-a", "eu-west", "down") in events
+
+
+async def shared_state_events(url: str) -> set[tuple[str, str, str | None]]:
+    from gtm.audit.database import make_async_engine
+
+    engine = make_async_engine(url)
+    try:
+        return {(e.node, e.region, e.state) for e in await shared_state.read_events(engine)}
+    finally:
+        await engine.dispose()
