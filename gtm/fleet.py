@@ -31,6 +31,7 @@ class Fleet:
     secret: str
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     balancers: dict[str, str] = field(default_factory=dict)  # region -> base URL
+    _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
 
     def start(
         self, topology: Topology, sim_port_base: int = 8700, gtm_urls: tuple[str, ...] = ()
@@ -81,7 +82,8 @@ class Fleet:
             self.balancers[region.id] = f"http://127.0.0.1:{url.port}"
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log = (self.directory / f"{name}.log").open("wb")
+        self._commands[name] = (args, env)
+        log = (self.directory / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
             [
                 sys.executable,
@@ -116,9 +118,23 @@ class Fleet:
             proc.kill()
             proc.wait()
 
+    def restart(self, name: str) -> None:
+        """Start a killed process again with its original command line."""
+        self.kill(name)
+        args, env = self._commands[name]
+        self._spawn(name, args, env)
+
+    def pause(self, name: str) -> None:
+        """Freeze a process (SIGSTOP): its sockets stay open but nothing answers."""
+        self.processes[name].send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.processes[name].send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         for proc in self.processes.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
                 proc.send_signal(signal.SIGTERM)
         for proc in self.processes.values():
             try:
