@@ -13,6 +13,10 @@ served by eu-central; then, polling DNS and HTTP every 50 ms:
   until the first clients are.
 * ``push_failover_s``: the balancer is told to drain (``POST /admin/drain``); its next pushed
   report says so; time until the DNS answer moves (the push path).
+* ``spill_share``: back-to-back requests keep eu-central's A100 at >= 0.9 of its batch
+  slots; the share of eu-central's client networks (256 Berlin /24s) whose DNS answer moves
+  elsewhere, against ``spill_share_expected`` = (u - low watermark) / u from its reported
+  utilisation u; ``spill_onset_s`` from the start of the load until the first moved.
 * ``flap_changes_per_min``: the balancer is frozen and thawed (SIGSTOP/SIGCONT) for random
   spans of 0.5-2.5 s, shorter than the 3-probe failure threshold, for ``--flap-seconds``;
   changes of the client's DNS answer per minute.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -59,6 +64,9 @@ CLIENT_IP = "85.214.0.1"
 NAME = "chat.gtm.example."
 HOST = "chat.gtm.example"
 POLL_S = 0.05
+# Concurrent back-to-back requests at eu-central when the overload phase starts (more are added
+# until the A100's 32 batch slots are >= 90% busy, past the 0.85 high watermark).
+OVERLOAD_STREAMS = 30
 TARGETS = {"dns_failover_s": 6.0, "push_failover_s": 2.0, "flap_changes_per_min": 2.0}
 
 
@@ -79,12 +87,10 @@ class Probe:
         self.by_address = addresses  # IPv4 -> region
         self.http = httpx.AsyncClient(timeout=2.0)
 
-    async def dns_region(self) -> str:
+    async def dns_region(self, subnet: str = SUBNET) -> str:
+        address, prefix = subnet.split("/")
         query = dns.message.make_query(
-            NAME,
-            "A",
-            use_edns=0,
-            options=[dns.edns.ECSOption(SUBNET.split("/")[0], int(SUBNET.split("/")[1]))],
+            NAME, "A", use_edns=0, options=[dns.edns.ECSOption(address, int(prefix))]
         )
         try:
             reply = await dns.asyncquery.udp(query, "127.0.0.1", port=self.dns_port, timeout=1)
@@ -194,7 +200,75 @@ async def measure(
     if frozen:
         fleet.resume(lb)
     results["flap_changes_per_min"] = changes * 60 / flap_seconds
+    await until(lambda: serves(REGION), 30, "Berlin back after flapping")
+
+    # 5. Overload: back-to-back requests keep most of eu-central's batch slots busy.
+    results |= await overload(probe, balancer)
     return results
+
+
+async def overload(probe: Probe, balancer: str) -> dict[str, float]:
+    # Client networks eu-central serves when it is not overloaded.
+    subnets = [f"85.214.{i}.0/24" for i in range(256)]
+    home = [s for s in subnets if await probe.dns_region(s) == REGION]
+    body = {
+        "model": "llama-3-8b",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "a long answer, please"}],
+    }
+    stop = asyncio.Event()
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                await client.post(
+                    f"{balancer}/v1/chat/completions",
+                    json=body,
+                    headers={"X-Priority": "realtime"},
+                )
+
+    async def spilled_share() -> float:
+        answers = await asyncio.gather(*(probe.dns_region(s) for s in home))
+        return sum(a not in (REGION, "timeout") for a in answers) / len(home)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256)) as client:
+        workers = [asyncio.create_task(worker(client)) for _ in range(OVERLOAD_STREAMS)]
+        started = time.monotonic()
+        try:
+            # More clients until the balancer reports its slots nearly full (short answers keep
+            # the KV cache from binding first).
+            for _ in range(20):
+                await asyncio.sleep(1.0)
+                u = (await client.get(f"{balancer}/gtm/capacity")).json()["utilisation"]
+                if u >= 0.9:
+                    break
+                workers += [asyncio.create_task(worker(client)) for _ in range(8)]
+            await until(lambda: _positive(spilled_share()), 30, "spill onset")
+            onset = time.monotonic() - started  # from the start of the load
+            await asyncio.sleep(3)  # steady state
+            shares = []
+            for _ in range(5):
+                shares.append(await spilled_share())
+                await asyncio.sleep(0.5)
+            report = (await client.get(f"{balancer}/gtm/capacity")).json()
+        finally:
+            stop.set()
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+    u = report["utilisation"]
+    return {
+        "spill_onset_s": onset,
+        "spill_share": sum(shares) / len(shares),
+        "spill_share_expected": max(0.0, (u - 0.70) / u),  # demo watermarks: high .85, low .70
+        "overload_utilisation": u,
+        "spill_clients": float(len(home)),
+        "overload_streams": float(len(workers)),
+    }
+
+
+async def _positive(value: Awaitable[float]) -> bool:
+    return (await value) > 0
 
 
 async def _differs(value: Awaitable[str], region: str) -> bool:
