@@ -196,3 +196,20 @@ async def test_overload_spills_and_residency_fails_closed(fleet) -> None:  # typ
         await balancers[region].stop()
     await until(lambda: ask(runtime, "chat-eu").outcome is Outcome.FAIL_CLOSED, 4)
     assert ask(runtime, "chat").region == "us-east"
+
+
+async def test_flapping_within_the_thresholds_moves_no_answer(fleet) -> None:  # type: ignore[no-untyped-def]
+    runtime, balancers = fleet
+    await until(lambda: state(runtime, "eu-central") is HealthState.UP, 3)
+    answers, version = set(), runtime.store.current.version
+    started = time.monotonic()
+    while time.monotonic() - started < 3:
+        # Two failed probes at most (fall is 3), then a good one: a flapping region.
+        balancers["eu-central"].mode = "forged"
+        await asyncio.sleep(INTERVAL * 1.5)
+        balancers["eu-central"].mode = "ok"
+        await asyncio.sleep(INTERVAL * 1.5)
+        answers.add(ask(runtime).region)
+    assert runtime.prober is not None and runtime.prober.failures >= 3  # it did flap
+    assert answers == {"eu-central"} and state(runtime, "eu-central") is HealthState.UP
+    assert runtime.store.current.version > version  # reports kept coming; health held still
