@@ -403,3 +403,42 @@ def test_topology_change_resets_rankings(snapshot: Snapshot) -> None:
     assert d.distances["eu-west"] == pytest.approx(
         great_circle_km(50.11, 8.68, 51.5, -0.1), rel=0.01
     )
+
+
+def test_a_recovering_region_takes_back_a_growing_share_of_its_clients(snapshot: Snapshot) -> None:
+    shares = []
+    back_before: set[str] = set()
+    for admitted in (0.0, 0.25, 0.5, 0.75, 1.0):
+        health = {"eu-central": RegionHealth(HealthState.UP, NOW, "", admitted)}
+        decisions = spread(snapshot.evolve(NOW, health=health), "chat-eu")
+        back = {n for n, d in decisions.items() if d.region == "eu-central"}
+        assert back_before <= back  # the clients re-admitted first stay re-admitted
+        back_before = back
+        shares.append(len(back) / len(GERMAN_NETS))
+        for net, d in decisions.items():
+            if net not in back:
+                # Held on the next allowed region: EU data stays in the EU (rule 1).
+                assert d.region == "eu-west" and d.ttl == 10 and d.scope_prefix == 24
+                assert by_region(d)["eu-central"].reason is Reason.READMITTING
+                assert by_region(d)["eu-west"].reason is Reason.READMIT_HOLD
+    assert shares[0] == 0.0 and shares[-1] == 1.0
+    for admitted, share in zip((0.25, 0.5, 0.75), shares[1:4], strict=True):
+        assert share == pytest.approx(admitted, abs=0.08)
+
+
+def test_a_recovering_region_alone_in_the_allowed_set_takes_everyone(snapshot: Snapshot) -> None:
+    health = {
+        "eu-central": RegionHealth(HealthState.UP, NOW, "", 0.0),
+        "eu-west": RegionHealth(HealthState.DOWN, NOW),
+    }
+    d = ask(snapshot.evolve(NOW, health=health), US, "chat-eu", ecs=ip_network(GERMAN_NETS[0]))
+    assert d.region == "eu-central"
+
+
+def test_operator_weights_rerank_regions(snapshot: Snapshot) -> None:
+    london = "100.65.1.1"  # Dublin (eu-west) is nearer than Frankfurt (eu-central)
+    assert ask(snapshot, london).region == "eu-west"
+    assert ask(snapshot.evolve(NOW, weights={"eu-central": 2.0}), london).region == "eu-central"
+    zero = ask(snapshot.evolve(NOW, weights={"eu-central": 0.0}), DE)
+    assert zero.region != "eu-central"
+    assert by_region(zero)["eu-central"].reason is Reason.WEIGHT_ZERO

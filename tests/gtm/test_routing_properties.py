@@ -113,7 +113,13 @@ def worlds(draw: st.DrawFn) -> dict[str, Any]:
         "rules": rules,
         "default": {"on_unavailable": draw(st.sampled_from(["reject", "fail_static"]))},
     }
-    health = {r: draw(st.sampled_from(list(HealthState))) for r in ids if draw(st.booleans())}
+    health = {
+        r: (draw(st.sampled_from(list(HealthState))), draw(st.sampled_from([1.0, 0.5, 0.0])))
+        for r in ids
+        if draw(st.booleans())
+    }
+    # Operator weight overrides (gtm region weight), 0 taking a region out.
+    weights = {r: draw(st.sampled_from([0.0, 0.5, 3.0])) for r in ids if draw(st.booleans())}
     capacity = {}
     for r in ids:
         if draw(st.booleans()):
@@ -128,6 +134,7 @@ def worlds(draw: st.DrawFn) -> dict[str, Any]:
         "topology": topology,
         "policy": policy,
         "health": health,
+        "weights": weights,
         "capacity": capacity,
         "client": client,
         "ecs": draw(st.booleans()),
@@ -154,8 +161,9 @@ def build(world: dict[str, Any], geo: GeoDatabase) -> tuple[Snapshot, DecisionRe
         topo,
         policy,
         geo,
-        {r: RegionHealth(s, 0.0) for r, s in world["health"].items()},
+        {r: RegionHealth(s, 0.0, "", a) for r, (s, a) in world["health"].items()},
         capacity,
+        world["weights"],
     )
     client = ip_address(world["client"])
     ecs = None
@@ -174,7 +182,7 @@ def build(world: dict[str, Any], geo: GeoDatabase) -> tuple[Snapshot, DecisionRe
 
 
 def healthy(snap: Snapshot, region_id: str) -> bool:
-    region = snap.topology.region(region_id)
+    region = snap.regions[region_id]
     state = snap.health.get(region_id)
     s = state.state if state else HealthState.UNKNOWN
     if region.weight == 0 or s in (HealthState.DOWN, HealthState.DRAINING):
