@@ -27,6 +27,7 @@ import httpx
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
+from gtm import operator, shared_state
 from gtm.audit import query
 from gtm.audit.record import record_of
 from gtm.cli import render_decision
@@ -330,9 +331,39 @@ async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:
                 f"{time.monotonic() - started:.1f} s after the kill (probe interval 0.5 s, "
                 f"down after 3 failed probes)"
             )
-            return
+            break
         await asyncio.sleep(0.1)
-    print("the answer did not move within 15 s")
+    else:
+        print("the answer did not move within 15 s")
+        return
+
+    heading("Operator control: eu-west is drained too (who and why are recorded)")
+    runtime = node.runtime
+    await operator.amend(
+        runtime.engine,
+        "eu-west",
+        actor="demo-operator",
+        reason="GPU driver upgrade",
+        now=time.time(),
+        drain=True,
+        expires_for_s=3600,
+    )
+    started = time.monotonic()
+    for _ in range(100):  # within 5 s; a state sync is every 0.5 s
+        if runtime.store.current.health["eu-west"].state is HealthState.DRAINING:
+            break
+        await asyncio.sleep(0.05)
+    print(f"in force {time.monotonic() - started:.1f} s later (next state sync)")
+    for name in ("chat.gtm.example.", "chat.eu.gtm.example."):
+        reply = await ask_dns(dns_port, name, "A", "85.214.0.0/24")
+        print(f"  Berlin asks {name:<22} -> {shown(reply)}")
+    print("  (EU personal data has no EU region left: it fails closed, never leaves the EU)")
+    await runtime.sync.sync_once()  # write the queued events now rather than in 0.5 s
+    print("region events, newest first:")
+    for event in await shared_state.read_events(runtime.engine, limit=6):
+        change = f"{event.previous} -> {event.state}" if event.state else event.detail
+        who = f" by {event.actor}: {event.reason}" if event.actor else ""
+        print(f"  {event.node:<10} {event.region:<11} {event.kind:<9} {change}{who}")
 
 
 if __name__ == "__main__":

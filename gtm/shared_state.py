@@ -103,7 +103,11 @@ async def read_events(
     engine: AsyncEngine, region: str | None = None, limit: int = 50
 ) -> list[RegionEvent]:
     """The newest events, newest first."""
-    query = select(region_events).order_by(desc(region_events.c.id)).limit(limit)
+    query = (
+        select(region_events)
+        .order_by(desc(region_events.c.at_us), desc(region_events.c.id))
+        .limit(limit)
+    )
     if region is not None:
         query = query.where(region_events.c.region == region)
     async with engine.connect() as conn:

@@ -36,4 +36,8 @@ def test_demo_once(tmp_path: Path) -> None:
     assert "POST chat.eu.gtm.example from 8.8.8.8: 307 -> eu-west" in text
     assert "-> 200 'tok1" in text and ": 451 " in text
     assert "answer moved 192.0.2.40 -> 192.0.2.30" in text
+    # The operator drains eu-west as well: EU personal data fails closed, the rest goes on.
+    assert "Berlin asks chat.eu.gtm.example.   -> REFUSED" in text
+    assert "Berlin asks chat.gtm.example.      -> 192.0.2.50" in text
+    assert "override  set: drained" in text and "by demo-operator: GPU driver upgrade" in text
     assert (tmp_path / "demo.sqlite3").exists()
