@@ -115,6 +115,7 @@ def worker_settings(settings: Settings, index: int) -> Settings:
     return settings.model_copy(
         update={
             "node_id": f"{settings.node_id}/w{index}"[:64],
+            "observer_id": settings.observer_id or settings.node_id,
             "spool_dir": settings.spool_dir / f"w{index}",
             # Only the first worker serves metrics on the shared port; each exports its own
             # counters through the default registry of its process.

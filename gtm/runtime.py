@@ -99,7 +99,7 @@ class Runtime:
         )
         self.prober: Prober | None = self._make_prober(topology)
         self.book = RegionBook(
-            settings.node_id,
+            settings.observer_id or settings.node_id,
             tuple(r.id for r in topology.regions),
             quorum=settings.health_quorum,
             max_age_s=settings.health_observation_max_age_s,
@@ -196,7 +196,7 @@ class Runtime:
         # timeout), so while it runs its view is fresh as of now.
         if self.prober is None:
             return []
-        node = self.settings.node_id
+        node = self.book.node
         return [
             Observation(node, region, h.state, h.since, now, h.detail)
             for region, h in self.prober.health.items()
@@ -206,7 +206,7 @@ class Runtime:
         """This node's probes changed their mind: take it into account at once, not at the
         next sync, and record it."""
         now = time.time()
-        node = self.settings.node_id
+        node = self.book.node
         self.book.observe(Observation(node, region, after.state, after.since, now, after.detail))
         self.sync.queue(
             [RegionEvent(now, node, region, "observed", after.state, before.state, after.detail)]

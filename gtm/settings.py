@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     # Prometheus metrics on their own port (the HTTP front and admin API also serve /metrics).
     metrics_listen: str | None = None
     node_id: str = Field(default_factory=socket.gethostname, max_length=64)
+    # The name this node's health observations carry in the quorum; worker processes of one
+    # node share it (they are one vote, not several). Unset: the node id.
+    observer_id: str | None = Field(default=None, max_length=64)
     spool_dir: Path = Path("var/spool")
     audit_flush_interval_s: float = Field(default=1.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)

@@ -127,3 +127,21 @@ def test_book_notes_a_lapsed_override_once_and_applies_weights() -> None:
     assert lapsed.health["r2"].state is UNKNOWN and lapsed.weights == {"r2": 3.0}
     b.set_overrides([o])
     assert not [e for e in b.compose(7).events if e.kind == "override"]
+
+
+def test_worker_processes_of_one_node_are_one_vote() -> None:
+    from gtm.node import worker_settings
+    from gtm.settings import Settings
+
+    base = Settings(node_id="gtm-1")
+    workers = [worker_settings(base, i) for i in range(3)]
+    assert {w.node_id for w in workers} == {"gtm-1/w0", "gtm-1/w1", "gtm-1/w2"}
+    assert {w.observer_id for w in workers} == {"gtm-1"}
+    # Their observations share one key, so three workers saying "down" are one vote.
+    b = RegionBook("gtm-2", ("r1",), quorum=2)
+    b.observe(Observation("gtm-2", "r1", UP, 0, 0))
+    b.compose(0)
+    for _ in workers:
+        b.observe(Observation("gtm-1", "r1", DOWN, 1, 1))
+    b.observe(Observation("gtm-3", "r1", UP, 1, 1))
+    assert b.compose(1).health["r1"].state is UP
