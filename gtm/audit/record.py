@@ -9,8 +9,9 @@ editing a row breaks every later hash of that node.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -47,6 +48,9 @@ class AuditRecord:
     outcome: str
     ttl: int
     _hash: int = field(init=False, repr=False, compare=False, default=0)
+    # The record's share of its audit rows, rendered on first use (see :func:`row_form`): a busy
+    # node writes a row per distinct decision and flush, and the same records recur every flush.
+    _form: RowForm | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -198,6 +202,68 @@ def row_hash(prev_hash: str, row: dict[str, Any]) -> str:
     # json module; a busy node hashes thousands of rows a second.
     body = orjson.dumps({k: row[k] for k in HASHED_COLUMNS}, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(prev_hash.encode() + body).hexdigest()
+
+
+# The hashed columns that differ from row to row of one record, in sorted (canonical) order.
+PER_ROW_COLUMNS = ("count", "first_at_us", "last_at_us", "node", "node_seq")
+assert tuple(c for c in sorted(HASHED_COLUMNS) if c in PER_ROW_COLUMNS) == PER_ROW_COLUMNS
+
+
+class RowForm(NamedTuple):
+    """What every row of one record shares, rendered once.
+
+    ``segments`` is the canonical JSON that :func:`row_hash` hashes (sorted keys, compact), cut
+    where the values of :data:`PER_ROW_COLUMNS` go: a row's body is the segments with those
+    values between them (:func:`row_body`), byte for byte what ``orjson`` would produce for the
+    whole row. ``columns`` holds whatever the caller derived from the row for its own use (the
+    writer keeps its database parameters there).
+    """
+
+    segments: tuple[bytes, bytes, bytes, bytes, bytes, bytes]
+    columns: tuple[Any, ...]
+
+
+def row_form(record: AuditRecord, columns: Callable[[dict[str, Any]], tuple[Any, ...]]) -> RowForm:
+    """The :class:`RowForm` of ``record``, memoised on it. ``columns`` must be the same function
+    at every call (the writer's), as the memo does not record which one built it."""
+    form = record._form
+    if form is None:
+        row = row_of(record, node="", node_seq=0, first_at_us=0, last_at_us=0, count=0)
+        cuts: list[bytes] = []
+        text = b"{"
+        for i, key in enumerate(sorted(HASHED_COLUMNS)):
+            text += (b"," if i else b"") + orjson.dumps(key) + b":"
+            if key in PER_ROW_COLUMNS:
+                cuts.append(text)
+                text = b""
+            else:
+                text += orjson.dumps(row[key], option=orjson.OPT_SORT_KEYS)
+        cuts.append(text + b"}")
+        s0, s1, s2, s3, s4, s5 = cuts
+        form = RowForm((s0, s1, s2, s3, s4, s5), columns(row))
+        object.__setattr__(record, "_form", form)
+    return form
+
+
+def row_body(
+    form: RowForm, count: int, first_at_us: int, last_at_us: int, node_json: bytes, node_seq: int
+) -> bytes:
+    """The canonical JSON of one row (what :func:`row_hash` hashes after the previous hash);
+    ``node_json`` is the node name as JSON (``orjson.dumps(node)``)."""
+    s0, s1, s2, s3, s4, s5 = form.segments
+    return b"%s%d%s%d%s%d%s%s%s%d%s" % (
+        s0,
+        count,
+        s1,
+        first_at_us,
+        s2,
+        last_at_us,
+        s3,
+        node_json,
+        s4,
+        node_seq,
+        s5,
+    )
 
 
 def chain(rows: list[dict[str, Any]], prev_hash: str) -> str:

@@ -1,17 +1,46 @@
 """The batched audit writer: counts on the answering path, writes beside it.
 
-``count()`` is all an answering path calls: a dictionary increment, no I/O, no await. A
-background task flushes on an interval, or sooner when many distinct decisions are pending:
-identical decisions of the window become one row with a count, rows are chained, appended to
-the local spool, and then drained from the spool into the database (see :mod:`gtm.audit.spool`).
+``count()`` is all an answering path needs: a dictionary increment, no I/O, no await. Paths that
+answer tens of thousands of times a second keep their own tallies instead (an integer on a cached
+answer) and register a source that the writer drains at each flush (:meth:`add_source`). A
+background task flushes on an interval, or sooner when many distinct decisions are pending: the
+tallies of the window become rows (identical decisions one row with a count), rows are chained,
+appended to the local spool, and then drained from the spool into the database (see
+:mod:`gtm.audit.spool`).
+
+A flush shares the event loop with the answering paths, so it is built to stay out of their way:
+
+* rows are rendered from per-record templates (:func:`gtm.audit.record.row_form`), a few
+  microseconds each, on the loop in slices of a fraction of a millisecond (a thread would hold
+  the GIL against the loop for a whole switch interval at a time, and compete for the core);
+* a flush allocates a handful of containers however many rows it writes: thousands of row
+  objects living through a flush would be promoted to the oldest GC generation and trigger full
+  collections, which stall the loop for tens of milliseconds;
+* file and database I/O run in threads, the database's in batches small enough that each
+  executes in about a millisecond, and at a lower CPU priority than the loop's thread: on a
+  core shared with the loop, the kernel then hands the core back to the loop as soon as a
+  query arrives instead of letting an insert finish its time slice first;
+* the background flushes are paced: after each slice of work (rendering rows, or one insert
+  batch) the writer rests several times as long. A flush's hundred milliseconds of work per
+  five thousand rows, done in one go, would take the core from the answering paths long enough
+  to queue thousands of queries; spread over most of the flush interval it takes a steady
+  sliver instead. When a flush takes longer than the interval, the next window is simply
+  longer, and identical decisions share rows over it. Explicit flushes (shutdown, tests) are
+  not paced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import operator
+import os
+import threading
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -19,18 +48,33 @@ import structlog
 from prometheus_client import Counter
 from sqlalchemy import JSON, func, select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
-from gtm.audit.record import GENESIS, AuditRecord, chain, row_of
+from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form
 from gtm.audit.schema import decisions
 from gtm.audit.spool import Spool
 
 log = structlog.get_logger(__name__)
 
-_INSERT_BATCH = 200  # short GIL holds in the driver: the loop keeps answering
+# (record, answers, first answer, last answer), times in unix seconds.
+Tally = tuple[AuditRecord, int, float, float]
+TallySource = Callable[[], Iterator[Tally]]
+
+_INSERT_BATCH = 64  # about a millisecond of SQLite work per statement
+_BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
+_SLICE_S = 0.0003  # the longest row rendering holds the loop before it answers again
+_REST = 6.0  # paced flushes rest this many times as long as each slice of work took
 _COLUMNS = [str(c.name) for c in decisions.c if c.name != "id"]
 _JSON_COLUMNS = frozenset(str(c.name) for c in decisions.c if isinstance(c.type, JSON))
+_PER_ROW = ("node", "node_seq", "first_at_us", "last_at_us", "count", "prev_hash", "row_hash")
+_STATIC = tuple(c for c in _COLUMNS if c not in _PER_ROW)
+# A row's parameters are assembled as (per-row values) + (the record's static values); this
+# picks them into the table's column order (None: already in order).
+_ORDER = tuple(
+    _PER_ROW.index(c) if c in _PER_ROW else len(_PER_ROW) + _STATIC.index(c) for c in _COLUMNS
+)
+_PICK = None if tuple(range(len(_ORDER))) == _ORDER else operator.itemgetter(*_ORDER)
 
 
 def _insert_sql(paramstyle: str) -> str:
@@ -43,8 +87,75 @@ def _insert_sql(paramstyle: str) -> str:
     )
 
 
+def _value(column: str, value: Any) -> Any:
+    return orjson.dumps(value).decode() if column in _JSON_COLUMNS else value
+
+
 def _params(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(orjson.dumps(row[c]).decode() if c in _JSON_COLUMNS else row[c] for c in _COLUMNS)
+    """Insert parameters of a row read back from the spool."""
+    return tuple(_value(c, row[c]) for c in _COLUMNS)
+
+
+def _static_params(row: dict[str, Any]) -> tuple[Any, ...]:
+    """The parameters every row of one record shares (memoised in its :class:`RowForm`)."""
+    return tuple(_value(c, row[c]) for c in _STATIC)
+
+
+class _Batch:
+    """The rows one flush sealed, compact until the database has them: per row its record's
+    form, three integers and its hash, and its spool line; parameters are built per insert."""
+
+    __slots__ = ("first_seq", "forms", "hashes", "lines", "numbers")
+
+    def __init__(self, first_seq: int, prev_hash: str) -> None:
+        self.first_seq = first_seq
+        self.forms: list[RowForm] = []
+        self.numbers = array("q")  # count, first_at_us, last_at_us of each row
+        self.hashes = [prev_hash]  # row i chains hashes[i] -> hashes[i + 1]
+        self.lines: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.forms)
+
+    def params(self, node: str, start: int, stop: int) -> list[tuple[Any, ...]]:
+        out = []
+        numbers, hashes = self.numbers, self.hashes
+        for i in range(start, stop):
+            values = (
+                node,
+                self.first_seq + i,
+                numbers[3 * i + 1],
+                numbers[3 * i + 2],
+                numbers[3 * i],
+                hashes[i],
+                hashes[i + 1],
+                *self.forms[i].columns,
+            )
+            out.append(values if _PICK is None else _PICK(values))
+        return out
+
+
+class _Slices:
+    """The time slices of one flush's work: :meth:`next` hands the loop back to the answering
+    paths (and, when paced, rests). A cancellation that arrives meanwhile is remembered, not
+    raised, and the rest runs without yielding: tallies once taken must all become rows."""
+
+    __slots__ = ("cancelled", "deadline", "rest", "started")
+
+    def __init__(self, rest: float) -> None:
+        self.cancelled = False
+        self.rest = rest
+        self.started = time.perf_counter()
+        self.deadline = self.started + _SLICE_S
+
+    async def next(self) -> None:
+        if not self.cancelled:
+            try:
+                await asyncio.sleep(self.rest * (time.perf_counter() - self.started))
+            except asyncio.CancelledError:
+                self.cancelled = True
+        self.started = time.perf_counter()
+        self.deadline = self.started + _SLICE_S
 
 
 class AuditWriter:
@@ -64,11 +175,17 @@ class AuditWriter:
         self.flush_interval = flush_interval
         self.max_pending = max_pending
         self._clock = clock
-        # record -> [count, first_at_us, last_at_us]
-        self._pending: dict[AuditRecord, list[int]] = {}
+        self._node_json = orjson.dumps(node)
+        # record -> [count, first answer, last answer (unix seconds)]
+        self._pending: dict[AuditRecord, list[Any]] = {}
+        self._sources: list[TallySource] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._lock = asyncio.Lock()
+        # Spool appends, reads and truncations in one thread, so they happen in order even when
+        # a flush is cancelled while its append is still being written.
+        self._io: ThreadPoolExecutor | None = None
         self._seq, self._last_hash = spool.chain_state() or (0, GENESIS)
         self.counted = 0  # answers counted since start (rule 2 bookkeeping)
         self._counters: dict[str, Counter] = {}  # labelled children, looked up once
@@ -76,27 +193,31 @@ class AuditWriter:
         # first flush after start always reads it.
         self._backlog = True
         self.last_error: str | None = None
+        self._backgrounded: set[int] = set()  # driver threads already lowered in priority
 
     # -- the answering path --------------------------------------------------------------------
 
     def count(self, record: AuditRecord, n: int = 1) -> None:
         """Count ``n`` answers of ``record``. Never blocks, never raises on I/O."""
-        now_us = int(self._clock() * 1_000_000)
+        now = self._clock()
         entry = self._pending.get(record)
         if entry is None:
-            self._pending[record] = [n, now_us, now_us]
+            self._pending[record] = [n, now, now]
             if len(self._pending) >= self.max_pending:
                 self._wake.set()
         else:
             entry[0] += n
-            entry[2] = now_us
+            entry[2] = now
         self.counted += n
-        counter = self._counters.get(record.channel)
-        if counter is None:
-            counter = self._counters[record.channel] = metrics.DECISIONS_COUNTED.labels(
-                record.channel
-            )
-        counter.inc(n)
+
+    def add_source(self, source: TallySource) -> None:
+        """Drain ``source`` at every flush: it yields the answers it counted since the last
+        drain (and forgets them). Called on the event loop, like everything here."""
+        self._sources.append(source)
+
+    def remove_source(self, source: TallySource) -> None:
+        with contextlib.suppress(ValueError):
+            self._sources.remove(source)
 
     # -- beside it -----------------------------------------------------------------------------
 
@@ -105,85 +226,193 @@ class AuditWriter:
         if self._seq == 0:
             self._seq, self._last_hash = await self._chain_state_from_db()
         await self.flush()
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name="audit-writer")
 
     async def stop(self) -> None:
         """Final flush. Whatever the database cannot take stays spooled for the next start."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # Not cancelled: a flush in progress finishes (a cancelled one would leave its
+            # sealed rows for the next flush to find in the spool; this is simpler to reason
+            # about).
+            self._stopping = True
+            self._wake.set()
+            with contextlib.suppress(Exception):
                 await self._task
             self._task = None
         await self.flush()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval)
             self._wake.clear()
-            await self.flush()
+            if self._stopping:
+                return
+            try:
+                await self.flush(paced=True)
+            except Exception:  # the writer must outlive one bad flush (a full disk, say)
+                log.exception("audit.flush_error")
 
-    async def flush(self) -> int:
-        """Turn pending counts into rows and drain the spool; returns rows committed."""
-        async with self._lock:
-            pending, self._pending = self._pending, {}
-            # Building, hashing and spooling rows is thousands of Python operations per flush:
-            # done in a thread, the answering paths sharing this loop are not held up by it.
-            rows = await asyncio.to_thread(self._seal, pending)
-            # With no backlog the spool holds exactly these rows: no need to read them back.
-            backlog, self._backlog = self._backlog, True
-            return await self._drain(None if backlog else rows)
-
-    def _seal(self, pending: dict[AuditRecord, list[int]]) -> list[dict[str, Any]]:
-        """Rows for the pending counts, chained and appended to the spool (fsynced)."""
-        rows: list[dict[str, Any]] = []
-        for record, (n, first, last) in pending.items():
-            self._seq += 1
-            rows.append(
-                row_of(
-                    record,
-                    node=self.node,
-                    node_seq=self._seq,
-                    first_at_us=first,
-                    last_at_us=last,
-                    count=n,
-                )
+    async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="audit-spool", initializer=_run_in_background
             )
-        self._last_hash = chain(rows, self._last_hash)
-        self.spool.append(rows)
-        return rows
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    async def _drain(self, in_memory: list[dict[str, Any]] | None) -> int:
-        rows = in_memory if in_memory is not None else await asyncio.to_thread(self.spool.pending)
-        if not rows:
+    async def flush(self, *, paced: bool = False) -> int:
+        """Turn the tallies of the window into rows and drain the spool; returns rows
+        committed. ``paced``: spread the work out (the background flushes)."""
+        async with self._lock:
+            slices = _Slices(_REST if paced else 0.0)
+            records, counts, times = await self._gather(self._take(), slices)
+            batch = await self._seal(records, counts, times, slices)
+            # From here on the spool holds this batch whatever happens to this task.
+            backlog, self._backlog = self._backlog, True
+            if len(batch):
+                await self._in_io(_append, self.spool, batch)
+            if slices.cancelled:
+                raise asyncio.CancelledError
+            # With no backlog the spool holds exactly these rows: no need to read them back.
+            return await self._drain(None if backlog else batch, slices)
+
+    def _take(self) -> Iterator[Tally]:
+        pending, self._pending = self._pending, {}
+        for record, (n, first, last) in pending.items():
+            yield record, n, first, last
+        for source in tuple(self._sources):
+            for tally in source():
+                self.counted += tally[1]
+                yield tally
+
+    async def _gather(
+        self, tallies: Iterator[Tally], slices: _Slices
+    ) -> tuple[list[AuditRecord], array[int], array[float]]:
+        """The tallies merged by record (identical decisions share a row), in order of first
+        appearance: records, their answer counts, and (first, last) answer times."""
+        index: dict[AuditRecord, int] = {}
+        records: list[AuditRecord] = []
+        counts = array("q")
+        times = array("d")
+        clock = time.perf_counter
+        for record, n, first, last in tallies:
+            i = index.get(record)
+            if i is None:
+                index[record] = len(records)
+                records.append(record)
+                counts.append(n)
+                times.extend((first, last))
+            else:
+                counts[i] += n
+                times[2 * i] = min(times[2 * i], first)
+                times[2 * i + 1] = max(times[2 * i + 1], last)
+            if clock() > slices.deadline:
+                await slices.next()
+        return records, counts, times
+
+    async def _seal(
+        self, records: list[AuditRecord], counts: array[int], times: array[float], slices: _Slices
+    ) -> _Batch:
+        """Rows for the gathered tallies, chained."""
+        seq, prev = self._seq, self._last_hash
+        batch = _Batch(seq + 1, prev)
+        forms, numbers, hashes, lines = batch.forms, batch.numbers, batch.hashes, batch.lines
+        node_json = self._node_json
+        channels: dict[str, int] = {}
+        clock = time.perf_counter
+        for i, record in enumerate(records):
+            form = record._form or row_form(record, _static_params)
+            n = counts[i]
+            seq += 1
+            first_us, last_us = int(times[2 * i] * 1_000_000), int(times[2 * i + 1] * 1_000_000)
+            body = row_body(form, n, first_us, last_us, node_json, seq)
+            prev_b = prev.encode()
+            prev = hashlib.sha256(prev_b + body).hexdigest()
+            forms.append(form)
+            numbers.extend((n, first_us, last_us))
+            hashes.append(prev)
+            # The spool line is the row as JSON: the hashed body plus the chain columns.
+            lines.append(
+                b'%s,"prev_hash":"%s","row_hash":"%s"}\n' % (body[:-1], prev_b, prev.encode())
+            )
+            channels[record.channel] = channels.get(record.channel, 0) + n
+            if clock() > slices.deadline:
+                await slices.next()
+        self._seq, self._last_hash = seq, prev
+        for channel, n in channels.items():
+            counter = self._counters.get(channel)
+            if counter is None:
+                counter = self._counters[channel] = metrics.DECISIONS_COUNTED.labels(channel)
+            counter.inc(n)
+        return batch
+
+    async def _drain(self, batch: _Batch | None, slices: _Slices) -> int:
+        """Insert the sealed rows (``batch``, or what the spool holds when it may hold more),
+        then empty the spool. One transaction per insert batch, so a paced drain holds no write
+        lock while it rests: a crash in between leaves committed rows that the replay skips."""
+        rows: list[dict[str, Any]] = []
+        if batch is None:
+            rows = await self._in_io(self.spool.pending)
+        total = len(rows) if batch is None else len(batch)
+        if not total:
             metrics.AUDIT_SPOOLED_ROWS.set(0)
             return 0
+        written = 0
         try:
-            async with self.engine.begin() as conn:
+            async with self.engine.connect() as conn:
+                await self._driver_in_background(conn)
                 # Replays after a crash may repeat rows the database already committed.
                 have = await conn.scalar(
                     select(func.coalesce(func.max(decisions.c.node_seq), 0)).where(
                         decisions.c.node == self.node
                     )
                 )
-                fresh = [r for r in rows if r["node_seq"] > (have or 0)]
+                await conn.commit()
+                have = int(have or 0)
                 sql = _insert_sql(conn.dialect.paramstyle)
-                for i in range(0, len(fresh), _INSERT_BATCH):
-                    await conn.exec_driver_sql(
-                        sql, [_params(r) for r in fresh[i : i + _INSERT_BATCH]]
-                    )
+                if batch is not None:
+                    start = min(total, max(0, have - batch.first_seq + 1))
+                    for i in range(start, total, _INSERT_BATCH):
+                        stop = min(total, i + _INSERT_BATCH)
+                        await conn.exec_driver_sql(sql, batch.params(self.node, i, stop))
+                        await conn.commit()
+                        written += stop - i
+                        await slices.next()
+                else:
+                    todo = [r for r in rows if r["node_seq"] > have]
+                    for i in range(0, len(todo), _INSERT_BATCH):
+                        part = todo[i : i + _INSERT_BATCH]
+                        await conn.exec_driver_sql(sql, [_params(r) for r in part])
+                        await conn.commit()
+                        written += len(part)
+                        await slices.next()
         except (SQLAlchemyError, OSError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
             metrics.AUDIT_FLUSH_FAILURES.inc()
-            metrics.AUDIT_SPOOLED_ROWS.set(len(rows))
-            log.warning("audit.flush_failed", spooled=len(rows), error=self.last_error)
+            metrics.AUDIT_SPOOLED_ROWS.set(total)
+            metrics.AUDIT_ROWS_WRITTEN.inc(written)
+            log.warning("audit.flush_failed", spooled=total, error=self.last_error)
             return 0
-        await asyncio.to_thread(self.spool.clear)
+        await self._in_io(self.spool.clear)
         self._backlog = False
         self.last_error = None
         metrics.AUDIT_SPOOLED_ROWS.set(0)
-        metrics.AUDIT_ROWS_WRITTEN.inc(len(fresh))
-        return len(fresh)
+        metrics.AUDIT_ROWS_WRITTEN.inc(written)
+        return written
+
+    async def _driver_in_background(self, conn: AsyncConnection) -> None:
+        """Lower the priority of the driver's own thread, if it has one (aiosqlite runs each
+        connection in a thread; psycopg's async connections run on the loop and have none)."""
+        raw = await conn.get_raw_connection()
+        thread = getattr(raw.driver_connection, "_thread", None)
+        tid = getattr(thread, "native_id", None)
+        if isinstance(tid, int) and tid not in self._backgrounded:
+            self._backgrounded.add(tid)
+            _set_nice(tid)
 
     async def _chain_state_from_db(self) -> tuple[int, str]:
         try:
@@ -202,3 +431,25 @@ class AuditWriter:
             log.warning("audit.chain_state_unavailable", error=str(exc).splitlines()[0])
             return 0, GENESIS
         return (row.node_seq, row.row_hash) if row is not None else (0, GENESIS)
+
+
+def _append(spool: Spool, batch: _Batch) -> None:
+    """Append a batch's lines to the spool and fsync, as :meth:`Spool.append` does with row
+    dictionaries (the lines are those rows, rendered while sealing)."""
+    with open(spool.path, "ab") as f:
+        f.writelines(batch.lines)
+        f.flush()
+        os.fsync(f.fileno())
+    spool._save_state(batch.first_seq + len(batch) - 1, batch.hashes[-1])
+
+
+def _set_nice(tid: int) -> None:
+    # Linux: the nice value is per thread, and any thread may lower its own or a sibling's
+    # priority. Elsewhere, or without permission, nothing changes.
+    with contextlib.suppress(AttributeError, OSError):
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + _BACKGROUND_NICE))
+
+
+def _run_in_background() -> None:
+    _set_nice(threading.get_native_id())

@@ -5,6 +5,11 @@ look the rendered answer up (or render it), patch in the ID, flags and question 
 towards the audit. Rendered answers are reused per (name, type, EDNS shape, UDP limit, client
 network, GeoIP bucket) within one snapshot version, and only until the next instant at which a
 decision can change with time alone: when one of the snapshot's capacity reports goes stale.
+
+Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
+integer increment, and the audit writer drains the tallies at each flush (the responder is one
+of its sources): counting through the writer per answer cost a fifth of the answering path.
+Their response counters are folded into :class:`DnsStats` at the same time.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import math
 import socket
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 import structlog
 
 from gtm.audit.record import AuditRecord, zone_record
+from gtm.audit.writer import Tally
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
@@ -48,12 +54,21 @@ class _Cached:
     truncated: bool
 
 
-@dataclass(frozen=True, slots=True)
 class _Exact:
-    tail: bytes  # the whole response after its ID
-    record: AuditRecord
-    stats_key: tuple[str, str, str]
-    truncated: bool
+    """The whole response to one exact query from one sender, and the answers given from it
+    since the audit writer last drained them (``n``, with the first and last answer's time)."""
+
+    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated")
+
+    def __init__(
+        self, tail: bytes, record: AuditRecord, stats_key: tuple[str, str, str], truncated: bool
+    ) -> None:
+        self.tail = tail  # the whole response after its ID
+        self.record = record
+        self.stats_key = stats_key
+        self.truncated = truncated
+        self.n = 0
+        self.first = self.last = 0.0
 
 
 def time_boundary(snapshot: Snapshot, now: float) -> float:
@@ -83,6 +98,7 @@ class Responder:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runtime = runtime
+        self._store = runtime.store
         self.stats = stats
         self.rrl = rate_limiter
         self._clock = clock
@@ -91,6 +107,45 @@ class Responder:
         self._cache_version = -1
         self._cache_until = 0.0
         self._services: Mapping[str, object] = {}
+        # Entries answered from since the last drain. They stay here when the caches are
+        # dropped, so no tally is lost to a new snapshot.
+        self._tallied: list[_Exact] = []
+        runtime.writer.add_source(self.drain_tallies)
+
+    def drain_tallies(self) -> Iterator[Tally]:
+        """The audit writer's source: the answers given from cached entries since the last
+        drain. Runs on the loop, interleaved with answering (the writer slices its flush): an
+        entry answered from again before its turn here is drained with that answer too, and
+        one answered from after its turn is listed again for the next drain."""
+        tallied, self._tallied = self._tallied, []
+        stats = self.stats
+        queries = stats.queries
+        for entry in tallied:
+            n = entry.n
+            entry.n = 0
+            queries[entry.stats_key] += n
+            if entry.truncated:
+                stats.truncated += n
+            yield entry.record, n, entry.first, entry.last
+
+    def answer_udp(self, wire: bytes, host: str) -> bytes | None:
+        """:meth:`respond` to a datagram from ``host`` (the address as the transport gives it),
+        with nearly every query's case first: these exact bytes from this sender answered
+        before, in this snapshot, with no rate limit to apply. Same answer, same counting."""
+        exact = self._exact.get((wire[2:], host, True))
+        if exact is not None and self.rrl is None:
+            now = self._clock()
+            if self._store.current.version == self._cache_version and now < self._cache_until:
+                self.stats.cache_hits += 1
+                if exact.n:
+                    exact.n += 1
+                else:
+                    exact.n = 1
+                    exact.first = now
+                    self._tallied.append(exact)
+                exact.last = now
+                return wire[:2] + exact.tail
+        return self.respond(wire, _peer(host), True, host)
 
     def respond(
         self, wire: bytes, client: IPAddress, udp: bool, peer: str | None = None
@@ -100,7 +155,7 @@ class Responder:
         ``peer`` is the sender's address as the transport gave it (cheaper to hash than an
         address object); it keys the exact-query cache.
         """
-        snapshot = self.runtime.store.current
+        snapshot = self._store.current
         now = self._clock()
         if snapshot.version != self._cache_version or now >= self._cache_until:
             self._cache, self._exact = {}, {}
@@ -123,10 +178,13 @@ class Responder:
         exact = self._exact.get(exact_key)
         if exact is not None:
             self.stats.cache_hits += 1
-            self.runtime.count(exact.record)
-            self.stats.queries[exact.stats_key] += 1
-            if exact.truncated:
-                self.stats.truncated += 1
+            if exact.n:
+                exact.n += 1
+            else:
+                exact.n = 1
+                exact.first = now
+                self._tallied.append(exact)
+            exact.last = now
             return wire[:2] + exact.tail
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
@@ -168,6 +226,7 @@ class Responder:
         if len(self._exact) >= _CACHE_LIMIT:
             self._exact.clear()
         self._exact[exact_key] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+        # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
         self.stats.queries[stats_key] += 1
         if cached.truncated:
@@ -290,8 +349,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
         try:
-            host = str(addr[0])
-            out = self.responder.respond(data, _peer(host), udp=True, peer=host)
+            out = self.responder.answer_udp(data, str(addr[0]))
         except Exception:  # one bad packet must never take the listener down
             log.exception("dns.udp_failed", peer=str(addr[0]))
             return
