@@ -174,6 +174,8 @@ class AdmissionController:
 
     def wake(self) -> None:
         """Start queued requests, top tier first, while their tier has room."""
+        if not any(self.queues.values()):
+            return  # the common case, once per completion: skip computing the pool's load
         slots = self.load().slots
         for tier in sorted(self.tiers.values(), key=lambda t: t.rank):
             queue = self.queues[tier.name]
