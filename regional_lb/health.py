@@ -62,6 +62,18 @@ def record_probe(inst: InstanceState, ok: bool, now: float) -> bool:
     return True
 
 
+def busy_not_stuck(inst: InstanceState, now: float, patience_s: float) -> bool:
+    """Whether an instance whose model probe timed out is merely busy: it has requests in
+    flight, and it showed progress (a completion or a streamed token) within ``patience_s``
+    (the first-byte timeout a request gets), or its oldest request is younger than that. An
+    instance that is really stuck fails this once its requests have waited as long as a
+    request may; by then they fail by timeout too, and passive ejection agrees."""
+    if not inst.flights:
+        return False
+    oldest = min(f.started for f in inst.flights.values())
+    return now - max(inst.progress_at, oldest) <= patience_s
+
+
 def start_drain(inst: InstanceState) -> None:
     """No new requests; the ones in flight (including streams) run to their end."""
     inst.draining = True

@@ -103,6 +103,10 @@ class InstanceState:
     scraped_waiting: int | None = None
     flights: dict[int, Flight] = field(default_factory=dict)
     outstanding: float = 0.0
+    # When the instance last showed it is working: a request completed or a stream produced a
+    # token. A saturated instance queues a model probe behind its batch; this tells busy from
+    # dead (see regional_lb.probes).
+    progress_at: float = 0.0
     completed: int = 0
     work_done: float = 0.0
 
@@ -139,6 +143,7 @@ class InstanceState:
             self.outstanding = 0.0
         self.speed.busy(now, len(self.flights))
         if actual_cost is not None:
+            self.progress_at = now
             self.completed += 1
             self.work_done += actual_cost
             self.speed.completed(now, actual_cost)

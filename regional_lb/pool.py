@@ -80,6 +80,7 @@ class Lease:
         if self.ended or produced <= self.produced:
             return
         self.produced, self.last_token_at = produced, now
+        self.instance.progress_at = now
         left = self.pool.estimator.remaining(self.shape, produced)
         self.instance.update_remaining(self.request_id, left, produced)
 

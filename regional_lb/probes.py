@@ -18,7 +18,7 @@ import structlog
 
 from regional_lb.balancer_metrics import BalancerMetrics
 from regional_lb.capacity_report import SIGNATURE_HEADER, sign
-from regional_lb.health import record_probe
+from regional_lb.health import busy_not_stuck, record_probe
 from regional_lb.instance import InstanceState
 from regional_lb.load_signals import LoadSignal, parse_metrics
 from regional_lb.pool import Pool
@@ -99,6 +99,7 @@ class Background:
     async def probe(self, inst: InstanceState) -> bool:
         h = self.pool.config.health
         timeout = httpx.Timeout(h.probe_timeout_s)
+        first_byte_s = self.pool.config.timeouts.first_byte_s
         try:
             r = await self.client.get(f"{inst.url}/health", timeout=timeout)
             if r.status_code != 200:
@@ -110,11 +111,17 @@ class Background:
             if h.probe_model and inst.loaded:
                 # The port answering is not enough: ask a loaded model for one token.
                 model = next(iter(inst.loaded))
-                r = await self.client.post(
-                    f"{inst.url}/v1/completions",
-                    json={"model": model, "prompt": "ping", "max_tokens": 1},
-                    timeout=timeout,
-                )
+                try:
+                    r = await self.client.post(
+                        f"{inst.url}/v1/completions",
+                        json={"model": model, "prompt": "ping", "max_tokens": 1},
+                        timeout=timeout,
+                    )
+                except httpx.TimeoutException:
+                    # A full batch queues the probe like any request, and marking a saturated
+                    # instance unhealthy would push its load onto the others. Busy is not
+                    # dead while its own requests are within their patience.
+                    return busy_not_stuck(inst, self.pool.clock(), first_byte_s)
                 return r.status_code == 200
             return True
         except (httpx.HTTPError, ValueError):

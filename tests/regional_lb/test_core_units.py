@@ -225,3 +225,19 @@ def test_pool_canary_share_tiers_and_known_models() -> None:
     assert pool.known_model("m-v2") and not pool.known_model("zzz")
     report = pool.capacity_report(1)
     assert report.models[0].name == "m" and report.models[0].versions == ["m", "m-v2"]
+
+
+def test_busy_not_stuck_gives_a_busy_instance_a_request_s_patience() -> None:
+    from regional_lb.health import busy_not_stuck
+    from regional_lb.instance import InstanceState
+
+    inst = InstanceState(id="i0")
+    assert not busy_not_stuck(inst, 100.0, 10.0)  # nothing in flight: a silent model is down
+    inst.add(1, 1.0, now=50.0)
+    assert not busy_not_stuck(inst, 100.0, 10.0)  # waiting 50 s with no sign of work
+    inst.progress_at = 95.0
+    assert busy_not_stuck(inst, 100.0, 10.0)  # a token 5 s ago: busy
+    inst.add(2, 1.0, now=99.0)
+    assert busy_not_stuck(inst, 111.0, 10.0) is False  # progress 16 s ago, oldest 61 s
+    inst.release(1, 111.0)
+    assert busy_not_stuck(inst, 105.0, 10.0)  # the only request is 6 s old: not overdue

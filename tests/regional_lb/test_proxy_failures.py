@@ -253,3 +253,35 @@ async def _until_ready(c: httpx.AsyncClient) -> None:
             pass
         await asyncio.sleep(0.05)
     raise AssertionError("balancer did not become ready")
+
+
+async def test_a_saturated_instance_is_busy_not_down() -> None:
+    # A KV cache that holds two sequences: the rest, and the model probe, queue at the instance
+    # for longer than the probe timeout. Requests keep completing, so it stays in service.
+    async with sim(gpu="T4", kv_tokens=400) as (u1, engine):
+        cfg = balancer_config([u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1})
+        async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url, timeout=30) as c:
+            inst = pool.by_id("i0")
+            states: list[bool] = []
+            queued: list[int] = []
+
+            async def watch() -> None:
+                while True:
+                    states.append(inst.healthy)
+                    queued.append(len(engine.waiting))
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.create_task(watch())
+            replies = await asyncio.gather(
+                *(c.post(CHAT, json=chat(max_tokens=60)) for _ in range(8))
+            )
+            watcher.cancel()
+            assert [r.status_code for r in replies] == [200] * 8
+            assert max(queued) >= 2  # requests (and so probes) did queue at the instance
+            assert all(states), "a busy instance was taken out of service"
+        # The same instance silent (nothing completes, no tokens): the probe timing out is a
+        # failure, and the instance leaves service.
+        engine.stalled_until = float("inf")
+        cfg = balancer_config([u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1})
+        async with balancer(cfg) as (url, pool):
+            await eventually(lambda: not pool.by_id("i0").healthy, within=3.0)
