@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -213,19 +214,27 @@ async def overload(probe: Probe, balancer: str) -> dict[str, float]:
     home = [s for s in subnets if await probe.dns_region(s) == REGION]
     body = {
         "model": "llama-3-8b",
-        "max_tokens": 64,
+        # Long, exact answers (~3 s each on the demo's simulated A100 with a full batch): the
+        # load generator's own request rate must not be what limits the requests in flight.
+        "max_tokens": 512,
+        "ignore_eos": True,
         "messages": [{"role": "user", "content": "a long answer, please"}],
     }
     stop = asyncio.Event()
 
+    outcomes: collections.Counter[str] = collections.Counter()
+
     async def worker(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                await client.post(
+            try:
+                r = await client.post(
                     f"{balancer}/v1/chat/completions",
                     json=body,
                     headers={"X-Priority": "realtime"},
                 )
+                outcomes[str(r.status_code)] += 1
+            except httpx.HTTPError as exc:
+                outcomes[type(exc).__name__] += 1
 
     async def spilled_share() -> float:
         answers = await asyncio.gather(*(probe.dns_region(s) for s in home))
@@ -251,6 +260,7 @@ async def overload(probe: Probe, balancer: str) -> dict[str, float]:
                 shares.append(await spilled_share())
                 await asyncio.sleep(0.5)
             report = (await client.get(f"{balancer}/gtm/capacity")).json()
+            print(f"overload outcomes: {dict(outcomes)}; last report {report}", file=sys.stderr)
         finally:
             stop.set()
             for task in workers:
