@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 from prometheus_client import start_http_server
+from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import migrate
 from gtm.front.server import serve_front
@@ -158,9 +159,17 @@ def serve_workers(settings: Settings) -> None:
     """``settings.workers`` processes on the same DNS and HTTP ports (SO_REUSEPORT): the kernel
     spreads clients over them by address and port. This process is worker 0; the schema is
     migrated once, here, before any worker starts."""
+    migrated = False
     if settings.migrate_on_start:
-        migrate.upgrade(settings.database_url)
-    settings = settings.model_copy(update={"migrate_on_start": False})
+        try:
+            migrate.upgrade(settings.database_url)
+            migrated = True
+        except (SQLAlchemyError, OSError) as exc:
+            # Worker 0 keeps trying once it runs (see Runtime.start); the others never do.
+            log.error("gtm.database_unavailable", phase="migrate", error=str(exc).split("\n")[0])
+    settings = settings.model_copy(
+        update={"migrate_on_start": settings.migrate_on_start and not migrated}
+    )
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(target=_worker, args=(settings, i), name=f"gtm-dns-w{i}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import metrics, migrate
 from gtm.audit.database import make_async_engine
@@ -90,6 +91,7 @@ class Runtime:
             max_pending=settings.audit_max_pending,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self.migrated = True  # False while the schema could not be brought up to date
         topology = docs.topology
         secret = (
             settings.report_secret.get_secret_value().encode() if settings.report_secret else None
@@ -117,8 +119,11 @@ class Runtime:
         metrics.SNAPSHOT_VERSION.set(1)
 
     async def start(self) -> None:
-        if self.settings.migrate_on_start:
-            await asyncio.to_thread(migrate.upgrade, self.settings.database_url)
+        if self.settings.migrate_on_start and not await self._migrate():
+            # A node must come up and answer while the database is away (it answers from its
+            # own files and spools the audit); the schema is brought up to date once it is
+            # back, before anything the spool holds can land in it.
+            self._tasks.append(asyncio.create_task(self._migrate_when_back(), name="migrate"))
         await self.writer.start()
         await self.sync.start()  # adopts the fleet's published documents before probing starts
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
@@ -131,6 +136,23 @@ class Runtime:
             policy=self.store.current.versions.policy,
             geoip=self.geoip.current.build,
         )
+
+    async def _migrate(self) -> bool:
+        try:
+            await asyncio.to_thread(migrate.upgrade, self.settings.database_url)
+        except (SQLAlchemyError, OSError) as exc:
+            self.migrated = False
+            log.error("gtm.database_unavailable", phase="migrate", error=str(exc).split("\n")[0])
+            return False
+        self.migrated = True
+        return True
+
+    async def _migrate_when_back(self, every_s: float = 2.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            if await self._migrate():
+                log.info("gtm.database_back", phase="migrate")
+                return
 
     async def stop(self) -> None:
         if self.prober is not None:

@@ -251,3 +251,47 @@ async def shared_state_events(url: str) -> set[tuple[str, str, str | None]]:
         return {(e.node, e.region, e.state) for e in await shared_state.read_events(engine)}
     finally:
         await engine.dispose()
+
+
+async def test_a_node_started_while_the_database_is_away_answers_and_migrates_when_it_is_back(
+    tmp_path: Path,
+    balancers: tuple[Path, dict[str, FakeBalancer]],
+    database_url: str,
+    geoip_path: Path,
+) -> None:
+    from ipaddress import ip_address
+
+    from sqlalchemy.engine import make_url
+
+    from gtm import migrate
+    from gtm.audit import query
+    from gtm.audit.database import make_async_engine
+    from gtm.audit.record import record_of
+    from gtm.routing import Channel, DecisionRequest, decide
+
+    config, _ = balancers
+    real = make_url(database_url)
+    proxy = TcpProxy(real.host or "127.0.0.1", real.port or 5432)
+    await proxy.start()
+    await proxy.stop()  # the address is known, nothing answers there yet
+    via_proxy = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    node = Runtime(node_settings(tmp_path, config, via_proxy, "node-a", geoip_path=geoip_path))
+    await node.start()  # does not fail: the node answers from its own files
+    try:
+        assert not node.migrated
+        snapshot = node.store.current
+        for i in range(20):
+            req = DecisionRequest(Channel.DNS, ip_address(f"198.51.100.{i}"), "chat", "chat")
+            node.count(record_of(decide(req, snapshot, 0.0), channel="dns", name="chat"))
+        await asyncio.sleep(0.5)  # flushes fail meanwhile; the spool keeps the rows
+        await proxy.start()
+        await until(lambda: node.migrated, 6)
+        assert migrate.current_revision(database_url) == migrate.head_revision(database_url)
+    finally:
+        await node.stop()
+        await proxy.stop()
+    engine = make_async_engine(database_url)
+    try:
+        assert await query.total_count(engine) == 20
+    finally:
+        await engine.dispose()
