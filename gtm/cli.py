@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from gtm import migrate
+from gtm import migrate, shared_state
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.cli_common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
@@ -425,19 +425,24 @@ def audit_export(
 
 @audit_app.command("verify")
 def audit_verify(database_url: DbOpt = None) -> None:
-    """Check every node's hash chain; exit 1 if any row was altered, removed or reordered."""
+    """Check every node's decision chain and the region events' chain; exit 1 if any row was
+    altered, removed or reordered."""
     settings = cli_settings(database_url=database_url)
 
-    async def main() -> tuple[int, list[Any]]:
+    async def main() -> tuple[int, int, list[Any]]:
         engine = make_async_engine(settings.database_url)
         try:
-            return await query.verify(engine)
+            checked, breaks = await query.verify(engine)
+            events, event_breaks = await shared_state.read_event_chain(engine)
+            return checked, events, breaks + event_breaks
         finally:
             await engine.dispose()
 
-    checked, breaks = run_async(main)
+    checked, events, breaks = run_async(main)
     for b in breaks:
         typer.echo(f"BROKEN {b.node}#{b.node_seq}: {b.problem}")
-    typer.echo(f"{checked} row(s) checked, {len(breaks)} break(s)")
+    typer.echo(
+        f"{checked} decision row(s) and {events} region event(s) checked, {len(breaks)} break(s)"
+    )
     if breaks:
         raise typer.Exit(1)

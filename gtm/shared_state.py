@@ -14,11 +14,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, desc, insert, select
+from sqlalchemy import delete, desc, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from gtm.audit.schema import documents, health_observations, region_events, region_overrides
+from gtm.audit.event_chain import chain_events, verify_events
+from gtm.audit.record import ChainBreak
+from gtm.audit.schema import (
+    documents,
+    event_chain,
+    health_observations,
+    region_events,
+    region_overrides,
+)
 from gtm.region_state import Force, Observation, Override, RegionEvent
 from gtm.snapshot import HealthState
 
@@ -82,7 +90,36 @@ async def append_events(engine: AsyncEngine, events: Iterable[RegionEvent]) -> N
     rows = [_event_row(e) for e in events]
     if rows:
         async with engine.begin() as conn:
-            await conn.execute(insert(region_events), rows)
+            await _append(conn, rows)
+
+
+async def _append(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    """Chain ``rows`` onto the fleet's region events, inside the caller's transaction. The
+    head's update comes first: it locks the head until commit, so concurrent appenders (nodes,
+    workers, operators' CLI) queue here and never fork the chain."""
+    head = (
+        await conn.execute(
+            update(event_chain)
+            .where(event_chain.c.id == 1)
+            .values(seq=event_chain.c.seq)
+            .returning(event_chain.c.seq, event_chain.c.last_hash)
+        )
+    ).one()
+    seq, last = chain_events(rows, head.seq, head.last_hash)
+    await conn.execute(insert(region_events), rows)
+    await conn.execute(
+        update(event_chain).where(event_chain.c.id == 1).values(seq=seq, last_hash=last)
+    )
+
+
+async def read_event_chain(engine: AsyncEngine) -> tuple[int, list[ChainBreak]]:
+    """Verify the region events' chain; returns (events checked, breaks)."""
+    async with engine.connect() as conn:
+        result = await conn.execute(select(region_events).order_by(region_events.c.seq))
+        rows = [dict(r._mapping) for r in result]
+        head = (await conn.execute(select(event_chain.c.seq, event_chain.c.last_hash))).first()
+    chained = [r for r in rows if r["seq"] is not None]
+    return len(chained), verify_events(chained, None if head is None else (head[0], head[1]))
 
 
 def _event_row(e: RegionEvent) -> dict[str, Any]:
@@ -207,7 +244,7 @@ async def clear_override(
 
 
 async def _event(conn: AsyncConnection, event: RegionEvent) -> None:
-    await conn.execute(insert(region_events), _event_row(event))
+    await _append(conn, [_event_row(event)])
 
 
 @dataclass(frozen=True, slots=True)

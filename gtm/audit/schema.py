@@ -86,8 +86,22 @@ region_events = Table(
     Column("detail", Text, nullable=False),
     Column("actor", String(128)),
     Column("reason", Text),
+    # The fleet-wide hash chain (gtm.audit.event_chain); NULL on rows from before it existed.
+    Column("seq", BigInteger, unique=True),
+    Column("prev_hash", String(64)),
+    Column("row_hash", String(64)),
     Index("ix_region_events_at_us", "at_us"),
     Index("ix_region_events_region", "region"),
+)
+
+# The head of the region events' chain: one row, updated in every transaction that appends
+# events, which serialises appenders (a row lock on PostgreSQL, the write lock on SQLite).
+event_chain = Table(
+    "event_chain",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("last_hash", String(64), nullable=False),
 )
 
 # The latest health observation of each (node, region): refreshed while the node probes, so a

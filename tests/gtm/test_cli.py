@@ -129,10 +129,10 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
         if proc.stderr is not None:
             proc.stderr.close()
     # serve migrated the database: the audit commands work on it.
-    assert run(["db", "current"], env).stdout.strip() == "current 0002, newest 0002"
+    assert run(["db", "current"], env).stdout.strip() == "current 0003, newest 0003"
     verify = run(["audit", "verify"], env)
     assert verify.returncode == 0
-    assert "0 row(s) checked" in verify.stdout
+    assert "0 decision row(s) and 0 region event(s) checked" in verify.stdout
 
 
 def test_serve_refuses_listeners_it_does_not_have(env: dict[str, str]) -> None:
