@@ -1,6 +1,7 @@
 """GTM's DNS responder against gdnsd, PowerDNS (geoip backend) and a bare Python ceiling.
 
-    python bench/dns/run.py [--rounds 3] [--seconds 5] [--subnets 5000] [--json FILE]
+    python bench/dns/run.py [--rounds 3] [--seconds 5] [--latency-rounds 2] [--subnets 5000]
+                            [--rrl] [--workers 2] [--only NAME ...] [--json FILE]
 
 Every server runs on the demo topology's six regions with the bundled GeoLite2-City database,
 pinned to CPU 0, one worker/thread; dnsperf, and this script itself, run pinned to CPU 1. Two
@@ -10,16 +11,30 @@ networks, sent by dnsperf as pre-built wire messages).
 
 All servers run at once (idle while another is measured) and the maximum rate (closed loop) is
 measured in rounds, the servers' order rotating each round: on a shared, noisy machine only
-figures taken side by side compare, so the ratios are per round, then the median. After the
-rounds, latency percentiles at 80% of each server's median maximum (open loop, every reply
+figures taken side by side compare, so the ratios are per round, then the median. Each peak
+run also reads the server's CPU time (user + system, all its threads and worker processes) to
+give the CPU cost of an answer: dnsperf itself needs most of a core at these rates, so the
+maximum is partly the client's, and the cost per answer is what tells the servers apart. After
+the rounds, latency percentiles at 80% of each server's median maximum (open loop, every reply
 timed; dnsperf writes its per-query lines to a file, not a pipe this script would have to read
-meanwhile). Finally GTM's own count of the responses it sent (its metrics) is compared with the
-answers counted in its audit store after a graceful stop: they must be equal (DESIGN.md rule 2).
+meanwhile), in rounds too, also as a ratio to the bare ceiling's at its own 80%. Finally GTM's
+own count of the responses it sent (its metrics) is compared with the answers counted in its
+audit store after a graceful stop: they must be equal (DESIGN.md rule 2).
 
 GTM runs the full path: parse, decide (residency, health, capacity), render or reuse, and count
-into the SQLite audit store. The bare ceiling answers one pre-rendered packet with the ID
-patched. gdnsd and PowerDNS are configured from the same regions (gdnsd: nearest datacenter by
-coordinates, like GTM; PowerDNS geoip: by continent, its nearest equivalent).
+into the SQLite audit store. Response rate limiting is off in every server, as it is by default
+in GTM (``GTM_DNS_RATE_LIMIT``), BIND and Knot (gdnsd and PowerDNS Authoritative have none):
+``--rrl`` adds ``gtm-rrl``, GTM with the limiter on at a rate no single client network of the
+bench reaches (all of dnsperf's queries come from one /24), to show what checking it costs.
+``--workers N`` adds ``gtm-Nw``: ``gtm serve --workers N`` on CPUs 0 to N-1, sharing the port
+(SO_REUSEPORT); on a two-core machine its second worker shares CPU 1 with dnsperf, so it shows
+what a second process adds under that handicap, not the scaling on free cores. Its responses
+sent are not compared with the audit (only the first worker serves metrics).
+
+The bare ceiling answers one pre-rendered packet with the ID patched, with the same widened UDP
+receive buffer as GTM (neither loses queries to a full buffer). gdnsd and PowerDNS are
+configured from the same regions (gdnsd: nearest datacenter by coordinates, like GTM; PowerDNS
+geoip: by continent, its nearest equivalent).
 """
 
 from __future__ import annotations
@@ -121,30 +136,45 @@ class Server:
     env: dict[str, str] | None = None
     note: str = ""
     metrics_port: int | None = None
+    cpus: str = SERVER_CPU
+    pid: int = 0  # set while it runs
 
 
-def gtm_server(work: Path, geoip: Path) -> Server:
+def gtm_server(
+    work: Path, geoip: Path, name: str = "gtm", *, workers: int = 1, rate_limit: float = 0
+) -> Server:
     port, metrics = free_port(), free_port()
+    data = work / name
     env = os.environ | {
         "GTM_GEOIP_PATH": str(geoip),
-        "GTM_DATABASE_URL": f"sqlite:///{work / 'bench.sqlite3'}",
-        "GTM_SPOOL_DIR": str(work / "spool"),
+        "GTM_DATABASE_URL": f"sqlite:///{data / 'bench.sqlite3'}",
+        "GTM_SPOOL_DIR": str(data / "spool"),
         "GTM_LOG_LEVEL": "warning",
         "GTM_PROBES": "false",  # no balancers in this benchmark: regions stay as configured
         "GTM_CONFIG": str(ROOT / "examples/demo.yaml"),
         "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
+        "GTM_DNS_RATE_LIMIT": str(rate_limit),
     }
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
+        *("--metrics", f"127.0.0.1:{metrics}"),
+    ]
+    note = "full decisions + audit counting"
+    if rate_limit:
+        note += f", RRL on ({rate_limit:g}/s per /24)"
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+        note += f", {workers} workers on CPUs 0-{workers - 1} (CPU 1 shared with dnsperf)"
     return Server(
-        "gtm",
-        [
-            sys.executable,
-            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
-            *("--metrics", f"127.0.0.1:{metrics}"),
-        ],
+        name,
+        argv,
         port,
         env,
-        "full decisions + audit counting",
+        note,
         metrics,
+        cpus=f"0-{workers - 1}" if workers > 1 else SERVER_CPU,
     )
 
 
@@ -244,7 +274,7 @@ loglevel=3
 @contextlib.contextmanager
 def running(server: Server) -> Iterator[None]:
     proc = subprocess.Popen(
-        pinned(SERVER_CPU, server.argv),
+        pinned(server.cpus, server.argv),
         env=server.env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -261,6 +291,7 @@ def running(server: Server) -> Iterator[None]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{server.name} did not start") from None
                 time.sleep(0.2)
+        server.pid = proc.pid  # taskset execs the server in its own process
         yield
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -341,13 +372,45 @@ def audited(database: Path) -> int:
     return asyncio.run(total())
 
 
+def audited_by_node(database: Path) -> dict[str, int]:
+    """Answers counted per node (worker) in an audit store."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(database)) as conn:
+        rows = conn.execute("SELECT node, SUM(count) FROM decisions GROUP BY node ORDER BY node")
+        return {str(node): int(n) for node, n in rows}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, its threads and its descendants (workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (
+                    int(fields[1]),
+                    (int(fields[11]) + int(fields[12])) / tick,
+                )
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats.get(current, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == current]
+    return total
+
+
 @dataclass
 class Results:
     peaks: dict[str, dict[str, list[float]]]  # server -> set -> qps per round
     lost: dict[str, dict[str, list[float]]]
-    paced: dict[str, dict[str, tuple[float, float, float, float]]]  # p50, p99, mean, rate
-    served: int
-    counted: int
+    cost: dict[str, dict[str, list[float]]]  # server -> set -> CPU microseconds per answer
+    # server -> set -> (p50, p99, mean, rate) per latency round
+    paced: dict[str, dict[str, list[tuple[float, float, float, float]]]]
+    served: dict[str, int]  # gtm servers (one worker): responses sent, by their metrics
+    counted: dict[str, int]  # ... and answers counted in their audit store
+    by_worker: dict[str, dict[str, int]]  # gtm servers with workers: answers counted per worker
 
 
 def run_all(
@@ -356,9 +419,12 @@ def run_all(
     out = work / "dnsperf.out"
     peaks: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in sets} for s in servers}
     lost: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in sets} for s in servers}
-    paced: dict[str, dict[str, tuple[float, float, float, float]]] = {s.name: {} for s in servers}
-    gtm = next((s for s in servers if s.name == "gtm"), None)
-    served = counted = -1
+    cost: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in sets} for s in servers}
+    paced: dict[str, dict[str, list[tuple[float, float, float, float]]]] = {
+        s.name: {k: [] for k in sets} for s in servers
+    }
+    checked = [s for s in servers if s.metrics_port is not None and "--workers" not in s.argv]
+    served: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.enter_context(running(server))
@@ -369,30 +435,42 @@ def run_all(
             shift = rnd % len(servers)
             for server in servers[shift:] + servers[:shift]:
                 for name, (data, binary) in sets.items():
+                    before = cpu_seconds(server.pid)
                     peak = dnsperf(server.port, data, binary, args.seconds, out)
+                    used = cpu_seconds(server.pid) - before
                     peaks[server.name][name].append(field(peak, "Queries per second"))
                     lost[server.name][name].append(field(peak, "Queries lost"))
+                    answered = field(peak, "Queries completed")
+                    cost[server.name][name].append(used / max(answered, 1) * 1e6)
             print(
                 f"round {rnd + 1}/{args.rounds}: "
                 + ", ".join(f"{n} {k} {v[k][-1]:,.0f}/s" for n, v in peaks.items() for k in sets),
                 file=sys.stderr,
                 flush=True,
             )
-        for server in servers:
-            for name, (data, binary) in sets.items():
-                rate = int(0.8 * statistics.median(peaks[server.name][name]))
-                result = dnsperf(server.port, data, binary, min(args.seconds, 4), out, rate)
-                paced[server.name][name] = (*percentiles(result), rate)
-        if gtm is not None and gtm.metrics_port is not None:
+        for rnd in range(args.latency_rounds):
+            shift = rnd % len(servers)
+            for server in servers[shift:] + servers[:shift]:
+                for name, (data, binary) in sets.items():
+                    rate = int(0.8 * statistics.median(peaks[server.name][name]))
+                    result = dnsperf(server.port, data, binary, min(args.seconds, 4), out, rate)
+                    paced[server.name][name].append((*percentiles(result), rate))
+        if checked:
             time.sleep(2.5)  # past an audit flush: cached answers' tallies reach the metrics
-            served = responses_sent(gtm.metrics_port)
-    if gtm is not None:
-        counted = audited(work / "bench.sqlite3")
-    return Results(peaks, lost, paced, served, counted)
+        for server in checked:
+            assert server.metrics_port is not None
+            served[server.name] = responses_sent(server.metrics_port)
+    counted = {s.name: audited(work / s.name / "bench.sqlite3") for s in checked}
+    by_worker = {
+        s.name: audited_by_node(work / s.name / "bench.sqlite3")
+        for s in servers
+        if "--workers" in s.argv
+    }
+    return Results(peaks, lost, cost, paced, served, counted, by_worker)
 
 
 def report(results: Results, notes: dict[str, str], args: argparse.Namespace) -> None:
-    peaks = results.peaks
+    peaks, cost = results.peaks, results.cost
 
     def ratio(a: str, b: str, set_name: str) -> str:
         if b not in peaks or a not in peaks:
@@ -400,31 +478,54 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
         pairs = zip(peaks[a][set_name], peaks[b][set_name], strict=True)
         return f"{statistics.median(x / y for x, y in pairs):.2f}x"
 
+    def cost_ratio(a: str, set_name: str) -> str:
+        # The bare ceiling's CPU per answer over this server's, per round: the share of the
+        # bare ceiling's rate this server would reach on a core of its own.
+        if "bare-python" not in cost:
+            return "-"
+        pairs = zip(cost["bare-python"][set_name], cost[a][set_name], strict=True)
+        return f"{statistics.median(b / x for b, x in pairs):.2f}x"
+
+    def p99_ratio(a: str, set_name: str) -> str:
+        if "bare-python" not in results.paced:
+            return "-"
+        pairs = zip(results.paced["bare-python"][set_name], results.paced[a][set_name], strict=True)
+        return f"{statistics.median(x[1] / b[1] for b, x in pairs):.2f}x"
+
     print(
         f"\nDNS, one server core (CPU {SERVER_CPU}), dnsperf on CPU {CLIENT_CPU}; "
         f"{args.subnets} ECS /24 subnets; {args.rounds} rounds x {args.seconds:g} s, "
-        "ratios per round then the median; latency paced at 80% of the median maximum"
+        "ratios per round then the median; latency paced at 80% of the median maximum "
+        f"({args.latency_rounds} rounds, medians); "
+        "CPU us/answer: the server's user+system time over the answers of its peak runs"
     )
     print(
-        f"{'server':<16} {'set':<6} {'qps':>9} {'min-max':>15} {'lost':>5} {'p50 ms@80%':>11} "
-        f"{'p99 ms@80%':>11}  {'vs bare':>8} {'vs pdns':>8}  note"
+        f"{'server':<16} {'set':<6} {'qps':>9} {'min-max':>11} {'lost':>5} {'us/ans':>7} "
+        f"{'p50 ms@80%':>11} {'p99 ms@80%':>11}  {'vs bare':>8} {'cpu vs bare':>11} "
+        f"{'p99 vs bare':>11} {'vs pdns':>8}  note"
     )
     for name, by_set in peaks.items():
         for set_name, rates in by_set.items():
-            p50, p99, _mean, _rate = results.paced[name][set_name]
+            p50 = statistics.median(x[0] for x in results.paced[name][set_name])
+            p99 = statistics.median(x[1] for x in results.paced[name][set_name])
             spread = f"{min(rates) / 1e3:.0f}k-{max(rates) / 1e3:.0f}k"
             print(
-                f"{name:<16} {set_name:<6} {statistics.median(rates):>9,.0f} {spread:>15} "
-                f"{max(results.lost[name][set_name]):>5.0f} {p50:>11.3f} {p99:>11.3f}  "
-                f"{ratio(name, 'bare-python', set_name):>8} "
+                f"{name:<16} {set_name:<6} {statistics.median(rates):>9,.0f} {spread:>11} "
+                f"{max(results.lost[name][set_name]):>5.0f} "
+                f"{statistics.median(cost[name][set_name]):>7.2f} {p50:>11.3f} {p99:>11.3f}  "
+                f"{ratio(name, 'bare-python', set_name):>8} {cost_ratio(name, set_name):>11} "
+                f"{p99_ratio(name, set_name):>11} "
                 f"{ratio(name, 'powerdns-geoip', set_name):>8}  {notes[name]}"
             )
-    if results.served >= 0:
-        verdict = "equal" if results.served == results.counted else "DIFFERENT"
+    for name, served in results.served.items():
+        counted = results.counted[name]
+        verdict = "equal" if served == counted else "DIFFERENT"
         print(
-            f"gtm responses sent {results.served:,}, counted in its audit store "
-            f"{results.counted:,}: {verdict}"
+            f"{name} responses sent {served:,}, counted in its audit store {counted:,}: {verdict}"
         )
+    for name, nodes in results.by_worker.items():
+        split = ", ".join(f"{node} {n:,}" for node, n in nodes.items())
+        print(f"{name} answers counted per worker: {split}")
 
 
 def main() -> None:
@@ -432,7 +533,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--subnets", type=int, default=5000)
+    parser.add_argument("--latency-rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="server names to run")
+    parser.add_argument(
+        "--rrl", action="store_true", help="add gtm-rrl: GTM with rate limiting on (never hit)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="add gtm-Nw: gtm serve --workers N (N > 1)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if shutil.which("dnsperf") is None:
@@ -458,6 +566,14 @@ def main() -> None:
                 f"not installed, skipped: {', '.join(missing)} "
                 "(Debian: gdnsd, pdns-server pdns-backend-geoip)"
             )
+        if args.rrl:
+            # dnsperf sends everything from 127.0.0.1: one /24, so a realistic limit would
+            # drop nearly all of it. This one is never reached; the check still runs on
+            # every datagram.
+            candidates.append(gtm_server(work, geoip, "gtm-rrl", rate_limit=1e9))
+        if args.workers > 1:
+            name = f"gtm-{args.workers}w"
+            candidates.append(gtm_server(work, geoip, name, workers=args.workers))
         servers = [
             s for s in candidates if s is not None and (not args.only or s.name in args.only)
         ]
@@ -469,9 +585,11 @@ def main() -> None:
                 {
                     "peaks": results.peaks,
                     "lost": results.lost,
+                    "cpu_us_per_answer": results.cost,
                     "paced_p50_p99_mean_rate": results.paced,
                     "served": results.served,
                     "audited": results.counted,
+                    "audited_by_worker": results.by_worker,
                 },
                 indent=2,
             )

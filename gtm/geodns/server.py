@@ -1,10 +1,11 @@
 """The DNS listeners: UDP and TCP (RFC 7766) on each configured address, answering from memory.
 
-:class:`Responder.respond` is the whole answering path and never awaits: parse, rate limit,
-look the rendered answer up (or render it), patch in the ID, flags and question case, count it
-towards the audit. Rendered answers are reused per (name, type, EDNS shape, UDP limit, client
-network, GeoIP bucket) within one snapshot version, and only until the next instant at which a
-decision can change with time alone: when one of the snapshot's capacity reports goes stale.
+:meth:`Responder.answer_udp` and :meth:`Responder.answer_tcp` are the whole answering path and
+never await: rate limit (UDP), look the exact query up, else parse, look the rendered answer up
+(or render it), patch in the ID, flags and question case, count it towards the audit. Rendered
+answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
+one snapshot, and only until the next instant at which a decision can change with time alone:
+when one of the snapshot's capacity reports goes stale.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
 integer increment, and the audit writer drains the tallies at each flush (the responder is one
@@ -23,12 +24,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
+from typing import Any
 
 import structlog
 
 from gtm.audit.record import AuditRecord, zone_record
 from gtm.audit.writer import Tally
-from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
+from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
@@ -41,8 +43,10 @@ from gtm.snapshot import Snapshot
 log = structlog.get_logger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
-_CACHE_LIMIT = 200_000
+_CACHE_LIMIT = 200_000  # rendered answers, and exact-query entries, per snapshot
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
+UDP_RECEIVE_BUFFER = 2 << 20  # bytes asked for; Linux doubles it for its bookkeeping
+_ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,17 @@ def udp_limit(edns: Edns | None) -> int:
 
 
 class Responder:
+    """Answers DNS messages from memory, in two levels of cache over :func:`answer`.
+
+    First level (:meth:`answer_udp`, :meth:`answer_tcp`): per transport and sender, the exact
+    query bytes after the ID. They fix name, type, flags, letter case and ECS, and the sender
+    fixes the location when there is no ECS, so the whole response but its ID is known: no
+    parsing, no allocation beyond the key and the response. Second level: the rendered answer
+    per (name, type, EDNS shape, UDP limit, client bucket, GeoIP network), patched with the ID,
+    flags and question case of each query. Both are dropped with the snapshot they came from,
+    and at the next instant a decision can change with time alone.
+    """
+
     def __init__(
         self,
         runtime: Runtime,
@@ -101,11 +116,15 @@ class Responder:
         self._store = runtime.store
         self.stats = stats
         self.rrl = rate_limiter
-        self._clock = clock
+        self.clock = clock  # replaceable, as in tests
+        self._snapshot: Snapshot | None = None  # the caches below answer for this snapshot...
+        self._until = 0.0  # ...until this instant
         self._cache: dict[tuple[object, ...], _Cached] = {}
-        self._exact: dict[tuple[bytes, object, bool], _Exact] = {}
-        self._cache_version = -1
-        self._cache_until = 0.0
+        # First level, per sender: the query bytes after the ID -> the entry. UDP senders by
+        # the host string the transport gives (cheaper to hash than an address object).
+        self._udp: dict[str, dict[bytes, _Exact]] = {}
+        self._tcp: dict[IPAddress, dict[bytes, _Exact]] = {}
+        self._entries = 0
         self._services: Mapping[str, object] = {}
         # Entries answered from since the last drain. They stay here when the caches are
         # dropped, so no tally is lost to a new snapshot.
@@ -116,7 +135,8 @@ class Responder:
         """The audit writer's source: the answers given from cached entries since the last
         drain. Runs on the loop, interleaved with answering (the writer slices its flush): an
         entry answered from again before its turn here is drained with that answer too, and
-        one answered from after its turn is listed again for the next drain."""
+        one answered from after its turn is listed again for the next drain. The response
+        counters of these answers are folded into :class:`DnsStats` here too."""
         tallied, self._tallied = self._tallied, []
         stats = self.stats
         queries = stats.queries
@@ -124,68 +144,75 @@ class Responder:
             n = entry.n
             entry.n = 0
             queries[entry.stats_key] += n
+            stats.cache_hits += n
             if entry.truncated:
                 stats.truncated += n
             yield entry.record, n, entry.first, entry.last
 
     def answer_udp(self, wire: bytes, host: str) -> bytes | None:
-        """:meth:`respond` to a datagram from ``host`` (the address as the transport gives it),
-        with nearly every query's case first: these exact bytes from this sender answered
-        before, in this snapshot, with no rate limit to apply. Same answer, same counting."""
-        exact = self._exact.get((wire[2:], host, True))
-        if exact is not None and self.rrl is None:
-            now = self._clock()
-            if self._store.current.version == self._cache_version and now < self._cache_until:
-                self.stats.cache_hits += 1
-                if exact.n:
-                    exact.n += 1
-                else:
-                    exact.n = 1
-                    exact.first = now
-                    self._tallied.append(exact)
-                exact.last = now
-                return wire[:2] + exact.tail
-        return self.respond(wire, _peer(host), True, host)
+        """The response to a datagram from ``host`` (the address as the transport gives it), or
+        None to send nothing. Never raises on input.
 
-    def respond(
-        self, wire: bytes, client: IPAddress, udp: bool, peer: str | None = None
+        Nearly every query takes the first lines: these exact bytes from this sender answered
+        before, in this snapshot. Answering then is a dictionary lookup, a tally on the entry
+        (the audit writer drains it) and the ID put in front of the stored response."""
+        rrl = self.rrl
+        if rrl is not None:
+            verdict = rrl.check_key(_network_key(host))
+            if verdict is not _ANSWER:
+                return self._limited(wire, host, verdict)
+        by_query = self._udp.get(host)
+        if by_query is not None:
+            exact = by_query.get(wire[2:])
+            if exact is not None:
+                now = self.clock()
+                if now < self._until and self._store.current is self._snapshot:
+                    if exact.n:
+                        exact.n += 1
+                    else:
+                        exact.n = 1
+                        exact.first = now
+                        self._tallied.append(exact)
+                    exact.last = now
+                    return wire[:2] + exact.tail
+        return self._answer(wire, _peer(host), True, host)
+
+    def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
+        """The response to one message over TCP (never rate limited), or None to send nothing
+        (the connection is then closed). Never raises on input."""
+        by_query = self._tcp.get(client)
+        if by_query is not None:
+            exact = by_query.get(wire[2:])
+            if exact is not None:
+                now = self.clock()
+                if now < self._until and self._store.current is self._snapshot:
+                    if exact.n:
+                        exact.n += 1
+                    else:
+                        exact.n = 1
+                        exact.first = now
+                        self._tallied.append(exact)
+                    exact.last = now
+                    return wire[:2] + exact.tail
+        return self._answer(wire, client, False, client)
+
+    def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
+        """The response to one message from ``client`` over UDP or TCP, or None."""
+        return self.answer_udp(wire, str(client)) if udp else self.answer_tcp(wire, client)
+
+    def _answer(
+        self, wire: bytes, client: IPAddress, udp: bool, sender: str | IPAddress
     ) -> bytes | None:
-        """The response to one message, or None to send nothing. Never raises on input.
-
-        ``peer`` is the sender's address as the transport gave it (cheaper to hash than an
-        address object); it keys the exact-query cache.
-        """
+        """The first level missed: parse, look the rendered answer up (or render it), keep the
+        whole response as this sender's entry for these bytes, count it."""
         snapshot = self._store.current
-        now = self._clock()
-        if snapshot.version != self._cache_version or now >= self._cache_until:
-            self._cache, self._exact = {}, {}
-            self._cache_version = snapshot.version
-            self._cache_until = time_boundary(snapshot, now)
+        now = self.clock()
+        if snapshot is not self._snapshot or now >= self._until:
+            self._cache = {}
+            self._udp, self._tcp, self._entries = {}, {}, 0
+            self._snapshot = snapshot
+            self._until = time_boundary(snapshot, now)
             self._services = zone_data(snapshot.topology).services
-        if udp and self.rrl is not None:
-            verdict = self.rrl.check(client)
-            if verdict is not Limit.ANSWER:
-                self.stats.rate_limited += 1
-                if verdict is Limit.DROP:
-                    return None
-                self.stats.slipped += 1
-                limited = parse_query(wire)
-                return self._slip(limited, client) if isinstance(limited, Query) else None
-        # First level: the exact query bytes after the ID, from this sender, over this transport.
-        # The bytes fix name, type, flags, letter case and ECS; the sender fixes the location
-        # when there is no ECS. So the whole response but its ID is known: no parsing at all.
-        exact_key = (wire[2:], peer if peer is not None else client, udp)
-        exact = self._exact.get(exact_key)
-        if exact is not None:
-            self.stats.cache_hits += 1
-            if exact.n:
-                exact.n += 1
-            else:
-                exact.n = 1
-                exact.first = now
-                self._tallied.append(exact)
-            exact.last = now
-            return wire[:2] + exact.tail
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
             return self._reject(parsed, client, udp)
@@ -223,15 +250,30 @@ class Responder:
                 + template[12 + n :]
             )
         stats_key = ("udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name)
-        if len(self._exact) >= _CACHE_LIMIT:
-            self._exact.clear()
-        self._exact[exact_key] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+        if self._entries >= _CACHE_LIMIT:
+            # Entries with answers not yet drained stay listed in self._tallied.
+            self._udp, self._tcp, self._entries = {}, {}, 0
+        senders: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
+        by_query = senders.get(sender)
+        if by_query is None:
+            by_query = senders[sender] = {}
+        by_query[wire[2:]] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+        self._entries += 1
         # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
         self.stats.queries[stats_key] += 1
         if cached.truncated:
             self.stats.truncated += 1
         return out
+
+    def _limited(self, wire: bytes, host: str, verdict: Limit) -> bytes | None:
+        """A datagram over the rate limit: dropped, or (slip) answered empty and truncated."""
+        self.stats.rate_limited += 1
+        if verdict is Limit.DROP:
+            return None
+        self.stats.slipped += 1
+        limited = parse_query(wire)
+        return self._slip(limited, _peer(host)) if isinstance(limited, Query) else None
 
     @staticmethod
     def _key(
@@ -328,36 +370,73 @@ class Responder:
 
 
 _ADDRESSES: dict[str, IPAddress] = {}
+_NETWORK_KEYS: dict[str, tuple[int, int]] = {}
+_MEMO_LIMIT = 100_000
 
 
 def _peer(host: str) -> IPAddress:
     addr = _ADDRESSES.get(host)
     if addr is None:
-        if len(_ADDRESSES) > 100_000:
+        if len(_ADDRESSES) > _MEMO_LIMIT:
             _ADDRESSES.clear()
         addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
     return addr
+
+
+def _network_key(host: str) -> tuple[int, int]:
+    """The rate limiter's key (the /24 or /56) of a sender, memoised by its host string."""
+    key = _NETWORK_KEYS.get(host)
+    if key is None:
+        if len(_NETWORK_KEYS) > _MEMO_LIMIT:
+            _NETWORK_KEYS.clear()
+        key = _NETWORK_KEYS[host] = network_key(_peer(host))
+    return key
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):
     def __init__(self, responder: Responder) -> None:
         self.responder = responder
         self.transport: asyncio.DatagramTransport | None = None
+        self._sendto: Callable[[bytes, Any], None] = _not_connected
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._sendto = self.transport.sendto  # type: ignore[union-attr]
 
-    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        # addr: (host, port), or (host, port, flowinfo, scope id) over IPv6.
+        r = self.responder
+        if r.rrl is None:
+            # Responder.answer_udp's first lines, inline: nearly every query ends here.
+            by_query = r._udp.get(addr[0])
+            if by_query is not None:
+                exact = by_query.get(data[2:])
+                if exact is not None:
+                    now = r.clock()
+                    if now < r._until and r._store.current is r._snapshot:
+                        if exact.n:
+                            exact.n += 1
+                        else:
+                            exact.n = 1
+                            exact.first = now
+                            r._tallied.append(exact)
+                        exact.last = now
+                        self._sendto(data[:2] + exact.tail, addr)
+                        return
         try:
-            out = self.responder.answer_udp(data, str(addr[0]))
+            out = r.answer_udp(data, addr[0])
         except Exception:  # one bad packet must never take the listener down
             log.exception("dns.udp_failed", peer=str(addr[0]))
             return
-        if out is not None and self.transport is not None:
-            self.transport.sendto(out, addr)
+        if out is not None:
+            self._sendto(out, addr)
 
     def error_received(self, exc: Exception) -> None:  # ICMP unreachable and the like
         log.debug("dns.udp_error", error=str(exc))
+
+
+def _not_connected(data: bytes, addr: Any) -> None:
+    raise RuntimeError("datagram before the transport was made")
 
 
 class DnsServer:
@@ -405,6 +484,7 @@ class DnsServer:
                 reuse_port=self.reuse_port or None,
             )
             self._udp.append(transport)
+            _widen_receive_buffer(transport)
             self.bound.append((host, port))
             log.info("dns.listening", host=host, port=port)
 
@@ -447,7 +527,7 @@ class DnsServer:
                 except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
                 try:
-                    out = self.responder.respond(message, peer, udp=False)
+                    out = self.responder.answer_tcp(message, peer)
                 except Exception:
                     log.exception("dns.tcp_failed", peer=str(peer))
                     return
@@ -463,6 +543,19 @@ class DnsServer:
             writer.close()
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 await writer.wait_closed()
+
+
+def _widen_receive_buffer(transport: asyncio.BaseTransport) -> None:
+    """Ask for a UDP receive buffer of :data:`UDP_RECEIVE_BUFFER` (the kernel caps it at
+    net.core.rmem_max). The default (about 200 KB, some 200 queries as the kernel accounts
+    them) overflows, and drops queries, whenever the loop pauses a few milliseconds under load;
+    authoritative servers raise it for the same reason (NSD, Unbound: so-rcvbuf)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < UDP_RECEIVE_BUFFER:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)
 
 
 def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) -> DnsServer:

@@ -1,7 +1,10 @@
 """Counters of the DNS listeners.
 
 Plain integers on the answering path (a Prometheus child's ``inc()`` takes a lock and a label
-lookup per query); a collector turns them into metrics when Prometheus scrapes.
+lookup per query); a collector turns them into metrics when Prometheus scrapes. Answers given
+from the exact-query cache are tallied on their cache entry and folded into ``queries``,
+``cache_hits`` and ``truncated`` when the audit writer drains the tallies (each flush), so those
+counters trail the answers by up to a flush interval, and always equal what the audit counted.
 """
 
 from __future__ import annotations
