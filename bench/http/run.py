@@ -1,6 +1,7 @@
 """HTTP front benchmark: GTM's redirect against nginx + geoip2 and a bare ASGI ceiling.
 
-    python bench/http/run.py [--rounds 5] [--seconds 5] [--connections 32] [--workers 2]
+    python bench/http/run.py [--rounds 5] [--paced-rounds 3] [--seconds 5] [--connections 32]
+                             [--workers 2] [--diagnose] [--reports-per-s 6]
 
 In one run, with the variants interleaved over rounds (the machine is shared and noisy, so only
 ratios measured side by side mean anything):
@@ -9,18 +10,29 @@ ratios measured side by side mean anything):
   GeoLite2-City database: a full decision per request, residency signals, audit counting;
 - ``nginx``: nginx with ``libnginx-mod-http-geoip2`` returning the equivalent country-based 307
   (the script writes its configuration);
-- ``bare``: the ceiling of Python here, a bare ASGI app on uvicorn (uvloop, httptools) returning
-  a fixed 307 with the same headers.
+- ``bare``: the ceiling of Python on ASGI, a bare ASGI app on uvicorn (uvloop, httptools)
+  returning a fixed 307 with the same headers.
+
+The front answers its cached redirects in the HTTP protocol itself, without an ASGI request
+cycle, so it can be faster than ``bare``; ``--diagnose`` adds ``bare-protocol``, a fixed 307
+answered the same way (``bare_protocol.py``), the ceiling of that path, and ``gtm-uncounted``
+(``front_uncounted.py``), the front without the audit writer, to split the costs.
 
 Each server is pinned to one core and ``wrk`` to another (``taskset``, when there are two).
 Requests carry an ``X-Forwarded-For`` from a fixed set of public addresses, believed by GTM and
 by nginx (``realip``) because the benchmark's peer is a trusted proxy, so every request is
 located like a real client's. After the rounds, each variant is run paced at 80 % of its median
-maximum (``wrk`` with a per-connection delay) for the p99 latency target. With ``--workers N``
-GTM also runs with N processes on the port and, to compare, with one, both unpinned beside
-``wrk`` (on a machine with few cores the load generator takes its share of them). Finally the
-audit store is read back: responses counted there must equal the responses GTM served.
-``--diagnose`` adds ``gtm-uncounted`` (see ``front_uncounted.py``) to split the costs.
+maximum (``wrk`` with a per-connection delay), again in interleaved rounds, for the p99 latency
+target. With ``--workers N`` GTM also runs with N processes on the port and, to compare, with
+one, both unpinned beside ``wrk`` (on a machine with few cores the load generator takes its
+share of them). ``--reports-per-s R`` pushes signed capacity reports to GTM throughout, as the
+regional balancers do (each a new snapshot, so cached answers are decided again): the demo's six
+balancers push about six a second.
+
+Finally GTM is stopped gracefully and its audit store read back (DESIGN.md rule 2): the
+responses counted there must equal the responses it served (its own metric), and the responses
+``wrk`` received, up to the requests still in flight when each ``wrk`` run stopped (at most one
+per connection: answered and counted by GTM, never read by ``wrk``).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,6 +280,7 @@ def start_gtm(
         "GTM_LOG_LEVEL": "warning",
         # The demo's regions are not running during the benchmark; unknown health counts as up.
         "GTM_PROBES": "false",
+        "GTM_REPORT_SECRET": REPORT_SECRET.decode(),  # for --reports-per-s
     }
     env.pop("GTM_GEOIP_PATH", None)  # the bundled GeoLite2-City, the file nginx reads too
     cmd = [sys.executable, "-m", "gtm", "serve", "--http", f"127.0.0.1:{port}"]
@@ -275,6 +289,51 @@ def start_gtm(
     if workers > 1:
         cmd += ["--workers", str(workers)]
     return subprocess.Popen([*pin(core), *cmd], cwd=ROOT, env=env)
+
+
+REPORT_SECRET = b"bench-report-secret"
+
+
+class ReportPusher(threading.Thread):
+    """Signed capacity reports for the demo's regions, round robin, ``rate`` a second to each
+    port, as regional balancers push them (``POST /v1/capacity``): each accepted one is a new
+    snapshot, so answers cached for the old one are decided again."""
+
+    def __init__(self, ports: list[int], rate: float) -> None:
+        super().__init__(daemon=True)
+        self.ports = ports
+        self.rate = rate
+        self.stopping = threading.Event()
+        self.accepted = 0
+
+    def run(self) -> None:
+        import httpx
+
+        from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
+
+        regions = list(REGION_URL)
+        seq = 0
+        with httpx.Client(trust_env=False, timeout=5) as client:
+            while not self.stopping.wait(1 / self.rate):
+                seq += 1
+                body = CapacityReport(
+                    region=regions[seq % len(regions)],
+                    seq=seq,
+                    ts=time.time(),
+                    instances_healthy=2,
+                    instances_total=2,
+                    capacity=10.0,
+                    outstanding=3.0,
+                    utilisation=0.3,
+                    can_take_work=True,
+                ).model_dump_json()
+                headers = {SIGNATURE_HEADER: sign(body.encode(), REPORT_SECRET)}
+                for port in self.ports:
+                    with contextlib.suppress(httpx.HTTPError):
+                        r = client.post(
+                            f"http://127.0.0.1:{port}/v1/capacity", content=body, headers=headers
+                        )
+                        self.accepted += r.status_code == 204
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -311,11 +370,24 @@ def audited(tmp: Path, tag: str) -> int:
     return asyncio.run(total())
 
 
+@dataclass
+class Received:
+    """What ``wrk`` read from one GTM process over every run against it."""
+
+    responses: int = 0
+    in_flight: int = 0  # the most requests wrk can have left unread when its runs stopped
+
+    def add(self, result: WrkResult, connections: int) -> None:
+        self.responses += result.requests
+        self.in_flight += connections
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--paced-rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=0, help="also run GTM with N processes")
     parser.add_argument(
         "--clients", type=int, default=4096, help="distinct client addresses (each its own /24)"
@@ -324,6 +396,13 @@ def main() -> int:
         "--few-clients", type=int, default=64, help="the same for a second GTM variant"
     )
     parser.add_argument("--json", type=Path, help="write the results here as well")
+    parser.add_argument(
+        "--reports-per-s",
+        type=float,
+        default=0.0,
+        help="push signed capacity reports to GTM at this rate throughout (a new snapshot each, "
+        "as regional balancers cause in production: about one a second per region)",
+    )
     parser.add_argument(
         "--diagnose",
         action="store_true",
@@ -360,6 +439,10 @@ def main() -> int:
                 port = free_port()
                 proc = start_gtm(tmp, port, server_core, tag="uncounted", uncounted=True)
                 variants.append(Variant("gtm-uncounted", port, proc, args.clients))
+                port = free_port()
+                bare_proto_cmd = [sys.executable, "bare_protocol.py", f"127.0.0.1:{port}"]
+                proc = subprocess.Popen([*pin(server_core), *bare_proto_cmd], cwd=HERE)
+                variants.append(Variant("bare-protocol", port, proc, args.clients))
             port = free_port()
             bare_cmd = [
                 sys.executable, "-m", "uvicorn", "bare_asgi:app",
@@ -384,46 +467,73 @@ def main() -> int:
                 variants[-1].pinned = False
                 variants.append(Variant("gtm-x1", free_port(), None, args.clients, pinned=False))
                 variants[-1].proc = start_gtm(tmp, variants[-1].port, None, tag="gtm-x1")
+            gtm_port = variants[0].port
+            received = Received()  # by wrk, from the GTM process audited at the end
+
+            def wrk(v: Variant, seconds: float, connections: int, script: Path) -> WrkResult:
+                result = run_wrk(
+                    v.port, seconds, connections, script, load_core if v.pinned else None
+                )
+                if v.port == gtm_port:
+                    received.add(result, connections)
+                return result
+
             for v in variants:
                 wait_port(v.port)
-                core = load_core if v.pinned else None
-                run_wrk(v.port, 2, args.connections, scripts[v.clients], core)  # warm-up
+            pusher = None
+            if args.reports_per_s > 0:
+                gtm_ports = sorted({v.port for v in variants if v.name.startswith("gtm")})
+                pusher = ReportPusher(gtm_ports, args.reports_per_s)
+                pusher.start()
+            for v in variants:
+                wrk(v, 2, args.connections, scripts[v.clients])  # warm-up
             for rnd in range(args.rounds):
                 order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
                 for v in order:
-                    v.results.append(
-                        run_wrk(
-                            v.port,
-                            args.seconds,
-                            args.connections,
-                            scripts[v.clients],
-                            load_core if v.pinned else None,
-                        )
-                    )
+                    v.results.append(wrk(v, args.seconds, args.connections, scripts[v.clients]))
                 print(
                     f"round {rnd + 1}/{args.rounds}: "
                     + ", ".join(f"{v.name} {v.results[-1].rate:,.0f}/s" for v in variants),
                     flush=True,
                 )
-            # Latency at 80 % of each variant's median maximum, paced by a per-connection delay.
-            paced: dict[str, WrkResult] = {}
+            # Latency at 80 % of each variant's median maximum, paced by a per-connection delay,
+            # in interleaved rounds too: the machine's noise lands on every variant alike.
+            paced: dict[str, list[WrkResult]] = {v.name: [] for v in variants}
+            delay_ms = 5
+            pacing: dict[str, tuple[int, Path]] = {}
             for v in variants:
                 target = 0.8 * statistics.median(r.rate for r in v.results)
-                delay_ms = 5
                 connections = max(1, round(target * delay_ms / 1000))
                 paced_script = tmp / f"paced-{v.name}.lua"
                 write_wrk_script(paced_script, client_addresses(v.clients), delay_ms)
-                core = load_core if v.pinned else None
-                paced[v.name] = run_wrk(v.port, args.seconds, connections, paced_script, core)
+                pacing[v.name] = (connections, paced_script)
+            for rnd in range(args.paced_rounds):
+                order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
+                for v in order:
+                    connections, paced_script = pacing[v.name]
+                    paced[v.name].append(wrk(v, args.seconds, connections, paced_script))
+                print(
+                    f"paced round {rnd + 1}/{args.paced_rounds}: "
+                    + ", ".join(
+                        f"{v.name} p99 {paced[v.name][-1].p99_ms:.2f} ms "
+                        f"({paced[v.name][-1].rate:,.0f}/s)"
+                        for v in variants
+                    ),
+                    flush=True,
+                )
+            if pusher is not None:
+                pusher.stopping.set()
+                pusher.join()
+                print(f"capacity reports accepted: {pusher.accepted:,}")
             gtm = variants[0]
             served = scrape_responses(gtm.port)
         finally:
             for v in variants:
                 if v.proc is not None:
-                    stop(v.proc)
+                    stop(v.proc)  # SIGTERM: a graceful stop, the audit writer's last flush
         counted = audited(tmp, "gtm")
 
-    report(variants, paced, served, counted, args, len(cores))
+    report(variants, paced, served, counted, received, args, len(cores))
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -431,11 +541,16 @@ def main() -> int:
                     v.name: {
                         "rates": [r.rate for r in v.results],
                         "p99_ms": [r.p99_ms for r in v.results],
-                        "paced_80pct": paced[v.name].__dict__,
+                        "paced_80pct": [r.__dict__ for r in paced[v.name]],
                     }
                     for v in variants
                 }
-                | {"served": served, "audited": counted},
+                | {
+                    "served": served,
+                    "audited": counted,
+                    "wrk_received": received.responses,
+                    "wrk_in_flight_max": received.in_flight,
+                },
                 indent=2,
             )
         )
@@ -444,9 +559,10 @@ def main() -> int:
 
 def report(
     variants: list[Variant],
-    paced: dict[str, WrkResult],
+    paced: dict[str, list[WrkResult]],
     served: int,
     counted: int,
+    received: Received,
     args: argparse.Namespace,
     cores: int,
 ) -> None:
@@ -464,32 +580,57 @@ def report(
     print()
     print(
         f"{args.rounds} rounds x {args.seconds:g}s, wrk -t1 -c{args.connections}, "
-        f"one server core; p99 paced at 80% of each variant's median maximum"
+        f"one server core; then {args.paced_rounds} rounds paced at 80% of each variant's median "
+        f"maximum (wrk's per-connection delay: the rate reached, as a share of the maximum, "
+        f"in brackets); medians over rounds"
+        + (
+            f"; capacity reports pushed at {args.reports_per_s:g}/s (a new snapshot each)"
+            if args.reports_per_s > 0
+            else ""
+        )
     )
     print()
-    print("| variant | clients | req/s (median) | min-max | p50 at max | p99 at max | p99 at 80% |")
+
+    def p99_paced(name: str) -> float:
+        return statistics.median(r.p99_ms for r in paced[name])
+
+    print(
+        "| variant | clients | req/s (median) | min-max | p50 at max | p99 at max "
+        "| p99 paced (min-max) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for v in variants:
         rates = [r.rate for r in v.results]
+        share = statistics.median(r.rate for r in paced[v.name]) / med(v.name)
+        p99s = [r.p99_ms for r in paced[v.name]]
         print(
             f"| {v.name} | {v.clients} | {med(v.name):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} "
             f"| {statistics.median(r.p50_ms for r in v.results):.2f} ms "
             f"| {statistics.median(r.p99_ms for r in v.results):.2f} ms "
-            f"| {paced[v.name].p99_ms:.2f} ms ({paced[v.name].rate:,.0f}/s) |"
+            f"| {p99_paced(v.name):.2f} ms ({min(p99s):.2f}-{max(p99s):.2f}) [{share:.0%}] |"
         )
     print()
     for name in (v.name for v in variants if v.name.startswith("gtm")):
         if name == "gtm-uncounted":
             print(f"{name} / bare (diagnostic, no audit counting): {ratio(name, 'bare'):.2f}")
+            print(f"{name} / bare-protocol (diagnostic): {ratio(name, 'bare-protocol'):.2f}")
             continue
         print(f"{name} / bare (target >= 0.80): {ratio(name, 'bare'):.2f}")
         if "nginx" in by:
             print(f"{name} / nginx: {ratio(name, 'nginx'):.2f}")
-        print(f"{name} p99 at 80% of its maximum (target <= 5 ms): {paced[name].p99_ms:.2f} ms")
-    errors = sum(r.errors for r in by["gtm"].results) + paced["gtm"].errors
+        if "bare-protocol" in by:
+            print(f"{name} / bare-protocol (diagnostic): {ratio(name, 'bare-protocol'):.2f}")
+        print(f"{name} p99 paced at 80% of its maximum (target <= 5 ms): {p99_paced(name):.2f} ms")
+    errors = sum(r.errors for r in by["gtm"].results) + sum(r.errors for r in paced["gtm"])
     print(f"gtm non-3xx or socket errors: {errors}")
     verdict = "equal" if served == counted else "DIFFERENT"
     print(f"gtm responses served {served:,}, counted in the audit store {counted:,}: {verdict}")
+    unread = counted - received.responses
+    verdict = "consistent" if 0 <= unread <= received.in_flight else "INCONSISTENT"
+    print(
+        f"gtm responses read by wrk {received.responses:,}: counted - read = {unread:,} "
+        f"(requests in flight when wrk stopped, at most {received.in_flight:,}): {verdict}"
+    )
     if args.workers > 1:
         name = f"gtm-x{args.workers}"
         print(

@@ -9,6 +9,19 @@ so a service may use any path at all. The front's own endpoints (``/livez``, ``/
 ``/metrics``) are answered on any other host (the node's address, ``localhost``), where any other
 path is "unknown host" (404). Every response to traffic, including 404s and rejected input, is
 counted in the audit store (rule 2); the operational endpoints are not decisions and are not.
+
+Redirects are answered from memory twice over: a decision once made is rendered into an
+:class:`_Answer` (status, region, base URL and audit record) and reused for every request with the
+same decision inputs (host, method, client network and GeoIP bucket, residency classes, tenant)
+within one snapshot version, until the next instant at which a decision can change with time
+alone (a capacity report turning stale). A first level keys the answer by the request's raw
+inputs (method, peer, and the values of the headers the decision reads; credentials by the
+tenant they name), so a repeat skips the parsing as well. Only the path, query and decision id
+are per response. Answers given are tallied on the answer (an integer) and the audit writer
+drains the tallies at each flush (:meth:`FrontApp.drain_tallies`): every response is counted,
+and nothing is done per response beyond the increment. :meth:`FrontApp.respond` is the same
+path for the HTTP protocol itself (:mod:`gtm.front.server`), which answers a cached redirect
+without an ASGI request cycle.
 """
 
 from __future__ import annotations
@@ -18,14 +31,17 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from http import HTTPStatus
 from ipaddress import IPv4Address
-from typing import Any
+from typing import Any, cast
 
+import httptools
 import structlog
 from prometheus_client import generate_latest
 
-from gtm.audit.record import record_of
+from gtm.audit.record import AuditRecord, record_of
+from gtm.audit.writer import Tally
 from gtm.capacity import Rejected
 from gtm.decision import Decision, IPAddress, Outcome, Status
 from gtm.front.client_address import ForwardingError, TrustedProxies, client_address, parse_peer
@@ -38,8 +54,10 @@ from gtm.front.signals import (
     TENANT_HEADER,
     SignalError,
     TenantIndex,
+    credentials_tenant,
     signals_of,
 )
+from gtm.geodns.server import time_boundary
 from gtm.metrics import CAPACITY_REPORTS
 from gtm.routing import Channel, DecisionRequest, decide
 from gtm.runtime import Runtime
@@ -81,6 +99,65 @@ _NO_STORE = (b"cache-control", b"no-store")
 _JSON = (b"content-type", b"application/json")
 _CACHE_LIMIT = 10_000
 _RECORDS_LIMIT = 100_000
+_ANSWERS_LIMIT = 100_000  # per level of the answer cache
+_METHODS = {m.encode(): m for m in ALLOWED_METHODS}
+# What a response head may not carry in a header value (as uvicorn checks): the request target
+# goes into Location. The parser already refuses such targets; this is the second lock.
+_UNSAFE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_END = b"\r\ncontent-length: 0\r\n\r\n"
+_END_CLOSE = b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_EMPTY_BODY = {"type": "http.response.body", "body": b""}
+_MISSING = object()
+
+
+class _Tally:
+    """Responses counted towards one audit record since the audit writer last drained them:
+    how many, and the first and last one's time."""
+
+    __slots__ = ("first", "last", "n", "record")
+
+    def __init__(self, record: AuditRecord) -> None:
+        self.record = record
+        self.n = 0
+        self.first = self.last = 0.0
+
+
+class _Counted(_Tally):
+    """A tally of the general path (refusals, rejections, proxied exchanges)."""
+
+    __slots__ = ("decision",)
+
+    def __init__(self, record: AuditRecord, decision: Decision) -> None:
+        super().__init__(record)
+        self.decision = decision  # keeps the ids in the memo key from being reused
+
+
+class _Answer(_Tally):
+    """One decision rendered as a redirect: everything of the response but its date, path,
+    query and decision id, and its audit record (with the responses given from it)."""
+
+    __slots__ = ("base", "middle", "region", "status", "status_line")
+
+    def __init__(
+        self, record: AuditRecord, status: int, base: bytes, region: bytes, middle: bytes
+    ) -> None:
+        super().__init__(record)
+        self.status = status
+        self.base = base
+        self.region = region
+        self.status_line = _status_line(status)
+        self.middle = middle
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        phrase = HTTPStatus(status).phrase.encode()
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+    return line
 
 
 class _Reject(Exception):
@@ -109,50 +186,64 @@ class FrontApp:
         self._topology = runtime.store.current.topology
         self._hosts: dict[bytes, tuple[str | None, Service | None]] = {}
         self._bases: dict[str, bytes] = {}
-        # memo key -> [record, decision (keeps the key's ids alive), responses not yet handed
-        # to the audit writer]
-        self._records: dict[tuple[object, ...], list[Any]] = {}
-        self._dirty: list[list[Any]] = []
+        # region -> (its name, the response head from after Location to the decision id)
+        self._regions: dict[str, tuple[bytes, bytes]] = {}
+        # The general path's records, memoised (see _count).
+        self._records: dict[tuple[object, ...], _Counted] = {}
+        # The answer cache: request inputs -> answer (None: not answered by a cached redirect,
+        # the general path answers), and decision inputs -> answer. Valid for one snapshot
+        # version until _until.
+        self._exact: dict[tuple[object, ...], _Answer | None] = {}
+        self._answers: dict[tuple[object, ...], _Answer] = {}
+        self._version = -1
+        self._until = 0.0
+        # Tallies counted since the audit writer last drained them. They stay here when the
+        # caches are dropped, so no count is lost to a new snapshot.
+        self._tallied: list[_Tally] = []
+        self._closed = False
+        self._id_prefix_b = self._id_prefix.encode()
+        self._date_key: object = None
+        self._date_head = b""
         self.responses = 0  # responses to traffic since start (rule 2 bookkeeping)
         self.clock: Callable[[], float] = time.time
+        runtime.writer.add_source(self.drain_tallies)
 
     # -- the request path ----------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off and websockets are not served; nothing to answer
+        method: str = scope["method"]
+        peer_info = scope.get("client")
+        answer = self.redirect(method, scope["headers"], peer_info[0] if peer_info else None)
+        if answer is not None:  # counted
+            raw_path: bytes = scope["raw_path"] or scope["path"].encode()
+            query: bytes = scope["query_string"]
+            location = answer.base + raw_path + b"?" + query if query else answer.base + raw_path
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": answer.status,
+                    "headers": [
+                        (b"location", location),
+                        _NO_STORE,
+                        (b"x-gtm-region", answer.region),
+                        (b"x-gtm-decision-id", self._decision_id()),
+                        (b"content-length", b"0"),
+                    ],
+                }
+            )
+            await send(_EMPTY_BODY)
+            return
+        await self._general(scope, receive, send, method)
+
+    async def _general(self, scope: Scope, receive: Receive, send: Send, method: str) -> None:
+        """Every request that is not answered by a cached redirect."""
         snapshot = self.store.current
-        host_values: list[bytes] = []
-        forwarded: list[bytes] = []
-        xff: list[bytes] = []
-        residency: list[bytes] | None = None
-        tenant: list[bytes] | None = None
-        auth: bytes | None = None
-        api_key: bytes | None = None
-        for name, value in scope["headers"]:
-            kind = _WANTED.get(name)
-            if kind is None:
-                continue
-            if kind == _HOST:
-                host_values.append(value)
-            elif kind == _XFF:
-                xff.append(value)
-            elif kind == _FORWARDED:
-                forwarded.append(value)
-            elif kind == _RESIDENCY:
-                residency = [*residency, value] if residency else [value]
-            elif kind == _TENANT:
-                tenant = [*tenant, value] if tenant else [value]
-            elif kind == _AUTH:
-                auth = value
-            else:
-                api_key = value
+        host_values, forwarded, xff, residency, tenant, auth, api_key = _scan(scope["headers"])
         peer_info = scope.get("client")
         peer = parse_peer(peer_info[0]) if peer_info else _UNSPECIFIED
-        method: str = scope["method"]
-        if snapshot.topology is not self._topology:
-            self._topology = snapshot.topology
-            self._hosts.clear()
+        self._same_topology(snapshot)
         host, service = self._host(host_values, snapshot)
         if service is None and host is not None:
             if scope["path"] in OPS_PATHS and method in ("GET", "HEAD"):
@@ -172,9 +263,7 @@ class FrontApp:
                 client = client_address(peer, self.trusted, forwarded, xff)
             except ForwardingError as exc:
                 raise _Reject(400, "bad_forwarding_header", str(exc)) from None
-            index = self._tenants
-            if index.topology is not snapshot.topology:
-                index = self._tenants = TenantIndex(snapshot.topology)
+            index = self._tenant_index(snapshot)
             try:
                 classes, tenant_id = signals_of(index, service, residency, tenant, auth, api_key)
             except SignalError as exc:
@@ -194,6 +283,222 @@ class FrontApp:
             await self._proxy(scope, receive, send, snapshot, decision, client, host, tenant_id)
         else:
             await self._redirect(scope, send, snapshot, service, decision, host, tenant_id)
+
+    # -- the answer cache ----------------------------------------------------------------------
+
+    def respond(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        peer: str | None,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> bytes | None:
+        """The whole HTTP/1.1 response to a request that a cached redirect answers, counted;
+        None (and nothing counted) for any other request. For the HTTP protocol, which has
+        parsed the request head: ``target`` is the request target as sent, ``default_headers``
+        the server's own (the date), sent first as uvicorn sends them."""
+        name = _METHODS.get(method)
+        if name is None:
+            return None
+        if target[:1] == b"/" and b"#" not in target:
+            tail = target[:-1] if target[-1:] == b"?" else target
+        else:  # absolute-form, or a fragment the path ends at: as uvicorn reads them
+            url = httptools.parse_url(target)
+            tail = url.path + b"?" + url.query if url.query else url.path
+        if _UNSAFE.search(tail) is not None:
+            return None
+        if default_headers is not self._date_key:
+            self._date_key = default_headers
+            self._date_head = b"".join(n + b": " + v + b"\r\n" for n, v in default_headers)
+        answer = self.redirect(name, headers, peer)
+        if answer is None:
+            return None
+        return b"".join(
+            (
+                answer.status_line,
+                self._date_head,
+                b"location: ",
+                answer.base,
+                tail,
+                answer.middle,
+                self._id_prefix_b,
+                b"%x" % next(self._ids),
+                _END if keep_alive else _END_CLOSE,
+            )
+        )
+
+    def redirect(
+        self, method: str, headers: Sequence[tuple[bytes, bytes]], peer: str | None
+    ) -> _Answer | None:
+        """The redirect that answers this request, counted as given; None (nothing counted)
+        when a redirect does not answer it: the general path answers and counts those.
+
+        ``headers`` are the request's headers with lower-case names, ``peer`` the socket
+        peer's address as the server gives it.
+        """
+        snapshot = self.store.current
+        now = self.clock()
+        if snapshot.version != self._version or now >= self._until:
+            self._exact.clear()
+            self._answers.clear()
+            self._version = snapshot.version
+            self._until = time_boundary(snapshot, now)
+        # The request's inputs to a decision: every value of every header the decision reads,
+        # in order, with its kind; credentials only through the tenant they name.
+        parts: list[object] = [method, peer]
+        auth: bytes | None = None
+        api_key: bytes | None = None
+        for header, value in headers:
+            kind = _WANTED.get(header)
+            if kind is None:
+                continue
+            if kind == _AUTH:
+                auth = value
+            elif kind == _API_KEY:
+                api_key = value
+            else:
+                parts.append(kind)
+                parts.append(value)
+        if auth is not None or api_key is not None:
+            parts.append(_AUTH)
+            parts.append(credentials_tenant(self._tenant_index(snapshot), auth, api_key))
+        key = tuple(parts)
+        hit = self._exact.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = self._resolve(snapshot, now, method, headers, peer)
+            if len(self._exact) >= _ANSWERS_LIMIT:
+                self._exact.clear()
+            self._exact[key] = hit
+        if hit is None:
+            return None
+        answer = cast(_Answer, hit)
+        if answer.n:
+            answer.n += 1
+        else:
+            answer.n = 1
+            answer.first = now
+            self._tallied.append(answer)
+        answer.last = now
+        responses = self.stats.responses
+        responses[answer.status] = responses.get(answer.status, 0) + 1
+        self.responses += 1
+        return answer
+
+    def _resolve(
+        self,
+        snapshot: Snapshot,
+        now: float,
+        method: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        peer: str | None,
+    ) -> _Answer | None:
+        """The answer for request inputs not seen in this snapshot: from the decision-input
+        level of the cache, or a new decision. None when a redirect does not answer them."""
+        if method not in ALLOWED_METHODS:
+            return None
+        host_values, forwarded, xff, residency, tenant_header, auth, api_key = _scan(headers)
+        self._same_topology(snapshot)
+        host, service = self._host(host_values, snapshot)
+        if host is None or service is None:
+            return None
+        if service.http.mode == "proxy" and self.forwarder is not None:
+            return None
+        try:
+            client = client_address(
+                parse_peer(peer) if peer else _UNSPECIFIED, self.trusted, forwarded, xff
+            )
+            classes, tenant = signals_of(
+                self._tenant_index(snapshot), service, residency, tenant_header, auth, api_key
+            )
+        except (ForwardingError, SignalError):
+            return None
+        # The decision reads the client through its network (/24, /56: the spillover hash) and
+        # its GeoIP location: the network keys it, unless the GeoIP network is narrower and
+        # splits it, when the address does.
+        location = snapshot.geo.locate(client)
+        net = location.network
+        address = int(client)
+        if client.version == 4:
+            where: tuple[int, int] = (4, address >> 8)
+            split = net is None or net.prefixlen > 24
+        else:
+            where = (6, address >> 72)
+            split = net is None or net.prefixlen > 56
+        key = (host, method, where, address if split else None, classes, tenant)
+        answer = self._answers.get(key)
+        if answer is None:
+            request = DecisionRequest(Channel.HTTP, client, service.id, host, None, classes, tenant)
+            try:
+                decision = decide(request, snapshot, now)
+            except Exception:  # the general path answers (500) and logs it
+                return None
+            outcome = decision.outcome
+            if outcome is Outcome.ANSWER and decision.region and decision.base_url:
+                region, base = decision.region, decision.base_url
+            elif outcome is Outcome.FAIL_STATIC and decision.regions:
+                # Unrestricted traffic with no healthy region: the policy says answer anyway,
+                # with its first allowed region (a redirect names one).
+                region = decision.regions[0]
+                base = snapshot.regions[region].base_url
+            else:
+                return None  # a refusal: the general path renders it
+            status = service.http.redirect_status
+            record = record_of(
+                decision,
+                channel="http",
+                name=host,
+                tenant=tenant,
+                query_type=method,
+                response=str(status),
+                answer=(base,),
+            )
+            named = self._regions.get(region)
+            if named is None:
+                name = region.encode()
+                middle = b"\r\ncache-control: no-store\r\nx-gtm-region: %s\r\nx-gtm-decision-id: "
+                named = self._regions[region] = (name, middle % name)
+            answer = _Answer(record, status, self._base(base), *named)
+            if len(self._answers) >= _ANSWERS_LIMIT:
+                self._answers.clear()
+            self._answers[key] = answer
+        return answer
+
+    def drain_tallies(self) -> Iterator[Tally]:
+        """The audit writer's source: the responses counted since the last drain. Runs on the
+        loop, interleaved with answering (the writer slices its flush): a tally counted again
+        before its turn here is drained with that count too, and one counted after its turn
+        is listed again for the next drain."""
+        tallied, self._tallied = self._tallied, []
+        for tally in tallied:
+            n = tally.n
+            if n:
+                tally.n = 0
+                yield tally.record, n, tally.first, tally.last
+        if self._closed and not self._tallied:
+            self.runtime.writer.remove_source(self.drain_tallies)
+
+    def close(self) -> None:
+        """No more requests: drop the caches. What was counted stays with the audit writer's
+        next drain (the runtime's stop flushes), after which the source removes itself."""
+        self._closed = True
+        self._exact.clear()
+        self._answers.clear()
+        self._records.clear()
+
+    # -- the general path ----------------------------------------------------------------------
+
+    def _same_topology(self, snapshot: Snapshot) -> None:
+        if snapshot.topology is not self._topology:
+            self._topology = snapshot.topology
+            self._hosts.clear()
+
+    def _tenant_index(self, snapshot: Snapshot) -> TenantIndex:
+        index = self._tenants
+        if index.topology is not snapshot.topology:
+            index = self._tenants = TenantIndex(snapshot.topology)
+        return index
 
     def _host(self, values: list[bytes], snapshot: Snapshot) -> tuple[str | None, Service | None]:
         """The host named by the Host header (port and trailing dot dropped) and its service;
@@ -314,33 +619,17 @@ class FrontApp:
                 answer=(answer,) if answer else (),
             )
             if len(self._records) >= _RECORDS_LIMIT:
-                self.flush_counts()
-                self._records.clear()
-            entry = self._records[key] = [record, decision, 0]
-        if not entry[2]:
-            self._dirty.append(entry)
-        entry[2] += 1
+                self._records.clear()  # tallies being counted stay in self._tallied
+            entry = self._records[key] = _Counted(record, decision)
+        now = self.clock()
+        if entry.n:
+            entry.n += 1
+        else:
+            entry.n = 1
+            entry.first = now
+            self._tallied.append(entry)
+        entry.last = now
         self.responses += 1
-
-    def flush_counts(self) -> int:
-        """Hand the responses counted since the last call to the audit writer.
-
-        The request path counts into its memo entries (an integer increment) and this runs
-        beside it every few milliseconds (and once more after the last response, before the
-        caller stops the runtime): the writer's own count costs a clock read, a record hash
-        and a labelled metric per call, a noticeable share of a redirect. Nothing is lost by
-        the delay: the counts are in memory either way until the writer's flush.
-        """
-        handed = 0
-        writer = self.runtime.writer
-        for entry in self._dirty:
-            n = entry[2]
-            if n:
-                writer.count(entry[0], n)
-                entry[2] = 0
-                handed += n
-        self._dirty.clear()
-        return handed
 
     async def _refuse(
         self,
@@ -544,6 +833,47 @@ class FrontApp:
         CAPACITY_REPORTS.labels("accepted").inc()
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
+
+
+def _scan(
+    headers: Sequence[tuple[bytes, bytes]],
+) -> tuple[
+    list[bytes],
+    list[bytes],
+    list[bytes],
+    list[bytes] | None,
+    list[bytes] | None,
+    bytes | None,
+    bytes | None,
+]:
+    """The values of the headers a decision reads: host, Forwarded, X-Forwarded-For, residency
+    and tenant (each every value, in order), Authorization and X-API-Key (the last value)."""
+    host_values: list[bytes] = []
+    forwarded: list[bytes] = []
+    xff: list[bytes] = []
+    residency: list[bytes] | None = None
+    tenant: list[bytes] | None = None
+    auth: bytes | None = None
+    api_key: bytes | None = None
+    for name, value in headers:
+        kind = _WANTED.get(name)
+        if kind is None:
+            continue
+        if kind == _HOST:
+            host_values.append(value)
+        elif kind == _XFF:
+            xff.append(value)
+        elif kind == _FORWARDED:
+            forwarded.append(value)
+        elif kind == _RESIDENCY:
+            residency = [*residency, value] if residency else [value]
+        elif kind == _TENANT:
+            tenant = [*tenant, value] if tenant else [value]
+        elif kind == _AUTH:
+            auth = value
+        else:
+            api_key = value
+    return host_values, forwarded, xff, residency, tenant, auth, api_key
 
 
 def proxy_targets(decision: Decision, snapshot: Snapshot) -> list[Target]:

@@ -5,6 +5,13 @@ binds the socket itself so that a busy port is an exception for the caller rathe
 uvicorn's ``sys.exit``, leaves signal handling to the caller, and returns once ``stop`` is set
 and the requests in flight have been answered.
 
+A redirect that the front's answer cache holds is answered here, in the protocol, as soon as
+the request head is parsed: :meth:`FrontApp.respond` renders and counts it, and the protocol
+writes it, with no ASGI request cycle (a task, a scope, two messages), which costs more than the
+whole decision. Everything else (cache misses that are not redirects, refusals, bad input, proxy
+mode, the front's own endpoints, a request pipelined behind one still being answered) goes
+through uvicorn's request cycle to the ASGI app, as before.
+
 Request heads are bounded here, at the protocol, before anything reaches the application:
 uvicorn's httptools protocol has no limit of its own on header size, so a client could make it
 buffer a head without end. Heads over the limits get 431 (414 for the target) and the connection
@@ -19,12 +26,12 @@ import contextlib
 import socket
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import structlog
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gtm.errors import ConfigError, Problem
 from gtm.front.app import FrontApp
@@ -58,36 +65,52 @@ class _HeadTooLarge(httptools.HttpParserError):
         self.message = message
 
 
-def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with bounded request heads and counted protocol errors."""
+class _Event:
+    def set(self) -> None:
+        pass
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        # Two overrides on the per-request path (data_received, on_header): each costs a Python
-        # call per request or header, a visible share of a redirect.
+
+class _Answered:
+    """The request cycle of a request the protocol answered itself: complete from the start.
+    uvicorn's own callbacks read these attributes of the current cycle (a body arriving for
+    it is dropped, as for any request answered before its body)."""
+
+    response_complete = True
+    more_body = False
+    disconnected = False
+    keep_alive = True
+    message_event = _Event()
+
+
+_ANSWERED = cast(RequestResponseCycle, _Answered())
+
+
+def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with bounded request heads, counted protocol errors, and
+    cached redirects answered without an ASGI request cycle."""
+
+    class FrontProtocol(HttpToolsProtocol):
         _head_bytes = 0
         _header_bytes = 0
         _too_large: _HeadTooLarge | None = None
         _discarded = -1  # >= 0 once the answer is sent and the rest of the input is dropped
+        _in_head = False  # a request head is being parsed
+        _in_body = False  # a request's head is parsed and its body is not complete
 
         def _discard(self, n: int) -> None:
             self._discarded += n
             if self._discarded > _LINGER_BYTES:
                 self.transport.close()
 
-        def _awaiting_body(self) -> bool:
-            cycle = self.cycle
-            return cycle is not None and cycle.more_body and "method" in self.scope
-
         def data_received(self, data: bytes) -> None:
             if self._discarded >= 0:
                 self._discard(len(data))
                 return
             # Bytes that arrive while a head is pending (or between requests) count towards it.
-            if not self._awaiting_body():
+            if not self._in_body:
                 self._head_bytes += len(data)
             super().data_received(data)
-            scope = self.scope
-            if self.parser is None or scope is None or "method" in scope:
+            if not self._in_head:
                 # No head in progress: the last one completed (its request is being answered
                 # or its body read), so nothing is buffered towards a head.
                 self._head_bytes = 0
@@ -115,6 +138,60 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
                 self._too_large = _HeadTooLarge(431, "request head too large")
                 raise self._too_large
             super().on_header(name, value)
+
+        def on_message_begin(self) -> None:
+            self._in_head = True
+            self._in_body = False
+            super().on_message_begin()
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            if (
+                self.cycle is _ANSWERED
+                and self.timeout_keep_alive_task is None
+                and not self.transport.is_closing()
+            ):
+                # Answered before its body arrived: the body's bytes cancelled the keep-alive
+                # timer that the answer armed, and nothing else would arm it again.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
+            super().on_message_complete()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._in_body = True
+            cycle = self.cycle
+            parser = self.parser
+            if (
+                (cycle is None or cycle.response_complete)
+                and not self.pipeline  # requests ahead of this one are answered first
+                and not self.flow.write_paused  # the request cycle waits for the client
+                and self.limit_concurrency is None
+                and not parser.should_upgrade()
+            ):
+                keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+                client = self.client
+                try:
+                    response = app.respond(
+                        parser.get_method(),
+                        self.url,
+                        self.headers,
+                        client[0] if client else None,
+                        self.server_state.default_headers,
+                        keep_alive,
+                    )
+                except Exception:  # nothing was counted: the request cycle answers instead
+                    log.exception("front.fast_path_failed")
+                    response = None
+                if response is not None:
+                    self.cycle = _ANSWERED
+                    self.transport.write(response)
+                    if not keep_alive:
+                        self.transport.close()
+                    self.on_response_complete()  # the next pipelined request, keep-alive timer
+                    return
+            super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
             status, message = 400, "invalid HTTP request"
@@ -144,7 +221,7 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
                 method = self.parser.get_method().decode("ascii", "replace")
             app.count_rejected(app.store.current, peer, None, method, status)
 
-    return BoundedHttpToolsProtocol
+    return FrontProtocol
 
 
 _LINGER_S = 2.0
@@ -182,7 +259,7 @@ class FrontServer:
         proxy_limits: ProxyLimits = ProxyLimits(),
         reuse_port: bool = False,
         graceful_timeout_s: float = 30.0,
-        count_interval_s: float = 0.05,
+        keep_alive_s: int = 5,
     ) -> None:
         self.runtime = runtime
         self.host, self.port = parse_listen(listen)
@@ -190,7 +267,7 @@ class FrontServer:
         self.proxy_limits = proxy_limits
         self.reuse_port = reuse_port
         self.graceful_timeout_s = graceful_timeout_s
-        self.count_interval_s = count_interval_s
+        self.keep_alive_s = keep_alive_s
         self.sock: socket.socket | None = None
         self.app: FrontApp | None = None
 
@@ -243,13 +320,12 @@ class FrontServer:
             date_header=True,
             access_log=False,
             log_config=None,
-            timeout_keep_alive=5,
+            timeout_keep_alive=self.keep_alive_s,
             timeout_graceful_shutdown=max(1, round(self.graceful_timeout_s)),
         )
         server = _Server(config, started)
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         stopping = asyncio.ensure_future(stop.wait())
-        handing = asyncio.ensure_future(_hand_over_counts(app, self.count_interval_s))
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             app.draining = True
@@ -261,20 +337,13 @@ class FrontServer:
                 server.should_exit = server.force_exit = True
                 with contextlib.suppress(asyncio.CancelledError):
                     await serving
-            handing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await handing
-            app.flush_counts()  # every response served is now with the audit writer
+            # Every response served is counted in the app's tallies, which the audit writer
+            # drains at its next flush (the runtime's stop flushes).
+            app.close()
             await forwarder.aclose()
             sock.close()
             self.sock = None
             app.ready = False
-
-
-async def _hand_over_counts(app: FrontApp, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        app.flush_counts()
 
 
 async def serve_front(

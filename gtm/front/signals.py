@@ -118,6 +118,18 @@ def _api_key(authorization: bytes | None, api_key: bytes | None) -> str | None:
     return None
 
 
+def credentials_tenant(
+    index: TenantIndex, authorization: bytes | None, api_key: bytes | None
+) -> str | None:
+    """The tenant whose API-key prefix the request's credentials carry, if any. The answer
+    cache keys on this rather than on the credentials, which it must not keep."""
+    if index.prefixes and (authorization is not None or api_key is not None):
+        key = _api_key(authorization, api_key)
+        if key is not None:
+            return index.tenant_of_key(key)
+    return None
+
+
 def signals_of(
     index: TenantIndex,
     service: Service,
@@ -127,11 +139,7 @@ def signals_of(
     api_key: bytes | None,
 ) -> Signals:
     """The classes and tenant of one request; :class:`SignalError` for a bad header."""
-    tenant: str | None = None
-    if index.prefixes and (authorization is not None or api_key is not None):
-        key = _api_key(authorization, api_key)
-        if key is not None:
-            tenant = index.tenant_of_key(key)
+    tenant = credentials_tenant(index, authorization, api_key)
     if tenant_header is not None:
         if len(tenant_header) > 1:
             raise SignalError("X-GTM-Tenant", "given more than once")

@@ -55,6 +55,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         trusted: tuple[str, ...] = ("127.0.0.0/8", "::1/128"),
         head_limits: HeadLimits = HeadLimits(),
         proxy_limits: ProxyLimits = ProxyLimits(connect_timeout_s=2.0, read_timeout_s=10.0),
+        keep_alive_s: int = 5,
     ) -> AsyncIterator[Front]:
         config = DEMO
         if topology is not None:
@@ -79,6 +80,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
             head_limits=head_limits,
             proxy_limits=proxy_limits,
             graceful_timeout_s=5,
+            keep_alive_s=keep_alive_s,
         )
         server.bind()
         stop, ready = asyncio.Event(), asyncio.Event()
