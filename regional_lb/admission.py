@@ -146,8 +146,15 @@ class AdmissionController:
             )
         waiter = _Waiter(tier, cost, asyncio.get_running_loop().create_future())
         queue.append(waiter)
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), tier.queue_timeout_s)
+            if task is not None and task.cancelling() > cancels:
+                # Python 3.11's wait_for returns the result, swallowing the cancellation,
+                # when the client goes away in the instant its slot is granted: stop here
+                # (the slot is handed back below) rather than run a request nobody awaits.
+                raise asyncio.CancelledError
         except TimeoutError:
             if waiter.future.done():
                 return  # woken as the timer fired: the slot is already counted

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from regional_lb.cost import ModelCoefficients
 from regional_lb.instance import InstanceState
 
 # The pick runs in microseconds; the buckets must resolve that range.
@@ -29,9 +30,14 @@ def utilisation_cv(pool: Sequence[InstanceState]) -> float:
 
 class _PoolCollector(Collector):
     def __init__(
-        self, pool: Callable[[], Sequence[InstanceState]], depth: Callable[[], dict[str, int]]
+        self,
+        pool: Callable[[], Sequence[InstanceState]],
+        depth: Callable[[], dict[str, int]],
+        coefficients: Callable[[], Mapping[str, ModelCoefficients]],
+        region_utilisation: Callable[[], float] | None,
     ) -> None:
         self.pool, self.depth = pool, depth
+        self.coefficients, self.region_utilisation = coefficients, region_utilisation
 
     def collect(self) -> Iterable[Metric]:
         insts = self.pool()
@@ -64,11 +70,31 @@ class _PoolCollector(Collector):
         for tier, n in self.depth().items():
             depth.add_metric([tier], n)
         yield depth
+        coef = GaugeMetricFamily(
+            "regional_lb_cost_coefficient",
+            "Cost coefficients in use, learned from completed streams (reference-GPU seconds)",
+            labels=["model", "term"],
+        )
+        for model, c in sorted(self.coefficients().items()):
+            coef.add_metric([model, "overhead"], c.overhead)
+            coef.add_metric([model, "prefill_per_token"], c.prefill_per_token)
+            coef.add_metric([model, "decode_per_token"], c.decode_per_token)
+        yield coef
+        if self.region_utilisation is not None:
+            yield GaugeMetricFamily(
+                "regional_lb_region_utilisation",
+                "Utilisation as in the capacity report (above 1: work is queued)",
+                value=self.region_utilisation(),
+            )
 
 
 class BalancerMetrics:
     def __init__(
-        self, pool: Callable[[], Sequence[InstanceState]], depth: Callable[[], dict[str, int]]
+        self,
+        pool: Callable[[], Sequence[InstanceState]],
+        depth: Callable[[], dict[str, int]],
+        coefficients: Callable[[], Mapping[str, ModelCoefficients]] = dict,
+        region_utilisation: Callable[[], float] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -93,4 +119,4 @@ class BalancerMetrics:
         self.report_push = Counter(
             "regional_lb_report_push", "Capacity report pushes", ["result"], registry=r
         )
-        r.register(_PoolCollector(pool, depth))
+        r.register(_PoolCollector(pool, depth, coefficients, region_utilisation))

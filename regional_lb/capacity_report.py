@@ -34,7 +34,13 @@ class CapacityReport(BaseModel):
     instances_total: int = Field(ge=0)
     capacity: float = Field(ge=0, description="cost units per second the pool can do")
     outstanding: float = Field(ge=0, description="cost units in flight")
-    utilisation: float = Field(ge=0, description="0..1+, outstanding-derived busy share")
+    utilisation: float = Field(
+        ge=0,
+        description=(
+            "share of the region's throughput ceiling in use (batching, KV cache), above 1 by "
+            "the work queued at the balancer and the instances; 0..2 (regional_lb.utilisation)"
+        ),
+    )
     queue_depth: dict[str, int] = Field(default_factory=dict)
     models: list[ModelAvailability] = Field(default_factory=list)
     draining: bool = False

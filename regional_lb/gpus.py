@@ -54,3 +54,8 @@ def batch_throughput(n: int, penalty: float) -> float:
     if n <= 0:
         return 0.0
     return n / (1.0 + penalty * (n - 1))
+
+
+def batch_slowdown(n: float, penalty: float) -> float:
+    """How many times longer one sequence's step takes with ``n`` in the batch than alone."""
+    return 1.0 + penalty * (max(n, 1.0) - 1.0)

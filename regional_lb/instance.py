@@ -9,9 +9,11 @@ the whole request lifetime in :func:`regional_lb.upstream.tracked` so nothing es
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from regional_lb.gpus import batch_throughput
+from regional_lb.cost import TimingSample
+from regional_lb.gpus import batch_slowdown, batch_throughput
 
 
 @dataclass(slots=True)
@@ -23,6 +25,13 @@ class Flight:
     started: float
     model: str = ""
     produced: int = 0
+    # For the coefficient fit (InstanceState.timing): when the first token arrived and the
+    # instance's progress clock then, the decode steps the first token waits for, and whether
+    # the request may have queued at the instance before it ran.
+    first_token_at: float = math.nan
+    clock_first: float = 0.0
+    first_token_steps: float = 1.0
+    queued: bool = False
 
 
 @dataclass(slots=True)
@@ -40,6 +49,7 @@ class SpeedLearner:
     unit_speed: float = 1.0
     slots: int = 1
     penalty: float = 0.0
+    declared: float = 0.0  # the configured (GPU profile) speed; 0: the initial unit_speed
     # Memory of the learner, in effective seconds: long enough to average over many requests
     # (work is credited when a request completes), short enough to follow a throttled GPU.
     horizon_s: float = 120.0
@@ -52,6 +62,8 @@ class SpeedLearner:
     _eff: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.declared <= 0:
+            self.declared = self.unit_speed
         self._gain = batch_throughput(self.slots, self.penalty)
         self._work, self._eff = self.unit_speed * self.prior_s, self.prior_s
 
@@ -109,17 +121,31 @@ class InstanceState:
     progress_at: float = 0.0
     completed: int = 0
     work_done: float = 0.0
+    # Progress clock: seconds of progress one running sequence has made, as if it ran alone
+    # (wall time divided by the batch slowdown, paused while new prompts are prefilled),
+    # advanced whenever the batch changes.
+    _clock: float = 0.0
+    _clock_at: float = 0.0
+    _clock_rate: float = 1.0
+    _paused_until: float = 0.0
 
     # -- accounting -------------------------------------------------------------------------
 
     def add(self, request_id: int, cost: float, now: float, model: str = "") -> None:
         if request_id in self.flights:
             raise ValueError(f"request {request_id} already in flight on {self.id}")
-        self.flights[request_id] = Flight(cost=cost, remaining=cost, started=now, model=model)
+        flight = Flight(cost=cost, remaining=cost, started=now, model=model)
+        self.flights[request_id] = flight
         if model:
             self.loaded[model] = now
         self.outstanding += cost
         self.speed.busy(now, len(self.flights))
+        self._tick(now)
+        n = self.batch_size()
+        # The step that produces the first token, slowed by the batch it joins; joining a busy
+        # batch also means waiting for the running step to end (half a step on average).
+        flight.first_token_steps = batch_slowdown(n, self.speed.penalty) * (1.5 if n > 1 else 1.0)
+        flight.queued = len(self.flights) > self.speed.slots or (self.scraped_waiting or 0) > 0
 
     def update_remaining(self, request_id: int, remaining: float, produced: int) -> None:
         flight = self.flights.get(request_id)
@@ -129,6 +155,13 @@ class InstanceState:
         self.outstanding += remaining - flight.remaining
         flight.remaining = remaining
         flight.produced = produced
+
+    def first_token(self, request_id: int, now: float) -> None:
+        """The first token of a streamed request arrived."""
+        flight = self.flights.get(request_id)
+        if flight is not None and math.isnan(flight.first_token_at):
+            flight.first_token_at = now
+            flight.clock_first = self.progress_clock(now)
 
     def release(self, request_id: int, now: float, actual_cost: float | None = None) -> bool:
         """Remove a request however it ended; ``actual_cost`` only when it completed.
@@ -142,12 +175,38 @@ class InstanceState:
             # Snap to exactly zero: float residue must not look like phantom work.
             self.outstanding = 0.0
         self.speed.busy(now, len(self.flights))
+        self._tick(now)
         if actual_cost is not None:
             self.progress_at = now
             self.completed += 1
             self.work_done += actual_cost
             self.speed.completed(now, actual_cost)
         return True
+
+    def timing(
+        self,
+        request_id: int,
+        now: float,
+        speed: float,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> TimingSample | None:
+        """The timing of a request that is completing now (call before :meth:`release`), in
+        reference seconds of one sequence alone: wall times multiplied by ``speed`` (this
+        instance's normalised single-sequence speed, :func:`timing_speed`), the decode time
+        read off the progress clock so the batch slowdown is taken out. None when no first
+        token was seen (an answer that was not streamed)."""
+        flight = self.flights.get(request_id)
+        if flight is None or math.isnan(flight.first_token_at) or not speed > 0:
+            return None
+        return TimingSample(
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            first_token=(flight.first_token_at - flight.started) * speed,
+            first_token_steps=flight.first_token_steps,
+            decode=(self.progress_clock(now) - flight.clock_first) * speed,
+            queued=flight.queued,
+        )
 
     def recompute(self) -> None:
         """Rebuild the running total from the flights (drift guard, called now and then)."""
@@ -156,6 +215,47 @@ class InstanceState:
     @property
     def in_flight(self) -> int:
         return len(self.flights)
+
+    # -- batch and progress clock ---------------------------------------------------------------
+
+    def batch_size(self) -> int:
+        """Sequences running together on the instance, as best known: ours in flight up to the
+        batch slots, or what a fresh scrape reports running when it shows the instance holds
+        fewer than that (its KV cache is full and requests wait) or more (other replicas)."""
+        slots = self.speed.slots
+        n = min(self.in_flight, slots)
+        running = self.scraped_running
+        if running is not None and n > 0 and ((self.scraped_waiting or 0) > 0 or running > n):
+            n = min(max(running, 1), slots)
+        return n
+
+    def _tick(self, now: float) -> None:
+        """Advance the progress clock to ``now`` at the old rate, then take the new batch's."""
+        if now > self._clock_at:
+            start = max(self._clock_at, min(self._paused_until, now))
+            self._clock += (now - start) * self._clock_rate
+            self._clock_at = now
+        self._clock_rate = 1.0 / batch_slowdown(self.batch_size(), self.speed.penalty)
+
+    def progress_clock(self, now: float) -> float:
+        start = max(self._clock_at, min(self._paused_until, now))
+        return self._clock + max(0.0, now - start) * self._clock_rate
+
+    def prefill_stall(self, now: float, seconds: float) -> None:
+        """A request just added will have its prompt prefilled for about ``seconds``, during
+        which the sequences already running make no progress (as in the simulator, and in
+        vLLM without chunked prefill; with it, they make less): the progress clock pauses, so
+        other requests' prompts do not show up as decode time."""
+        self._tick(now)
+        if seconds > 0 and math.isfinite(seconds) and self.in_flight > 1:
+            self._paused_until = max(self._paused_until, now) + seconds
+
+    def apply_load(
+        self, running: int | None, waiting: int | None, kv_usage: float | None, now: float
+    ) -> None:
+        """A fresh scrape of the instance's own metrics (or None for each when stale)."""
+        self.scraped_running, self.scraped_waiting, self.kv_usage = running, waiting, kv_usage
+        self._tick(now)
 
     # -- derived state ------------------------------------------------------------------------
 
@@ -173,3 +273,33 @@ class InstanceState:
 
     def can_serve(self, model: str) -> bool:
         return model in self.loaded or not self.servable or model in self.servable
+
+
+def speed_anchor(fleet: Sequence[InstanceState]) -> float:
+    """How far the fleet's learned single-sequence speeds have moved from their declared
+    ones, on average (a geometric mean weighted by completions); 0 when nothing completed."""
+    total, log_sum = 0.0, 0.0
+    for inst in fleet:
+        sp = inst.speed
+        if sp.samples > 0 and sp.unit_speed > 0 and sp.declared > 0:
+            w = float(min(sp.samples, 100))
+            total += w
+            log_sum += w * math.log(sp.unit_speed / sp.declared)
+    return math.exp(log_sum / total) if total > 0 else 0.0
+
+
+def timing_speed(inst: InstanceState, anchor: float) -> float:
+    """The speed that turns ``inst``'s wall-clock times into reference-GPU seconds for the
+    coefficient fit: its learned single-sequence speed over the fleet's :func:`speed_anchor`.
+
+    Learned speeds are themselves measured in cost units, so dividing by them alone would
+    leave the fit free to drift: coefficients twice too high make every learned speed twice
+    too high, and the fit would then confirm those coefficients. Taking out the fleet-wide
+    factor pins the scale to the declared GPU speeds (an A100 is 1.0), while an instance that
+    runs slower than its peers (throttled, or shared with other work) is still measured at
+    its own speed and does not make the model look expensive.
+    """
+    own = inst.speed
+    if anchor <= 0 or own.unit_speed <= 0:
+        return own.declared
+    return own.unit_speed / anchor

@@ -23,8 +23,9 @@ from regional_lb.cost import CostEstimator, ModelCoefficients, RequestShape
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
 from regional_lb.gpus import GPUS, profile
 from regional_lb.health import EjectionParams, record_failure, record_success
-from regional_lb.instance import InstanceState, SpeedLearner
+from regional_lb.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
 from regional_lb.pick import PickParams, PickRequest, pick
+from regional_lb.utilisation import pool_utilisation
 
 # ok: completed (its actual cost teaches the estimator and the speed learner);
 # upstream_error: 5xx, timeout, stall or broken stream (counts towards ejection);
@@ -69,6 +70,8 @@ class Lease:
     shape: RequestShape
     cost: float
     started: float
+    # The output length the estimate assumed (error tracking compares like with like).
+    predicted_tokens: float | None = None
     produced: int = 0
     last_token_at: float = 0.0
     ended: bool = False
@@ -79,6 +82,8 @@ class Lease:
         """Tokens streamed so far: the remaining work is re-estimated from them."""
         if self.ended or produced <= self.produced:
             return
+        if self.produced == 0:
+            self.instance.first_token(self.request_id, now)
         self.produced, self.last_token_at = produced, now
         self.instance.progress_at = now
         left = self.pool.estimator.remaining(self.shape, produced)
@@ -92,8 +97,15 @@ class Lease:
         actual = None
         if outcome == "ok":
             tokens = output_tokens if output_tokens is not None else self.produced
-            actual = self.pool.estimator.observe(self.shape, self.cost, tokens)
-            record_success(self.instance)
+            pool, inst, estimator = self.pool, self.instance, self.pool.estimator
+            # A completed stream's timing refits its model's coefficients (before the
+            # release: the timing is read from the request's flight).
+            speed = timing_speed(inst, pool.refresh_speed_anchor())
+            sample = inst.timing(self.request_id, now, speed, self.shape.prompt_tokens, tokens)
+            if sample is not None:
+                estimator.learn(self.shape.model, sample)
+            actual = estimator.observe(self.shape, self.cost, tokens, self.predicted_tokens)
+            record_success(inst)
         self.instance.release(self.request_id, now, actual_cost=actual)
         if outcome == "upstream_error" and record_failure(
             self.instance, self.pool.instances, now, self.pool.ejection
@@ -117,6 +129,7 @@ class Pool:
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
     _mean_cost: float = 0.0
     _costs_seen: int = 0
+    _speed_anchor: float = 0.0  # instance.speed_anchor, refreshed on each completion
     _buckets: dict[str, TokenBucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -219,6 +232,12 @@ class Pool:
         self._mean_cost += (cost - self._mean_cost) / min(self._costs_seen, 1000)
         return cost
 
+    def refresh_speed_anchor(self) -> float:
+        """Recompute the fleet's :func:`regional_lb.instance.speed_anchor` (on completions;
+        routing reads the cached value)."""
+        self._speed_anchor = speed_anchor(self.instances)
+        return self._speed_anchor
+
     def pick_request(self, shape: RequestShape, cost: float) -> PickRequest:
         c = self.estimator.coeffs(shape.model)
         return PickRequest(
@@ -254,8 +273,13 @@ class Pool:
         if choice is None:
             raise NoInstanceError(f"no instance can take model {shape.model!r} now")
         rid = next(self._ids)
-        choice.instance.add(rid, cost, now, model=shape.model)
-        return Lease(self, rid, choice.instance, shape, cost, now, last_token_at=now)
+        inst = choice.instance
+        inst.add(rid, cost, now, model=shape.model)
+        stall = self.estimator.prefill_stall(shape)
+        if stall > 0:
+            inst.prefill_stall(now, stall / timing_speed(inst, self._speed_anchor))
+        expected = self.estimator.expected_output_tokens(shape)
+        return Lease(self, rid, inst, shape, cost, now, expected, last_token_at=now)
 
     # -- pool-wide figures -------------------------------------------------------------------
 
@@ -282,6 +306,11 @@ class Pool:
             capacity=sum(i.speed.speed for i in live),
         )
 
+    def utilisation(self) -> float:
+        """The region's utilisation (:mod:`regional_lb.utilisation`)."""
+        depth = sum(self.admission.depth().values())
+        return pool_utilisation(self.serving(), depth, self.clock(), self.params)
+
     def capacity_report(self, seq: int) -> CapacityReport:
         live = self.serving()
         load = self.load()
@@ -293,7 +322,8 @@ class Pool:
             versions = {v.name for v in spec.versions}
             if name in models or any(v in models for v in versions):
                 models.setdefault(name, set()).update(versions)
-        utilisation = sum(i.in_flight for i in self.instances) / load.slots if load.slots else 0.0
+        depth = self.admission.depth()
+        utilisation = pool_utilisation(live, sum(depth.values()), self.clock(), self.params)
         can_take = bool(live) and not self.draining
         return CapacityReport(
             region=self.config.region,
@@ -304,7 +334,7 @@ class Pool:
             capacity=load.capacity,
             outstanding=load.outstanding,
             utilisation=utilisation,
-            queue_depth=self.admission.depth(),
+            queue_depth=depth,
             models=[
                 ModelAvailability(name=m, versions=sorted(v)) for m, v in sorted(models.items())
             ],

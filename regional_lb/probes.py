@@ -45,13 +45,12 @@ def apply_models(inst: InstanceState, listing: Any, now: float) -> None:
     inst.loaded = loaded
 
 
-def apply_signal(inst: InstanceState, signal: LoadSignal | None) -> None:
+def apply_signal(inst: InstanceState, signal: LoadSignal | None, now: float) -> None:
+    """Fresh load signal, or None when the last scrape is stale (``now`` on the pool's clock)."""
     if signal is None:
-        inst.scraped_running = inst.scraped_waiting = None
-        inst.kv_usage = None
-        return
-    inst.scraped_running, inst.scraped_waiting = signal.running, signal.waiting
-    inst.kv_usage = signal.kv_usage
+        inst.apply_load(None, None, None, now)
+    else:
+        inst.apply_load(signal.running, signal.waiting, signal.kv_usage, now)
 
 
 class Background:
@@ -156,7 +155,7 @@ class Background:
         for inst in self.pool.instances:
             sig = self.signals.get(inst.id)
             fresh = sig is not None and sig.fresh(now, cfg.scrape.stale_after_s)
-            apply_signal(inst, sig if fresh else None)
+            apply_signal(inst, sig if fresh else None, self.pool.clock())
 
     # -- capacity report ----------------------------------------------------------------------
 

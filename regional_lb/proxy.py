@@ -96,7 +96,12 @@ class Balancer:
     def __init__(self, config: BalancerConfig, secret: bytes | None, clock: Any) -> None:
         self.config = config
         self.pool = pool = Pool(config, clock=clock)
-        self.metrics = metrics = BalancerMetrics(lambda: pool.instances, pool.admission.depth)
+        self.metrics = metrics = BalancerMetrics(
+            lambda: pool.instances,
+            pool.admission.depth,
+            pool.estimator.learned,
+            pool.utilisation,
+        )
         pool.on_ejected = lambda inst: metrics.ejections.labels(inst.id).inc()
         t = config.timeouts
         self.upstream = H1Client(connect_timeout=t.connect_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncGenerator, Callable
 
 from regional_lb.asgi import Scope
@@ -65,11 +64,12 @@ async def relay(
     a silently truncated one; the client can tell a failure from a finished answer."""
     events = 0
     tail = b""
+    clock = lease.pool.clock
     try:
         async for chunk in resp.chunks(stall_s):
             events += chunk.count(b"data:")
             tail = (tail + chunk)[-4096:]
-            lease.progress(events, time.monotonic())
+            lease.progress(events, clock())
             yield chunk
         if b"[DONE]" not in tail:
             # The instance closed the stream cleanly but without finishing it.

@@ -115,6 +115,23 @@ async def test_top_tier_uses_reserved_capacity_lower_tiers_wait() -> None:
     assert ctl.running == 2 and ctl.depth()["batch"] == 0
 
 
+async def test_a_client_gone_as_its_slot_is_granted_gives_the_slot_back() -> None:
+    # The queued request's client leaves in the same instant a completion grants it the slot
+    # (Python 3.11's wait_for would return normally and swallow the cancellation).
+    tiers = {"s": TierSpec("s", 0, 1.0, queue_limit=5, queue_timeout_s=5)}
+    ctl = AdmissionController(tiers, lambda: PoolLoad(slots=2, outstanding=1.0, capacity=1.0))
+    await ctl.acquire("s", 1.0)
+    await ctl.acquire("s", 1.0)
+    waiter = asyncio.create_task(ctl.acquire("s", 1.0))
+    await asyncio.sleep(0.01)
+    assert ctl.depth()["s"] == 1
+    ctl.release()  # one of the two finishes: the waiter is granted its slot...
+    waiter.cancel()  # ...as its client goes away
+    (result,) = await asyncio.gather(waiter, return_exceptions=True)
+    assert isinstance(result, asyncio.CancelledError)
+    assert ctl.running == 1 and ctl.depth()["s"] == 0
+
+
 async def test_queue_full_and_predicted_timeout_are_429s_with_retry_after() -> None:
     tiers = {"s": TierSpec("s", 0, 1.0, queue_limit=1, queue_timeout_s=2.0)}
     ctl = AdmissionController(tiers, lambda: PoolLoad(slots=1, outstanding=1.0, capacity=1.0))
