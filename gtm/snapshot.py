@@ -69,7 +69,12 @@ def next_capacity(
 
 @dataclass(frozen=True, slots=True)
 class Versions:
-    """What a decision was made from; recorded with it so it can be explained and replayed."""
+    """What a decision was made from; recorded with it so it can be explained and replayed.
+
+    ``snapshot`` is the snapshot's decision epoch (:attr:`Snapshot.epoch`): successors that
+    only fold in capacity reports which change no decision keep it, so that identical
+    decisions share one audit row and cached answers stay true across them.
+    """
 
     snapshot: int
     topology: str
@@ -110,6 +115,9 @@ class Snapshot:
     # Operator weight overrides, replacing the topology's weight of a region.
     weights: Mapping[str, float] = field(default_factory=dict)
     built_at: float = 0.0
+    # The version of the first snapshot of the run of successors that make the same decision
+    # for every request at every instant (see evolve); its own version when unset.
+    epoch: int = -1
     versions: Versions = field(init=False)
     regions: Mapping[str, RegionView] = field(init=False, repr=False)
     services: Mapping[str, Service] = field(init=False, repr=False)
@@ -126,15 +134,15 @@ class Snapshot:
     spills: dict[int, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.epoch < 0:
+            object.__setattr__(self, "epoch", self.version)
         object.__setattr__(self, "health", _frozen(self.health))
         object.__setattr__(self, "capacity", _frozen(self.capacity))
         object.__setattr__(self, "weights", _frozen(self.weights))
         object.__setattr__(
             self,
             "versions",
-            Versions(
-                self.version, self.topology.fingerprint(), self.policy.version, self.geo.build
-            ),
+            Versions(self.epoch, self.topology.fingerprint(), self.policy.version, self.geo.build),
         )
         object.__setattr__(
             self,
@@ -163,15 +171,26 @@ class Snapshot:
         Memos carry over where they stay true: rankings while the topology is the same, plans
         when only capacity changed and no region's "cannot take work" report did (the routine
         case: every region reports each second or so, and spillover is worked out per query).
+
+        The decision epoch carries over when only capacity changed in ways no decision reads
+        (:func:`capacity_inputs`) and nothing of this snapshot's turned stale since it was
+        built: then every decision this snapshot made still holds in the successor, and the
+        answering paths keep the answers they cached (a healthy region's routine report only
+        moves a utilisation figure below its high watermark, which nothing reads).
         """
         if "topology" in changes or "weights" in changes:
             changes["ranks"] = {}  # rankings of another topology or weights do not carry over
         if "policy" in changes:
             changes["verdicts"] = {}
+        same_decisions = set(changes) <= {"capacity"} and self._same_decisions(
+            changes.get("capacity", self.capacity),  # type: ignore[arg-type]
+            built_at,
+        )
         successor = dataclasses.replace(
             self,
             version=self.version + 1,
             built_at=built_at,
+            epoch=self.epoch if same_decisions else self.version + 1,
             **changes,  # type: ignore[arg-type]
         )
         if set(changes) <= {"capacity"} and _refusals(successor.capacity) == _refusals(
@@ -179,6 +198,32 @@ class Snapshot:
         ):
             object.__setattr__(successor, "plans", self.plans)
         return successor
+
+    def _same_decisions(self, capacity: Mapping[str, RegionCapacity], at: float) -> bool:
+        spill = self.topology.routing.spillover
+        stale_after = spill.stale_after_s
+        if any(self.built_at <= c.reported_at + stale_after < at for c in self.capacity.values()):
+            return False  # one of ours turned stale since we were built: our decisions changed
+        return capacity_inputs(self.capacity, spill, at) == capacity_inputs(capacity, spill, at)
+
+
+def capacity_inputs(
+    capacity: Mapping[str, RegionCapacity], spill: Spillover, at: float
+) -> dict[str, tuple[bool, bool, bool, float | None]]:
+    """What decisions at ``at`` read of the capacity reports (gtm.plan, gtm.routing): per region
+    with a fresh report, whether it can take work, whether it is spilling, whether it is below
+    the high watermark (a spill target's check), and its utilisation only while spilling (the
+    spill share). Stale reports are ignored like absent ones."""
+    return {
+        region: (
+            c.can_take_work,
+            c.spilling,
+            c.utilisation < spill.high_watermark,
+            c.utilisation if c.spilling else None,
+        )
+        for region, c in capacity.items()
+        if at <= c.reported_at + spill.stale_after_s
+    }
 
 
 def _refusals(capacity: Mapping[str, RegionCapacity]) -> dict[str, float]:

@@ -69,6 +69,7 @@ import maxminddb
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common.capacity_push import REPORT_SECRET, ReportPusher  # noqa: E402
 from gtm.geoip import default_database_path  # noqa: E402
 from gtm.topology import load_topology  # noqa: E402
 
@@ -137,13 +138,14 @@ class Server:
     note: str = ""
     metrics_port: int | None = None
     cpus: str = SERVER_CPU
+    push_port: int | None = None  # GTM's HTTP front, where capacity reports are pushed
     pid: int = 0  # set while it runs
 
 
 def gtm_server(
     work: Path, geoip: Path, name: str = "gtm", *, workers: int = 1, rate_limit: float = 0
 ) -> Server:
-    port, metrics = free_port(), free_port()
+    port, metrics, front = free_port(), free_port(), free_port()
     data = work / name
     env = os.environ | {
         "GTM_GEOIP_PATH": str(geoip),
@@ -154,12 +156,15 @@ def gtm_server(
         "GTM_CONFIG": str(ROOT / "examples/demo.yaml"),
         "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
         "GTM_DNS_RATE_LIMIT": str(rate_limit),
+        "GTM_REPORT_SECRET": REPORT_SECRET.decode(),
     }
     data.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,
         *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
         *("--metrics", f"127.0.0.1:{metrics}"),
+        # The HTTP front takes the pushed capacity reports (--reports-per-s).
+        *("--http", f"127.0.0.1:{front}"),
     ]
     note = "full decisions + audit counting"
     if rate_limit:
@@ -175,6 +180,7 @@ def gtm_server(
         note,
         metrics,
         cpus=f"0-{workers - 1}" if workers > 1 else SERVER_CPU,
+        push_port=front,
     )
 
 
@@ -358,6 +364,21 @@ def responses_sent(metrics_port: int) -> int:
     return sum(int(float(m.group(1))) for m in sample.finditer(text))
 
 
+def settled_responses_sent(metrics_port: int, limit_s: float = 60) -> int:
+    """:func:`responses_sent` once it stops moving: answers given from the cache reach the
+    metrics when the audit writer drains their tallies, up to a flush interval (or, on a loaded
+    core, a few) after the load stopped."""
+    last = -1
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        now = responses_sent(metrics_port)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def audited(database: Path) -> int:
     from gtm.audit import query
     from gtm.audit.database import make_async_engine
@@ -428,6 +449,11 @@ def run_all(
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.enter_context(running(server))
+        pushed = [s.push_port for s in servers if s.push_port is not None]
+        if args.reports_per_s > 0 and pushed:
+            pusher = ReportPusher(pushed, args.reports_per_s)
+            pusher.start()
+            stack.callback(pusher.stop)
         for server in servers:
             for data, binary in sets.values():
                 dnsperf(server.port, data, binary, 2, out)  # warm: caches, GeoIP pages
@@ -455,11 +481,9 @@ def run_all(
                     rate = int(0.8 * statistics.median(peaks[server.name][name]))
                     result = dnsperf(server.port, data, binary, min(args.seconds, 4), out, rate)
                     paced[server.name][name].append((*percentiles(result), rate))
-        if checked:
-            time.sleep(2.5)  # past an audit flush: cached answers' tallies reach the metrics
         for server in checked:
             assert server.metrics_port is not None
-            served[server.name] = responses_sent(server.metrics_port)
+            served[server.name] = settled_responses_sent(server.metrics_port)
     counted = {s.name: audited(work / s.name / "bench.sqlite3") for s in checked}
     by_worker = {
         s.name: audited_by_node(work / s.name / "bench.sqlite3")
@@ -494,7 +518,8 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
 
     print(
         f"\nDNS, one server core (CPU {SERVER_CPU}), dnsperf on CPU {CLIENT_CPU}; "
-        f"{args.subnets} ECS /24 subnets; {args.rounds} rounds x {args.seconds:g} s, "
+        f"{args.subnets} ECS /24 subnets; capacity reports pushed to GTM at "
+        f"{args.reports_per_s:g}/s; {args.rounds} rounds x {args.seconds:g} s, "
         "ratios per round then the median; latency paced at 80% of the median maximum "
         f"({args.latency_rounds} rounds, medians); "
         "CPU us/answer: the server's user+system time over the answers of its peak runs"
@@ -540,6 +565,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="add gtm-Nw: gtm serve --workers N (N > 1)"
+    )
+    parser.add_argument(
+        "--reports-per-s",
+        type=float,
+        default=6,
+        help="signed capacity reports pushed to each GTM a second, regions in turn (the demo's "
+        "six balancers push about six); each is a new snapshot; 0 for none",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

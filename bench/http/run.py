@@ -51,13 +51,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common.capacity_push import REPORT_SECRET, ReportPusher  # noqa: E402
+
 HOST = "chat.gtm.example"
 PATH = "/v1/chat/completions"
 
@@ -291,51 +294,6 @@ def start_gtm(
     return subprocess.Popen([*pin(core), *cmd], cwd=ROOT, env=env)
 
 
-REPORT_SECRET = b"bench-report-secret"
-
-
-class ReportPusher(threading.Thread):
-    """Signed capacity reports for the demo's regions, round robin, ``rate`` a second to each
-    port, as regional balancers push them (``POST /v1/capacity``): each accepted one is a new
-    snapshot, so answers cached for the old one are decided again."""
-
-    def __init__(self, ports: list[int], rate: float) -> None:
-        super().__init__(daemon=True)
-        self.ports = ports
-        self.rate = rate
-        self.stopping = threading.Event()
-        self.accepted = 0
-
-    def run(self) -> None:
-        import httpx
-
-        from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
-
-        regions = list(REGION_URL)
-        seq = 0
-        with httpx.Client(trust_env=False, timeout=5) as client:
-            while not self.stopping.wait(1 / self.rate):
-                seq += 1
-                body = CapacityReport(
-                    region=regions[seq % len(regions)],
-                    seq=seq,
-                    ts=time.time(),
-                    instances_healthy=2,
-                    instances_total=2,
-                    capacity=10.0,
-                    outstanding=3.0,
-                    utilisation=0.3,
-                    can_take_work=True,
-                ).model_dump_json()
-                headers = {SIGNATURE_HEADER: sign(body.encode(), REPORT_SECRET)}
-                for port in self.ports:
-                    with contextlib.suppress(httpx.HTTPError):
-                        r = client.post(
-                            f"http://127.0.0.1:{port}/v1/capacity", content=body, headers=headers
-                        )
-                        self.accepted += r.status_code == 204
-
-
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -418,7 +376,6 @@ def main() -> int:
     for problem in problems:
         print(f"note: {problem}" + (" - nginx is left out" if "nginx" in problem else ""))
 
-    sys.path.insert(0, str(ROOT))
     from gtm.geoip import default_database_path
 
     mmdb = default_database_path()
@@ -522,8 +479,7 @@ def main() -> int:
                     flush=True,
                 )
             if pusher is not None:
-                pusher.stopping.set()
-                pusher.join()
+                pusher.stop()
                 print(f"capacity reports accepted: {pusher.accepted:,}")
             gtm = variants[0]
             served = scrape_responses(gtm.port)

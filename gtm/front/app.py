@@ -13,8 +13,9 @@ counted in the audit store (rule 2); the operational endpoints are not decisions
 Redirects are answered from memory twice over: a decision once made is rendered into an
 :class:`_Answer` (status, region, base URL and audit record) and reused for every request with the
 same decision inputs (host, method, client network and GeoIP bucket, residency classes, tenant)
-within one snapshot version, until the next instant at which a decision can change with time
-alone (a capacity report turning stale). A first level keys the answer by the request's raw
+within one decision epoch (successor snapshots that decide alike, :mod:`gtm.answer_window`),
+until the next instant at which a decision can change with time alone (a capacity report
+turning stale). A first level keys the answer by the request's raw
 inputs (method, peer, and the values of the headers the decision reads; credentials by the
 tenant they name), so a repeat skips the parsing as well. Only the path, query and decision id
 are per response. Answers given are tallied on the answer (an integer) and the audit writer
@@ -40,6 +41,7 @@ import httptools
 import structlog
 from prometheus_client import generate_latest
 
+from gtm.answer_window import AnswerWindow
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.writer import Tally
 from gtm.capacity import Rejected
@@ -57,7 +59,6 @@ from gtm.front.signals import (
     credentials_tenant,
     signals_of,
 )
-from gtm.geodns.server import time_boundary
 from gtm.metrics import CAPACITY_REPORTS
 from gtm.routing import Channel, DecisionRequest, decide
 from gtm.runtime import Runtime
@@ -191,12 +192,11 @@ class FrontApp:
         # The general path's records, memoised (see _count).
         self._records: dict[tuple[object, ...], _Counted] = {}
         # The answer cache: request inputs -> answer (None: not answered by a cached redirect,
-        # the general path answers), and decision inputs -> answer. Valid for one snapshot
-        # version until _until.
+        # the general path answers), and decision inputs -> answer. Valid while the window
+        # holds: one decision epoch, until a capacity report turns stale.
         self._exact: dict[tuple[object, ...], _Answer | None] = {}
         self._answers: dict[tuple[object, ...], _Answer] = {}
-        self._version = -1
-        self._until = 0.0
+        self._window = AnswerWindow()
         # Tallies counted since the audit writer last drained them. They stay here when the
         # caches are dropped, so no count is lost to a new snapshot.
         self._tallied: list[_Tally] = []
@@ -340,11 +340,10 @@ class FrontApp:
         """
         snapshot = self.store.current
         now = self.clock()
-        if snapshot.version != self._version or now >= self._until:
+        window = self._window
+        if not window.holds(snapshot, now) and not window.advance(snapshot, now):
             self._exact.clear()
             self._answers.clear()
-            self._version = snapshot.version
-            self._until = time_boundary(snapshot, now)
         # The request's inputs to a decision: every value of every header the decision reads,
         # in order, with its kind; credentials only through the tenant they name.
         parts: list[object] = [method, peer]
@@ -430,6 +429,7 @@ class FrontApp:
         answer = self._answers.get(key)
         if answer is None:
             request = DecisionRequest(Channel.HTTP, client, service.id, host, None, classes, tenant)
+            self.stats.decided += 1
             try:
                 decision = decide(request, snapshot, now)
             except Exception:  # the general path answers (500) and logs it

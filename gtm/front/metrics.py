@@ -15,11 +15,13 @@ from prometheus_client.registry import REGISTRY, Collector
 
 
 class FrontStats:
-    """Responses by status code, for one front app."""
+    """Responses by status code, and redirect decisions made afresh, for one front app."""
 
     def __init__(self) -> None:
         self.responses: dict[int, int] = {}
         self.ops = 0
+        # Redirects decided afresh rather than given from the answer cache (its misses).
+        self.decided = 0
         _LIVE.add(self)
 
     def count(self, status: int) -> None:
@@ -35,17 +37,24 @@ class _FrontCollector(Collector):
             "gtm_front_responses", "HTTP front responses to traffic, by status", labels=["status"]
         )
         ops = CounterMetricFamily("gtm_front_ops_requests", "Requests to /livez, /readyz, /metrics")
+        decided = CounterMetricFamily(
+            "gtm_front_redirect_decisions",
+            "Redirect decisions made afresh (answer cache misses); the rest were cached answers",
+        )
         totals: dict[int, int] = {}
-        ops_total = 0
+        ops_total = decided_total = 0
         for stats in list(_LIVE):
             for status, n in stats.responses.items():
                 totals[status] = totals.get(status, 0) + n
             ops_total += stats.ops
+            decided_total += stats.decided
         for status, n in sorted(totals.items()):
             responses.add_metric([str(status)], n)
         ops.add_metric([], ops_total)
+        decided.add_metric([], decided_total)
         yield responses
         yield ops
+        yield decided
 
 
 REGISTRY.register(_FrontCollector())

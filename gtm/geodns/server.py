@@ -4,8 +4,9 @@
 never await: rate limit (UDP), look the exact query up, else parse, look the rendered answer up
 (or render it), patch in the ID, flags and question case, count it towards the audit. Rendered
 answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
-one snapshot, and only until the next instant at which a decision can change with time alone:
-when one of the snapshot's capacity reports goes stale.
+one decision epoch (successor snapshots that decide alike: routine capacity reports keep the
+caches, :mod:`gtm.answer_window`), and only until the next instant at which a decision can
+change with time alone: when one of the snapshot's capacity reports goes stale.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
 integer increment, and the audit writer drains the tallies at each flush (the responder is one
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import socket
 import struct
 import time
@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from gtm.answer_window import AnswerWindow
 from gtm.audit.record import AuditRecord, zone_record
 from gtm.audit.writer import Tally
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
@@ -75,18 +76,6 @@ class _Exact:
         self.first = self.last = 0.0
 
 
-def time_boundary(snapshot: Snapshot, now: float) -> float:
-    """The next instant after ``now`` at which a decision from ``snapshot`` can change without a
-    new snapshot: when a capacity report turns stale (DESIGN.md: stale reports are ignored)."""
-    stale_after = snapshot.topology.routing.spillover.stale_after_s
-    boundaries = [
-        c.reported_at + stale_after
-        for c in snapshot.capacity.values()
-        if c.reported_at + stale_after > now
-    ]
-    return min(boundaries, default=math.inf)
-
-
 def udp_limit(edns: Edns | None) -> int:
     # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
     # without EDNS (RFC 1035 §4.2.1).
@@ -101,8 +90,8 @@ class Responder:
     fixes the location when there is no ECS, so the whole response but its ID is known: no
     parsing, no allocation beyond the key and the response. Second level: the rendered answer
     per (name, type, EDNS shape, UDP limit, client bucket, GeoIP network), patched with the ID,
-    flags and question case of each query. Both are dropped with the snapshot they came from,
-    and at the next instant a decision can change with time alone.
+    flags and question case of each query. Both are dropped with the decision epoch they came
+    from, and at the next instant a decision can change with time alone.
     """
 
     def __init__(
@@ -117,8 +106,8 @@ class Responder:
         self.stats = stats
         self.rrl = rate_limiter
         self.clock = clock  # replaceable, as in tests
-        self._snapshot: Snapshot | None = None  # the caches below answer for this snapshot...
-        self._until = 0.0  # ...until this instant
+        # The snapshot the caches below answer for, and until when (gtm.answer_window).
+        self._window = AnswerWindow()
         self._cache: dict[tuple[object, ...], _Cached] = {}
         # First level, per sender: the query bytes after the ID -> the entry. UDP senders by
         # the host string the transport gives (cheaper to hash than an address object).
@@ -166,7 +155,7 @@ class Responder:
             exact = by_query.get(wire[2:])
             if exact is not None:
                 now = self.clock()
-                if now < self._until and self._store.current is self._snapshot:
+                if now < self._window.until and self._store.current is self._window.snapshot:
                     if exact.n:
                         exact.n += 1
                     else:
@@ -185,7 +174,7 @@ class Responder:
             exact = by_query.get(wire[2:])
             if exact is not None:
                 now = self.clock()
-                if now < self._until and self._store.current is self._snapshot:
+                if now < self._window.until and self._store.current is self._window.snapshot:
                     if exact.n:
                         exact.n += 1
                     else:
@@ -207,12 +196,27 @@ class Responder:
         whole response as this sender's entry for these bytes, count it."""
         snapshot = self._store.current
         now = self.clock()
-        if snapshot is not self._snapshot or now >= self._until:
-            self._cache = {}
-            self._udp, self._tcp, self._entries = {}, {}, 0
-            self._snapshot = snapshot
-            self._until = time_boundary(snapshot, now)
-            self._services = zone_data(snapshot.topology).services
+        window = self._window
+        if not window.holds(snapshot, now):
+            if window.advance(snapshot, now):
+                # A successor that decides alike (a routine capacity report): every cached
+                # answer still holds, these bytes' included if this sender asked them before.
+                by_sender: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
+                by_query = by_sender.get(sender)
+                exact = by_query.get(wire[2:]) if by_query is not None else None
+                if exact is not None:
+                    if exact.n:
+                        exact.n += 1
+                    else:
+                        exact.n = 1
+                        exact.first = now
+                        self._tallied.append(exact)
+                    exact.last = now
+                    return wire[:2] + exact.tail
+            else:
+                self._cache = {}
+                self._udp, self._tcp, self._entries = {}, {}, 0
+                self._services = zone_data(snapshot.topology).services
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
             return self._reject(parsed, client, udp)
@@ -413,7 +417,8 @@ class _UdpProtocol(asyncio.DatagramProtocol):
                 exact = by_query.get(data[2:])
                 if exact is not None:
                     now = r.clock()
-                    if now < r._until and r._store.current is r._snapshot:
+                    window = r._window
+                    if now < window.until and r._store.current is window.snapshot:
                         if exact.n:
                             exact.n += 1
                         else:

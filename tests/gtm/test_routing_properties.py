@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gtm.answer_window import time_boundary
 from gtm.decision import Decision
 from gtm.geoip import GeoDatabase
 from gtm.policy import PolicyDocument, Verdict, compile_policy
@@ -280,3 +282,104 @@ def test_same_client_network_same_answer(
             first.regions,
             first.ttl,
         )
+
+
+@SETTINGS
+@given(
+    world=worlds(),
+    region=st.integers(0, 5),
+    utilisation=st.floats(0, 1.6),
+    can_take_work=st.booleans(),
+    later=st.floats(0, 15),
+    staleness=st.floats(0, 15),
+)
+def test_a_successor_in_the_same_epoch_decides_alike(
+    world: dict[str, Any],
+    region: int,
+    utilisation: float,
+    can_take_work: bool,
+    later: float,
+    staleness: float,
+    geo: GeoDatabase,
+) -> None:
+    """What lets the answering paths keep their cached answers across a capacity report: when
+    the successor keeps the decision epoch, an answer decided from the old snapshot at any time
+    its window held is the successor's answer, at every instant of the successor's window."""
+    snap, _ = build(world, geo)
+    snap = dataclasses.replace(snap, built_at=NOW)
+    ids = [r.id for r in snap.topology.regions]
+    target = ids[region % len(ids)]
+    arrived = NOW + later
+    capacity = dict(snap.capacity)
+    capacity[target] = next_capacity(
+        capacity.get(target),
+        utilisation,
+        arrived - staleness,
+        can_take_work,
+        snap.topology.routing.spillover,
+    )
+    successor = snap.evolve(arrived, capacity=capacity)
+    filled_until = time_boundary(snap, NOW)
+    if successor.epoch != snap.epoch or arrived >= filled_until:
+        event("new epoch or closed window")
+        return  # a new epoch, or the old window closed: the paths drop their caches
+    event("same epoch")
+    until = time_boundary(successor, arrived)
+    instants = [arrived, arrived + 0.001, min(until - 0.001, arrived + 60)]
+    for client in CLIENTS:
+        for use_ecs in (False, True):
+            req = build(world | {"client": client, "ecs": use_ecs}, geo)[1]
+            cached = decide(req, snap, NOW)
+            for t in instants:
+                if t < until:
+                    assert decide(req, successor, t) == cached, (client, t)
+
+
+def test_routine_reports_keep_the_epoch_and_decisive_ones_start_one(geo: GeoDatabase) -> None:
+    world = {
+        "topology": {
+            "zone": {
+                "apex": "t.example.",
+                "soa": {"mname": "ns.t.example.", "rname": "h.t.example.", "serial": 1},
+                "nameservers": [{"name": "ns.t.example.", "ipv4": ["192.0.2.1"]}],
+            },
+            "regions": [
+                {"id": r, "name": r, "lat": 0.0, "lon": lon, "jurisdiction": "A",
+                 "ipv4": [f"192.0.2.{100 + i}"], "base_url": f"http://127.0.0.1:{9000 + i}"}
+                for i, (r, lon) in enumerate((("r0", 0.0), ("r1", 10.0)))
+            ],
+            "services": [{"id": "svc", "dns_names": ["svc.t.example."], "regions": ["r0", "r1"]}],
+            "routing": {
+                "spillover": {"high_watermark": 0.85, "low_watermark": 0.7, "stale_after_s": 10}
+            },
+        },
+        "policy": {"version": "p", "jurisdictions": {"A": ["r0", "r1"]}, "rules": [],
+                   "default": {"on_unavailable": "fail_static"}},
+        "health": {}, "weights": {}, "capacity": {}, "client": CLIENTS[0], "ecs": False,
+        "tenant": None, "extra_class": None,
+    }  # fmt: skip
+    snap = dataclasses.replace(build(world, geo)[0], built_at=NOW)
+    spill = snap.topology.routing.spillover
+
+    def report(s: Snapshot, region: str, u: float, at: float, ok: bool = True) -> Snapshot:
+        cap = dict(s.capacity)
+        cap[region] = next_capacity(cap.get(region), u, at, ok, spill)
+        return s.evolve(at, capacity=cap)
+
+    first = report(snap, "r0", 0.3, NOW + 1)  # a region's first report: a new input
+    assert first.epoch == first.version != snap.epoch
+    routine = report(report(first, "r0", 0.5, NOW + 2), "r0", 0.2, NOW + 3)
+    assert routine.epoch == first.epoch and routine.versions.snapshot == first.epoch
+    assert routine.version == first.version + 2
+    hot = report(routine, "r0", 0.9, NOW + 4)  # over the high watermark: it starts spilling
+    assert hot.epoch == hot.version
+    hotter = report(hot, "r0", 0.95, NOW + 5)  # a spilling region's share moves with it
+    assert hotter.epoch == hotter.version
+    refusing = report(routine, "r0", 0.3, NOW + 4, ok=False)
+    assert refusing.epoch == refusing.version
+    # Nothing for longer than the staleness limit: the old report turned stale in between.
+    late = report(routine, "r0", 0.3, NOW + 3 + 11)
+    assert late.epoch == late.version
+    # Health, weights, policy: always a new epoch.
+    down = routine.evolve(NOW + 4, health={"r1": RegionHealth(HealthState.DOWN, NOW + 4)})
+    assert down.epoch == down.version

@@ -178,6 +178,45 @@ async def test_a_new_snapshot_replaces_cached_answers(start_front: FrontFactory)
     assert await audited(front.runtime) == 8
 
 
+async def test_routine_capacity_reports_keep_cached_answers(start_front: FrontFactory) -> None:
+    """Healthy regions' reports (a new snapshot each, in the same decision epoch) leave the
+    cached redirects in place; a region going over its high watermark has them decided again."""
+    clients = [f"100.72.{i}.1" for i in range(20)]  # Frankfurt: nearest eu-central
+    async with start_front() as front, ask(front) as http:
+
+        def report(eu_central: float, spilling: bool = False) -> None:
+            now = time.time()
+            front.runtime.swap(
+                capacity={
+                    "eu-central": RegionCapacity(eu_central, now, spilling),
+                    "eu-west": RegionCapacity(0.3, now, False),
+                }
+            )
+
+        async def regions() -> set[str]:
+            rs = await asyncio.gather(*(http.get("/", headers=hdrs(CHAT, c)) for c in clients))
+            return {r.headers["x-gtm-region"] for r in rs}
+
+        report(0.4)
+        epoch = front.runtime.store.current.epoch
+        assert await regions() == {"eu-central"}
+        decided = front.app.stats.decided
+        assert decided == len(clients)
+        for u in (0.5, 0.2, 0.6):
+            report(u)
+            assert await regions() == {"eu-central"}
+        assert front.app.stats.decided == decided  # every answer came from the cache
+        report(0.97, spilling=True)  # sheds (0.97 - 0.7) / 0.97 of its clients to eu-west
+        assert await regions() <= {"eu-central", "eu-west"}
+        assert front.app.stats.decided == 2 * decided
+        metrics = (await http.get("/metrics", headers={"host": "localhost"})).text
+        # The metric sums every front in the process (earlier tests' too).
+        exported = re.search(r"^gtm_front_redirect_decisions_total (\S+)$", metrics, re.M)
+        assert exported is not None and float(exported.group(1)) >= 2 * decided
+    rows = await audit_rows(front.runtime)
+    assert sum(r["count"] for r in rows if r["snapshot_version"] == epoch) == 4 * len(clients)
+
+
 async def test_answers_change_when_a_capacity_report_turns_stale(
     start_front: FrontFactory,
 ) -> None:

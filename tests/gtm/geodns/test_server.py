@@ -14,11 +14,12 @@ import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
-from gtm.snapshot import HealthState, RegionHealth
+from gtm.snapshot import HealthState, RegionCapacity, RegionHealth
 
 from .conftest import StartNode, raw_udp, tcp, udp, write_topology
 
@@ -248,6 +249,45 @@ async def test_a_new_snapshot_replaces_cached_answers(start_node: StartNode) -> 
     assert node.dns_stats.cache_hits >= 1
     node.runtime.swap(health={"eu-central": RegionHealth(HealthState.DOWN, 0.0)})
     assert addresses(await udp(node, query)) == {"192.0.2.30"}
+
+
+async def test_routine_capacity_reports_keep_cached_answers(start_node: StartNode) -> None:
+    """A healthy region's report moves a figure no decision reads: the cached answers stay
+    (no new render), and the audit counts every answer under the one decision epoch."""
+    node = await start_node()
+    query = q(ecs=(DE, 24))
+
+    def report(eu_central: float, spilling: bool = False) -> None:
+        now = time.time()
+        node.runtime.swap(
+            capacity={
+                "eu-central": RegionCapacity(eu_central, now, spilling),
+                "eu-west": RegionCapacity(0.3, now, False),
+            }
+        )
+
+    report(0.4)  # the first reports are new inputs: a new epoch
+    epoch = node.runtime.store.current.epoch
+    assert addresses(await udp(node, query)) == {"192.0.2.40"}
+    misses = node.dns_stats.cache_misses
+    for u in (0.5, 0.2, 0.6):
+        report(u)
+        assert addresses(await udp(node, query)) == {"192.0.2.40"}
+    assert node.dns_stats.cache_misses == misses
+    assert node.runtime.store.current.epoch == epoch
+    # Over the high watermark: a new epoch, decided afresh.
+    report(0.97, spilling=True)
+    assert node.runtime.store.current.epoch != epoch
+    await udp(node, query)
+    assert node.dns_stats.cache_misses == misses + 1
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text("SELECT snapshot_version, SUM(count) FROM decisions GROUP BY snapshot_version")
+            )
+        ).all()
+    assert dict(rows)[epoch] == 4  # four answers, one epoch, however many snapshots
 
 
 async def test_rate_limiting_spares_other_networks_and_tcp(start_node: StartNode) -> None:

@@ -1,0 +1,1 @@
+"""Helpers shared by the benchmark scripts (not part of the product)."""

@@ -1,0 +1,63 @@
+"""How long answers cached from a snapshot hold: the window both answering paths (DNS and the
+HTTP front) check before giving a cached answer.
+
+A decision is a pure function of (request, snapshot, now), so an answer cached from a snapshot
+holds until either the snapshot is replaced by one that decides differently (a new decision
+epoch, :attr:`gtm.snapshot.Snapshot.epoch`) or time alone changes a decision: a capacity report
+turning stale (DESIGN.md: stale reports are ignored). Successors in the same epoch (routine
+capacity reports from healthy regions, several a second in a fleet) keep the cached answers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gtm.snapshot import Snapshot
+
+
+def time_boundary(snapshot: Snapshot, now: float) -> float:
+    """The instant from which a decision from ``snapshot`` may differ from one made at ``now``
+    without a new snapshot: when one of its capacity reports turns stale. A report is fresh up
+    to and including its expiry, so a report expiring at ``now`` itself closes the window at
+    once (``now`` is not before it)."""
+    stale_after = snapshot.topology.routing.spillover.stale_after_s
+    boundaries = [
+        c.reported_at + stale_after
+        for c in snapshot.capacity.values()
+        if c.reported_at + stale_after >= now
+    ]
+    return min(boundaries, default=math.inf)
+
+
+class AnswerWindow:
+    """The snapshot cached answers were decided from, and the instant they stop holding.
+
+    The answering path compares ``snapshot`` with the store's current one by identity and
+    ``now`` with ``until`` (both plain attributes, for the hot path); on a mismatch it calls
+    :meth:`advance`, which says whether the cached answers still hold.
+    """
+
+    __slots__ = ("snapshot", "until")
+
+    def __init__(self) -> None:
+        self.snapshot: Snapshot | None = None
+        self.until = -math.inf
+
+    def holds(self, snapshot: Snapshot, now: float) -> bool:
+        """Whether answers cached so far are still answers from ``snapshot`` at ``now``."""
+        return snapshot is self.snapshot and now < self.until
+
+    def advance(self, snapshot: Snapshot, now: float) -> bool:
+        """Move the window to ``snapshot`` at ``now``. True when the answers cached so far still
+        hold (same snapshot, or a successor in the same decision epoch, before the window
+        closed); False when the caller must drop them."""
+        old = self.snapshot
+        kept = (
+            old is not None
+            and now < self.until
+            and (snapshot is old or snapshot.epoch == old.epoch)
+        )
+        if snapshot is not old or not kept:
+            self.snapshot = snapshot
+            self.until = time_boundary(snapshot, now)
+        return kept
