@@ -10,7 +10,9 @@ stops after the examples).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -316,6 +318,33 @@ async def show_http(port: int) -> None:
             else:
                 line += f" {first.text[:120]}"
             print(line)
+    await show_curl(port, body)
+
+
+async def show_curl(port: int, body: dict[str, object]) -> None:
+    """The same call as a user makes it: curl follows the 307 (method and body kept) through
+    the front to the region's balancer and its simulated instance."""
+    curl = shutil.which("curl")
+    if curl is None:
+        print("(curl is not installed: the end-to-end call above was made with httpx)")
+        return
+    argv = [
+        curl, "-sS", "-L", "--max-time", "30",
+        "-H", "Host: chat.eu.gtm.example", "-H", "X-Forwarded-For: 8.8.8.8",
+        "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
+        "-w", "\n%{num_redirects} redirect(s), answered by %{url_effective} (%{http_code})",
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        print(f"curl failed ({proc.returncode}): {err.decode().strip()}")
+        return
+    answer, _, summary = out.decode().rpartition("\n")
+    content = json.loads(answer)["choices"][0]["message"]["content"].strip()
+    print(f"curl -L POST chat.eu.gtm.example from 8.8.8.8: {summary}: {content!r}")
 
 
 async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:

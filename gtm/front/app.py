@@ -214,10 +214,14 @@ class FrontApp:
         if scope["type"] != "http":
             return  # lifespan is off and websockets are not served; nothing to answer
         method: str = scope["method"]
+        raw_path: bytes = scope["raw_path"] or scope["path"].encode()
         peer_info = scope.get("client")
-        answer = self.redirect(method, scope["headers"], peer_info[0] if peer_info else None)
+        answer = (
+            self.redirect(method, scope["headers"], peer_info[0] if peer_info else None)
+            if raw_path[:1] == b"/"  # else the general path refuses the target
+            else None
+        )
         if answer is not None:  # counted
-            raw_path: bytes = scope["raw_path"] or scope["path"].encode()
             query: bytes = scope["query_string"]
             location = answer.base + raw_path + b"?" + query if query else answer.base + raw_path
             await send(
@@ -259,6 +263,9 @@ class FrontApp:
                 raise _Reject(404, "unknown_host", f"no service is configured for host {host!r}")
             if method not in ALLOWED_METHODS:
                 raise _Reject(405, "method_not_allowed", f"method {method} is not served")
+            if (scope["raw_path"] or scope["path"].encode())[:1] != b"/":
+                # "*" (OPTIONS *) or an authority: nothing to redirect or forward to.
+                raise _Reject(400, "bad_request_target", "the request target must be a path")
             try:
                 client = client_address(peer, self.trusted, forwarded, xff)
             except ForwardingError as exc:
@@ -307,8 +314,8 @@ class FrontApp:
         else:  # absolute-form, or a fragment the path ends at: as uvicorn reads them
             url = httptools.parse_url(target)
             tail = url.path + b"?" + url.query if url.query else url.path
-        if _UNSAFE.search(tail) is not None:
-            return None
+        if tail[:1] != b"/" or _UNSAFE.search(tail) is not None:
+            return None  # "*", an authority, or unsafe bytes: the general path refuses them
         if default_headers is not self._date_key:
             self._date_key = default_headers
             self._date_head = b"".join(n + b": " + v + b"\r\n" for n, v in default_headers)

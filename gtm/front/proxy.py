@@ -58,6 +58,19 @@ _NOT_FORWARDED = _HOP_BY_HOP | {
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
 
 
+def end_to_end(
+    headers: Sequence[tuple[bytes, bytes]], dropped: frozenset[bytes] | set[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` (lower-case names) without ``dropped`` and without the headers the message's
+    own ``Connection`` header names: those are hop-by-hop too, and a proxy must not pass them
+    on (RFC 9110 section 7.6.1)."""
+    listed: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            listed.update(token.strip().lower() for token in value.split(b","))
+    return [(k, v) for k, v in headers if k not in dropped and k not in listed]
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyLimits:
     connect_timeout_s: float = 2.0
@@ -175,7 +188,7 @@ class Forwarder:
         method = scope["method"]
         path = scope["raw_path"] or scope["path"].encode()
         query = scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+        headers = end_to_end(scope["headers"], _NOT_FORWARDED)
         headers.extend(upstream_headers)
         notes: list[str] = []
         for attempt, target in enumerate(targets[:2]):
@@ -223,9 +236,7 @@ class Forwarder:
         response_headers: list[tuple[bytes, bytes]],
         notes: list[str],
     ) -> ProxyResult:
-        headers = [
-            (k.lower(), v) for k, v in response.headers.raw if k.lower() not in _NOT_RETURNED
-        ]
+        headers = end_to_end([(k.lower(), v) for k, v in response.headers.raw], _NOT_RETURNED)
         headers.append((b"x-gtm-region", target.region.encode()))
         headers.extend(response_headers)
         aborted = False

@@ -35,6 +35,11 @@ def test_demo_once(tmp_path: Path) -> None:
     # Through the front to the EU region's balancer and its simulated instance.
     assert "POST chat.eu.gtm.example from 8.8.8.8: 307 -> eu-west" in text
     assert "-> 200 'tok1" in text and ": 451 " in text
+    # And as a user makes the call: curl follows the redirect to the balancer (CI has curl).
+    assert (
+        "curl -L POST chat.eu.gtm.example from 8.8.8.8: 1 redirect(s), answered by "
+        "http://127.0.0.1:8103/v1/chat/completions (200): 'tok1" in text
+    )
     assert "answer moved 192.0.2.40 -> 192.0.2.30" in text
     # The operator drains eu-west as well: EU personal data fails closed, the rest goes on.
     assert "Berlin asks chat.eu.gtm.example.   -> REFUSED" in text

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gtm.front.proxy import ProxyLimits
+from gtm.front.proxy import ProxyLimits, end_to_end
 from tests.gtm.front.conftest import FrontFactory, audit_rows, audited, demo_topology
 
 FRANKFURT = "198.51.100.7"  # nearest: eu-central, then eu-west
@@ -145,6 +145,8 @@ async def test_streams_the_regions_answer_with_body_and_client_address(
     assert headers["x-forwarded-for"] == FRANKFURT
     assert headers["x-forwarded-host"] == CHAT_EU
     assert headers["x-gtm-residency"] == "eu-personal"
+    # Headers the client's Connection names are hop-by-hop (RFC 9110 section 7.6.1).
+    assert "x-secret-hop" not in headers
     assert "connection" not in headers or "x-secret-hop" not in headers["connection"]
     assert not up["eu-west"].requests
     assert await audited(front.runtime) == 1
@@ -263,3 +265,17 @@ async def test_stopping_lets_the_stream_in_flight_finish(start_front: FrontFacto
             with pytest.raises(httpx.ConnectError):
                 await http.get("/", headers=HEADERS)
     assert await audited(front.runtime) == 1
+
+
+def test_headers_a_message_names_in_connection_are_not_passed_on() -> None:
+    """Both ways through the proxy: the request's and the region's response's own Connection
+    header names more hop-by-hop headers (RFC 9110 section 7.6.1), in any case and spacing."""
+    headers = [
+        (b"connection", b"close, X-Trace-Hop ,keep-alive"),
+        (b"x-trace-hop", b"1"),
+        (b"keep-alive", b"timeout=5"),
+        (b"content-type", b"text/event-stream"),
+    ]
+    assert end_to_end(headers, frozenset({b"connection"})) == [
+        (b"content-type", b"text/event-stream")
+    ]

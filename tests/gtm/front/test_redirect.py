@@ -225,6 +225,15 @@ async def test_bad_input_gets_a_clear_4xx_and_changes_nothing(start_front: Front
         assert raw.startswith(b"HTTP/1.1 400")
         raw = await asyncio.to_thread(_raw, front, b"GARBAGE\x00\r\n\r\n")
         assert raw.startswith(b"HTTP/1.1 400")
+        # Asterisk-form names no path to redirect to: refused, never a Location built from it.
+        for method in (b"OPTIONS", b"GET"):
+            raw = await asyncio.to_thread(
+                _raw,
+                front,
+                method + b" * HTTP/1.1\r\nHost: chat.gtm.example\r\nConnection: close\r\n\r\n",
+            )
+            assert raw.startswith(b"HTTP/1.1 400") and b"bad_request_target" in raw
+            assert b"location" not in raw.lower()
         # A head that never ends is cut off at the limit, not buffered.
         endless = b"GET / HTTP/1.1\r\nHost: chat.gtm.example\r\nX-A: " + b"a" * 200_000
         raw = await asyncio.to_thread(_raw, front, endless)
@@ -237,7 +246,7 @@ async def test_bad_input_gets_a_clear_4xx_and_changes_nothing(start_front: Front
         assert front.runtime.store.current.version == version
     rows = await audit_rows(front.runtime)
     statuses = sorted(int(row["response"]) for row in rows for _ in range(row["count"]))
-    assert statuses == [307] * 120 + [400, 400, 400, 400, 404, 405, 414, 431, 431, 431]
+    assert statuses == [307] * 120 + [400] * 6 + [404, 405, 414, 431, 431, 431]
 
 
 async def test_audit_counts_equal_responses_under_concurrency(start_front: FrontFactory) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import dns.message
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
@@ -45,6 +46,10 @@ async def test_repeated_answers_are_counted_at_the_flush(start_node: StartNode) 
     assert stats.queries["udp", "AAAA", "NOERROR"] == 5
     assert stats.queries["tcp", "A", "NOERROR"] == 5
     assert stats.cache_hits == 12 and stats.cache_misses == 3
+    exported = generate_latest(REGISTRY).decode()
+    assert "gtm_dns_cache_hits_total 12.0" in exported
+    assert "gtm_dns_cache_misses_total 3.0" in exported
+    assert 'gtm_dns_responses_total{qtype="A",rcode="NOERROR",transport="udp"} 5.0' in exported
     engine = make_async_engine(node.runtime.settings.database_url)
     try:
         assert await audit_query.total_count(engine) == 15

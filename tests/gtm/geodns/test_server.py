@@ -14,6 +14,7 @@ import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
+from prometheus_client import REGISTRY, generate_latest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -21,7 +22,7 @@ from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
 from gtm.snapshot import HealthState, RegionCapacity, RegionHealth
 
-from .conftest import StartNode, raw_udp, tcp, udp, write_topology
+from .conftest import StartNode, port_of, raw_udp, tcp, udp, write_topology
 
 DE, US, JP = "198.51.100.0", "203.0.113.0", "192.0.2.0"
 EU_V4 = {"192.0.2.30", "192.0.2.40"}
@@ -311,6 +312,10 @@ async def test_rate_limiting_spares_other_networks_and_tcp(start_node: StartNode
     # TCP is never limited.
     over_tcp = await asyncio.gather(*(tcp(node, q()) for _ in range(10)))
     assert all(addresses(r) for r in over_tcp)
+    exported = generate_latest(REGISTRY).decode()
+    assert f"gtm_dns_rate_limited_total {float(node.dns_stats.rate_limited)}" in exported
+    assert node.dns_stats.slipped >= len(truncated)
+    assert f"gtm_dns_rate_limit_slipped_total {float(node.dns_stats.slipped)}" in exported
 
 
 async def test_fuzzed_packets_never_stop_the_server(start_node: StartNode) -> None:
@@ -341,6 +346,25 @@ async def test_fuzzed_packets_never_stop_the_server(start_node: StartNode) -> No
             if i % 100 == 0:  # a well-formed client keeps getting correct answers
                 assert addresses(await udp(node, q(ecs=(DE, 24)))) == {"192.0.2.40"}
     assert addresses(await udp(node, q(ecs=(DE, 24)))) == {"192.0.2.40"}
+    assert addresses(await tcp(node, q(ecs=(US, 24)))) == {"192.0.2.10"}
+    # Over TCP, several fuzzed messages per connection: each is answered with its own ID (a
+    # query with a readable header) or the connection is closed (nothing readable, or a
+    # response), and nothing else on the connection is lost.
+    port = port_of(node)
+    for _ in range(40):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for _ in range(5):
+                packet = bytearray(rng.choice(valid))
+                packet[rng.randrange(2, len(packet))] = rng.getrandbits(8)
+                packet[2] &= 0x7F  # a query, not a response: it must be answered
+                writer.write(struct.pack("!H", len(packet)) + packet)
+                await writer.drain()
+                (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 3))
+                reply = await reader.readexactly(length)
+                assert reply[:2] == packet[:2] and reply[2] & 0x80
+        finally:
+            writer.close()
     assert addresses(await tcp(node, q(ecs=(US, 24)))) == {"192.0.2.10"}
 
 
@@ -409,3 +433,48 @@ async def test_identical_bytes_from_two_networks_stay_two_clients(start_node: St
         await engine.dispose()
     counts = {r["client_network"]: r["count"] for r in rows if r["name"] == "chat.gtm.example."}
     assert counts == {"127.0.0.0/24": 3, "127.0.1.0/24": 2}
+
+
+async def test_tcp_connections_over_the_cap_are_refused_and_counted(start_node: StartNode) -> None:
+    """RFC 7766 section 6.2.2 leaves the cap to the server: connections over it are closed at
+    once (the client retries elsewhere), the open ones go on, and the refusals are exported."""
+    node = await start_node(dns_tcp_max_connections=2)
+    port = port_of(node)
+    wire = q().to_wire()
+    framed = struct.pack("!H", len(wire)) + wire
+
+    async def open_and_ask() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(framed)
+        await writer.drain()
+        try:
+            (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 3))
+            return reader, writer, await reader.readexactly(length)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return reader, writer, b""  # closed (or reset) without an answer
+
+    held = [await open_and_ask() for _ in range(2)]
+    assert all(dns.message.from_wire(answer).answer for _, _, answer in held)
+    _, refused_writer, refused = await open_and_ask()
+    assert refused == b""
+    refused_writer.close()
+    assert node.dns_stats.tcp_refused == 1
+    # The held connections still answer (several queries per connection).
+    reader, writer, _ = held[0]
+    writer.write(framed)
+    await writer.drain()
+    (length,) = struct.unpack("!H", await reader.readexactly(2))
+    assert dns.message.from_wire(await reader.readexactly(length)).answer
+    for _, w, _ in held:
+        w.close()
+        await w.wait_closed()
+    # Once one closes, a new connection is served again.
+    for _ in range(50):
+        if node.dns_stats.tcp_connections < 2:
+            break
+        await asyncio.sleep(0.05)
+    _, again_writer, again = await open_and_ask()
+    again_writer.close()
+    assert dns.message.from_wire(again).answer
+    exported = generate_latest(REGISTRY).decode()
+    assert "gtm_dns_tcp_refused_total 1.0" in exported

@@ -144,11 +144,22 @@ def test_unknown_flags_and_bits_are_accepted() -> None:
 # -- fuzzing -----------------------------------------------------------------------------------
 
 
+def assert_verdict(data: bytes, result: Query | Reject) -> None:
+    """What the listeners do with any packet: drop it when no header can be read or it is a
+    response (QR set: answering responses invites loops); otherwise answer it, an error with
+    the query's own ID echoed."""
+    assert isinstance(result, Query | Reject)
+    if len(data) < 12 or data[2] & 0x80:
+        assert isinstance(result, Reject) and result.drop, (data, result)
+    elif isinstance(result, Reject):
+        assert not result.drop and result.id == int.from_bytes(data[:2], "big"), (data, result)
+        assert result.rcode in (Rcode.FORMERR, Rcode.NOTIMP, Rcode.BADVERS, Rcode.REFUSED)
+
+
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=600))
 def test_random_bytes_never_raise(data: bytes) -> None:
-    result = parse_query(data)
-    assert isinstance(result, Query | Reject)
+    assert_verdict(data, parse_query(data))
 
 
 VALID = [
@@ -169,8 +180,8 @@ def test_mutated_queries_never_raise(base: bytes, edits: list[tuple[int, int]], 
     for pos, value in edits:
         if pos < len(data):
             data[pos] = value
-    result = parse_query(bytes(data[: len(data) - cut] if cut < len(data) else data))
-    assert isinstance(result, Query | Reject)
+    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    assert_verdict(packet, parse_query(packet))
 
 
 labels = st.text(
