@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from sqlalchemy import create_engine, func, select
 from gtm.audit.database import sync_url
 from gtm.audit.schema import decisions
 from tests.conftest import DEMO, POLICIES, ROOT
+from tests.support.ports import free_tcp_udp_port
 from tests.support.postgres import postgres_database
 
 pytestmark = pytest.mark.postgres
@@ -33,14 +33,6 @@ FLUSH_S = 0.2
 def database_url() -> Iterator[str]:
     with postgres_database() as url:
         yield url
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
-        udp.bind(("127.0.0.1", 0))
-        port = int(udp.getsockname()[1])
-        tcp.bind(("127.0.0.1", port))
-        return port
 
 
 def start_node(
@@ -95,7 +87,7 @@ def counted(database_url: str) -> dict[str, int]:
 
 
 def test_one_of_two_nodes_killed(database_url: str, tmp_path: Path, geoip_path: Path) -> None:
-    ports = {"node-a": free_port(), "node-b": free_port()}
+    ports = {"node-a": free_tcp_udp_port(), "node-b": free_tcp_udp_port()}
     procs = {n: start_node(n, p, database_url, tmp_path, geoip_path) for n, p in ports.items()}
     try:
         assert ask(ports["node-a"], 150) == 150

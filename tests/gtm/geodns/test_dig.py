@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from tests.conftest import DEMO, POLICIES, ROOT
 from tests.support.geoip import build_city_db
+from tests.support.ports import free_tcp_udp_port
 
 TOOLS = ("dig", "kdig")
 
@@ -28,20 +28,6 @@ def require(tool: str) -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
-
-
-def free_port() -> int:
-    # A port free for both TCP and UDP on loopback.
-    while True:
-        with socket.socket() as t:
-            t.bind(("127.0.0.1", 0))
-            port = int(t.getsockname()[1])
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                try:
-                    u.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
 
 
 METRICS_PORT: list[int] = []
@@ -62,8 +48,8 @@ def serve_env(tmp: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    METRICS_PORT.append(free_port())
+    port = free_tcp_udp_port()
+    METRICS_PORT.append(free_tcp_udp_port())
     env = serve_env(tmp)
     proc = subprocess.Popen(
         [
@@ -175,7 +161,7 @@ def test_worker_processes_share_the_port(tmp_path: Path) -> None:
     import dns.query
     import httpx
 
-    port, http_port = free_port(), free_port()
+    port, http_port = free_tcp_udp_port(), free_tcp_udp_port()
     db = tmp_path / "g.sqlite3"
     env = serve_env(tmp_path)
     proc = subprocess.Popen(
