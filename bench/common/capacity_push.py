@@ -27,7 +27,6 @@ class ReportPusher(threading.Thread):
         self.rate = rate
         self.stopping = threading.Event()
         self.accepted = 0
-        self.sent = 0
         self._rng = random.Random(seed)
 
     def run(self) -> None:
@@ -52,7 +51,6 @@ class ReportPusher(threading.Thread):
                 ).model_dump_json()
                 headers = {SIGNATURE_HEADER: sign(body.encode(), REPORT_SECRET)}
                 for port in self.ports:
-                    self.sent += 1
                     with contextlib.suppress(httpx.HTTPError):
                         r = client.post(
                             f"http://127.0.0.1:{port}/v1/capacity", content=body, headers=headers

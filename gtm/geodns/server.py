@@ -150,40 +150,49 @@ class Responder:
             verdict = rrl.check_key(_network_key(host))
             if verdict is not _ANSWER:
                 return self._limited(wire, host, verdict)
-        by_query = self._udp.get(host)
-        if by_query is not None:
-            exact = by_query.get(wire[2:])
-            if exact is not None:
-                now = self.clock()
-                if now < self._window.until and self._store.current is self._window.snapshot:
-                    if exact.n:
-                        exact.n += 1
-                    else:
-                        exact.n = 1
-                        exact.first = now
-                        self._tallied.append(exact)
-                    exact.last = now
-                    return wire[:2] + exact.tail
-        return self._answer(wire, _peer(host), True, host)
+        out = self._repeat(self._udp.get(host), wire)
+        return out if out is not None else self._answer(wire, _peer(host), True, host)
 
     def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
         """The response to one message over TCP (never rate limited), or None to send nothing
         (the connection is then closed). Never raises on input."""
-        by_query = self._tcp.get(client)
-        if by_query is not None:
-            exact = by_query.get(wire[2:])
-            if exact is not None:
-                now = self.clock()
-                if now < self._window.until and self._store.current is self._window.snapshot:
-                    if exact.n:
-                        exact.n += 1
-                    else:
-                        exact.n = 1
-                        exact.first = now
-                        self._tallied.append(exact)
-                    exact.last = now
-                    return wire[:2] + exact.tail
-        return self._answer(wire, client, False, client)
+        out = self._repeat(self._tcp.get(client), wire)
+        return out if out is not None else self._answer(wire, client, False, client)
+
+    def _repeat(self, by_query: dict[bytes, _Exact] | None, wire: bytes) -> bytes | None:
+        """The stored response to these exact bytes from this sender, tallied, while the answer
+        window holds (moved on to a successor in the same decision epoch if need be); None to
+        answer them the long way."""
+        if by_query is None:
+            return None
+        exact = by_query.get(wire[2:])
+        if exact is None:
+            return None
+        now = self.clock()
+        snapshot = self._store.current
+        window = self._window
+        if not (now < window.until and snapshot is window.snapshot) and not self._advance(
+            snapshot, now
+        ):
+            return None
+        if exact.n:
+            exact.n += 1
+        else:
+            exact.n = 1
+            exact.first = now
+            self._tallied.append(exact)
+        exact.last = now
+        return wire[:2] + exact.tail
+
+    def _advance(self, snapshot: Snapshot, now: float) -> bool:
+        """Move the answer window to ``snapshot``, dropping the caches unless they still hold
+        (a successor in the same decision epoch: a routine capacity report). True when kept."""
+        if self._window.advance(snapshot, now):
+            return True
+        self._cache = {}
+        self._udp, self._tcp, self._entries = {}, {}, 0
+        self._services = zone_data(snapshot.topology).services
+        return False
 
     def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
         """The response to one message from ``client`` over UDP or TCP, or None."""
@@ -196,27 +205,8 @@ class Responder:
         whole response as this sender's entry for these bytes, count it."""
         snapshot = self._store.current
         now = self.clock()
-        window = self._window
-        if not window.holds(snapshot, now):
-            if window.advance(snapshot, now):
-                # A successor that decides alike (a routine capacity report): every cached
-                # answer still holds, these bytes' included if this sender asked them before.
-                by_sender: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
-                by_query = by_sender.get(sender)
-                exact = by_query.get(wire[2:]) if by_query is not None else None
-                if exact is not None:
-                    if exact.n:
-                        exact.n += 1
-                    else:
-                        exact.n = 1
-                        exact.first = now
-                        self._tallied.append(exact)
-                    exact.last = now
-                    return wire[:2] + exact.tail
-            else:
-                self._cache = {}
-                self._udp, self._tcp, self._entries = {}, {}, 0
-                self._services = zone_data(snapshot.topology).services
+        if not self._window.holds(snapshot, now):
+            self._advance(snapshot, now)
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
             return self._reject(parsed, client, udp)
@@ -411,7 +401,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         # addr: (host, port), or (host, port, flowinfo, scope id) over IPv6.
         r = self.responder
         if r.rrl is None:
-            # Responder.answer_udp's first lines, inline: nearly every query ends here.
+            # Responder._repeat inline (no call): nearly every query ends here.
             by_query = r._udp.get(addr[0])
             if by_query is not None:
                 exact = by_query.get(data[2:])
