@@ -29,7 +29,9 @@ class PickParams:
     kv_limit: float = 0.95  # a fresh scrape above this means no room for another sequence
     blend_sigma_low: float = 0.3  # at or below: pure work
     blend_sigma_high: float = 1.1  # at or above: pure count
-    tie_tolerance: float = 0.05  # relative; scores this close count as equal
+    # Scores closer than this share of the best candidate's own service time for the request
+    # count as equal (see pick()).
+    tie_tolerance: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,30 +121,37 @@ def pick(
 ) -> Choice | None:
     """The best eligible instance for ``req``, or None when no instance can take it.
 
-    Scores within ``params.tie_tolerance`` of the best are treated as equal: learned speeds
-    of identical GPUs differ by noise, and without a tolerance an idle pool would send every
-    request to whichever looks a hair faster. Equal candidates go round robin by
-    ``req.tiebreak``.
+    Scores within ``params.tie_tolerance`` of the best candidate's own time for this
+    request are treated as equal: learned speeds of identical GPUs differ by noise, and
+    without a tolerance an idle pool would send every request to whichever looks a hair
+    faster. Equal candidates go round robin by ``req.tiebreak``. The window is a share of the
+    request's own time, not of the whole score: under load a score is mostly work already
+    queued, and a window that grew with it (5% of a minute's queue is 3 s) let the tie-break
+    override real differences in waiting time (on the mixed fleet, P99 1.20x the oracle's
+    against 1.13-1.15x without it).
     """
     w = blend_weight(req.sigma, params)
     n = len(instances)
     scored: list[tuple[float, int, bool]] = []
-    best_score = math.inf
+    best_score = best_own = math.inf
+    own_cost = (1.0 - w) * req.cost + w * req.mean_cost
     for idx, inst in enumerate(instances):
         ramp = _ramp_if_eligible(inst, req, now, params)
         if ramp is None:
             continue
         work, count = effective_load(inst, req.mean_cost)
         blended = (1.0 - w) * (work + req.cost) + w * (count + 1) * req.mean_cost
-        score = blended / (max(inst.speed.speed, 1e-9) * ramp)
+        rate = max(inst.speed.speed, 1e-9) * ramp
+        score = blended / rate
         needs_load = req.model not in inst.loaded
         if needs_load:
             score += req.load_time_s
         scored.append((score, idx, needs_load))
-        best_score = min(best_score, score)
+        if score < best_score:
+            best_score, best_own = score, own_cost / rate
     if not scored:
         return None
-    limit = best_score * (1.0 + params.tie_tolerance) + 1e-12
+    limit = best_score + params.tie_tolerance * best_own + 1e-12
     chosen = min(
         (c for c in scored if c[0] <= limit),
         # Among equals: no model load first, then most free memory, then round robin.
