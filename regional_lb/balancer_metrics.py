@@ -13,7 +13,9 @@ from regional_lb.cost import ModelCoefficients
 from regional_lb.instance import InstanceState
 
 # The pick runs in microseconds; the buckets must resolve that range.
-PICK_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+PICK_BUCKETS = (5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+# What the hop adds is budgeted at 1 ms (p99); resolve the range around it.
+OVERHEAD_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 
 
 def utilisation(inst: InstanceState) -> float:
@@ -100,6 +102,13 @@ class BalancerMetrics:
         r = self.registry
         self.pick_seconds = Histogram(
             "regional_lb_pick_seconds", "Routing decision latency", buckets=PICK_BUCKETS, registry=r
+        )
+        self.overhead_seconds = Histogram(
+            "regional_lb_proxy_overhead_seconds",
+            "Time a unary request spends in the balancer outside the instance's own exchange "
+            "(reading and checking it, admission, the pick, writing the answer back)",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
         )
         self.requests = Counter(
             "regional_lb_requests", "Requests by outcome", ["outcome"], registry=r

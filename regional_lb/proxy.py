@@ -175,6 +175,7 @@ class Balancer:
         return lease
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        started = time.perf_counter()
         self._handled.inc()
         config, pool = self.config, self.pool
         try:
@@ -218,7 +219,7 @@ class Balancer:
             await respond_error(send, 503, str(exc), "service_unavailable", retry_after=1.0)
             return
         await self._route_and_forward(
-            scope, receive, send, tier, cost, shape, content, parsed.stream
+            scope, receive, send, tier, cost, shape, content, parsed.stream, started
         )
 
     async def _route_and_forward(
@@ -231,6 +232,7 @@ class Balancer:
         shape: RequestShape,
         content: bytes,
         stream: bool,
+        started: float,
     ) -> None:
         # Waiting in the admission queue and waiting for the instance are both abandoned
         # (and the upstream request aborted) if the client goes away.
@@ -240,8 +242,10 @@ class Balancer:
             resp: HopResponse | None = None
             headers = upstream_headers(scope)
             first_byte = self.config.timeouts.first_byte_s
+            sent = started
             for attempt in (1, 2):
                 lease = await self._admit_and_route(tier, cost, shape)
+                sent = time.perf_counter()
                 try:
                     resp = await self.upstream.post(
                         lease.instance.url, scope["path"], content, headers, first_byte
@@ -258,7 +262,7 @@ class Balancer:
             if stream and resp.status < 400:
                 await self._stream(send, resp, lease, watch)
             else:
-                await self._unary(send, resp, lease, watch)
+                await self._unary(send, resp, lease, watch, sent - started)
         except asyncio.CancelledError:
             if not watch.claim_cancel():
                 if lease is not None:
@@ -297,13 +301,21 @@ class Balancer:
             self._failure(lease.instance, kind)
 
     async def _unary(
-        self, send: Send, resp: HopResponse, lease: Lease, watch: _DisconnectWatch
+        self,
+        send: Send,
+        resp: HopResponse,
+        lease: Lease,
+        watch: _DisconnectWatch,
+        before_hop: float,
     ) -> None:
+        """Relay a whole answer. ``before_hop``: seconds the request spent here before it was
+        sent to the instance, part of what the balancer adds (the overhead histogram)."""
         try:
             # Nothing arrives until the whole answer is ready: the first-byte budget applies.
             body = await resp.read(self.config.timeouts.first_byte_s)
         finally:
             resp.close()
+        answered = time.perf_counter()
         status = resp.status
         if status >= 500:
             lease.end("upstream_error")
@@ -320,6 +332,7 @@ class Balancer:
             resp.header(b"content-type") or b"application/json",
             [(b"x-regional-instance", lease.instance.id.encode())],
         )
+        self.metrics.overhead_seconds.observe(before_hop + time.perf_counter() - answered)
 
     async def _stream(
         self, send: Send, resp: HopResponse, lease: Lease, watch: _DisconnectWatch

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 
 import httpx
 from fastapi import FastAPI, Request
+from prometheus_client.parser import text_string_to_metric_families
 
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, verify
 from regional_lb.serving import running
@@ -32,7 +33,9 @@ async def test_unary_and_streaming_pass_through_and_release_work() -> None:
         balancer(balancer_config([u1, u2])) as (url, pool),
         httpx.AsyncClient(base_url=url, timeout=10) as c,
     ):
+        t0 = time.perf_counter()
         r = await c.post(CHAT, json=chat(max_tokens=15))
+        unary_s = time.perf_counter() - t0
         assert r.status_code == 200
         assert r.json()["usage"]["completion_tokens"] == 15
         assert r.headers["x-regional-instance"] in {"i0", "i1"}
@@ -52,6 +55,16 @@ async def test_unary_and_streaming_pass_through_and_release_work() -> None:
         assert arrivals[0] < arrivals[-1] / 2
         await eventually(lambda: idle(pool))
         assert sum(i.completed for i in pool.instances) == 2
+        # What the balancer adds is measured on the unary answer: part of what the client
+        # waited (15 tokens on a simulated GPU), not all of it.
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families((await c.get("/metrics")).text)
+            for s in family.samples
+            if s.name.startswith("regional_lb_proxy_overhead_seconds_")
+        }
+        assert samples["regional_lb_proxy_overhead_seconds_count"] == 1
+        assert 0 < samples["regional_lb_proxy_overhead_seconds_sum"] < unary_s / 2
 
 
 async def test_models_are_aggregated_from_instances() -> None:
