@@ -24,10 +24,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.regional.policies import POLICIES
-from bench.regional.scenarios import Scenario, scenarios
+from bench.regional.scenarios import CONTRACT_SHARES, Scenario, contract_share_sweep, scenarios
 from bench.regional.sim import AdmissionSpec, RunResult, make_jobs, simulate
 
 REPORT_LOADS = (0.5, 0.7, 0.9)
+SWEEP_POLICIES = ("round_robin", "least_connections", "ours", "oracle")
 SIGMAS = (0.0, 0.3, 0.6, 1.0)
 OVERLOAD = 1.2
 
@@ -46,8 +47,12 @@ class Task:
 _MEAN_COST: dict[str, float] = {}
 
 
+def _all_scenarios() -> dict[str, Scenario]:
+    return {**scenarios(), **contract_share_sweep()}
+
+
 def _scenario(name: str, sigma: float) -> Scenario:
-    return replace(scenarios()[name], sigma=sigma)
+    return replace(_all_scenarios()[name], sigma=sigma)
 
 
 def run_task(task: Task) -> tuple[Task, RunResult]:
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         if sigma != base["mixed_fleet"]:
             for load in sweep:
                 tasks += [Task("mixed_fleet", sigma, load, "ours", s, n) for s in seeds]
+    for name, sc in contract_share_sweep().items():
+        for load in REPORT_LOADS:
+            for pol in SWEEP_POLICIES:
+                tasks += [Task(name, sc.sigma, load, pol, s, n) for s in seeds]
     limit = 4 * len(scenarios()["documents"].servers)
     for pol in POLICIES:
         tasks += [
@@ -181,7 +190,7 @@ def report(
     from bench.regional.plots import plot_cdfs, plot_utilisation
     from bench.regional.targets import check_targets
 
-    all_sc = scenarios()
+    all_sc = _all_scenarios()
     means = {name: sc.mean_cost() for name, sc in all_sc.items()}
     rows: list[dict[str, Any]] = []
     table: dict[tuple[str, float, str], dict[str, float]] = {}
@@ -295,6 +304,35 @@ def report(
                 }
             )
         )
+    print(
+        "\n## Where the P99 cut comes from: documents by contract share, P99 (s) and its cut "
+        "versus round-robin"
+    )
+    print(f"{'contracts':>9} {'load':>5} " + " ".join(f"{p:>24}" for p in SWEEP_POLICIES))
+    for share in CONTRACT_SHARES:
+        name = f"documents_share_{share}"
+        for load in REPORT_LOADS:
+            p99 = {
+                pol: percentile(cell(name, base_sigma, load, pol).latencies, 0.99)
+                for pol in SWEEP_POLICIES
+                for base_sigma in [all_sc[name].sigma]
+            }
+            rr = p99["round_robin"]
+            for pol in SWEEP_POLICIES:
+                table[(name, load, pol)] = {"p99": p99[pol]}
+                rows.append(
+                    {
+                        "scenario": name,
+                        "load": load,
+                        "policy": pol,
+                        "p99": p99[pol],
+                        "p99_cut_vs_round_robin": 1 - p99[pol] / rr,
+                    }
+                )
+            print(
+                f"{share:>9.2%} {load:>5.0%} "
+                + " ".join(f"{p99[p]:>15.1f} ({1 - p99[p] / rr:>5.0%})" for p in SWEEP_POLICIES)
+            )
     check_targets(table)
     return rows
 

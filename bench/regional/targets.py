@@ -16,7 +16,8 @@ def check_targets(t: Table) -> list[tuple[str, bool]]:
     for doc in ("documents_1pct", "documents", "documents_5pct"):
         for load in loads:
             ours, rr = t.get((doc, load, "ours")), t.get((doc, load, "round_robin"))
-            if ours and rr:
+            orc = t.get((doc, load, "oracle"))
+            if ours and rr and orc:
                 ok = ours["cv"] <= 0.08
                 _line(
                     ok,
@@ -25,10 +26,12 @@ def check_targets(t: Table) -> list[tuple[str, bool]]:
                 )
                 out.append((f"{doc}_cv_{load}", ok))
                 cut = 1 - ours["p99"] / rr["p99"]
+                # The oracle's cut is the most any dispatch policy reaches on this mix.
+                bound = 1 - orc["p99"] / rr["p99"]
                 _line(
                     cut >= 0.71,
                     f"{doc} {load:.0%}: P99 {ours['p99']:.1f} s vs round-robin "
-                    f"{rr['p99']:.1f} s: {cut:.0%} lower (target >= 71%)",
+                    f"{rr['p99']:.1f} s: {cut:.0%} lower (target >= 71%; oracle {bound:.0%})",
                 )
                 out.append((f"{doc}_p99_{load}", cut >= 0.71))
         ours, rr = t.get((doc, loads[0], "ours")), t.get((doc, loads[0], "round_robin"))
