@@ -24,6 +24,7 @@ import yaml
 from gtm import migrate, shared_state
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
+from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.cli_common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.cli_fleet import config_app, region_app
 from gtm.errors import ConfigError, GTMError
@@ -421,6 +422,57 @@ def audit_export(
         if output:
             out.close()
     typer.echo(f"exported {n} row(s)", err=True)
+
+
+def _row_explained(row: dict[str, Any]) -> str:
+    """A row as a compliance reader wants it: the answer, then why every region was or was not
+    it, then the versions that let the decision be replayed."""
+    lines = [
+        _row_text(row),
+        f"  {row['channel']} {row['query_type'] or '-'} -> {row['response'] or '-'}, "
+        f"{row['count']} response(s) {query.iso(row['first_at_us'])} .. "
+        f"{query.iso(row['last_at_us'])}",
+        f"  residency {','.join(row['residency_classes']) or '-'}, tenant "
+        f"{row['tenant'] or '-'}, rules {','.join(row['matched_rules']) or '-'}",
+    ]
+    for c in row["candidates"]:
+        detail = f" ({c['detail']})" if c["detail"] else ""
+        lines.append(f"  {c['region']:<16} {c['status']:<8} {c['reason']}{detail}")
+    lines.append(
+        f"  snapshot {row['snapshot_version']}, topology {row['topology_version']}, policy "
+        f"{row['policy_version']}, geoip {row['geoip_build']}"
+    )
+    return "\n".join(lines)
+
+
+@audit_app.command("show")
+def audit_show(
+    decision_id: Annotated[str, typer.Argument(help="an X-GTM-Decision-Id (or a 451/503 body's)")],
+    database_url: DbOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The decision behind an HTTP response: its audit row, with every region's reason. Exit 1
+    when no row holds it yet (a node writes its rows about a second after answering)."""
+    try:
+        parse_id(decision_id)
+    except DecisionIdError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    settings = cli_settings(database_url=database_url)
+
+    async def main() -> list[dict[str, Any]]:
+        engine = make_async_engine(settings.database_url)
+        try:
+            return await query.find_decision(engine, decision_id)
+        finally:
+            await engine.dispose()
+
+    rows = run_async(main)
+    for row in rows:
+        typer.echo(json.dumps(row) if as_json else _row_explained(row))
+    if not rows:
+        typer.echo(f"no audit row holds {decision_id} (yet)", err=True)
+        raise typer.Exit(1)
 
 
 @audit_app.command("verify")

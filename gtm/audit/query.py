@@ -1,4 +1,5 @@
-"""Reading the audit log back: the newest rows, an export over a time range, chain checks."""
+"""Reading the audit log back: the newest rows, an export over a time range, chain checks, and
+the row behind a decision id."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gtm.audit.decision_id import mark_of, parse_id
 from gtm.audit.record import ChainBreak, verify_chain
 from gtm.audit.schema import decisions
 
@@ -74,3 +76,32 @@ async def total_count(engine: AsyncEngine) -> int:
     async with engine.connect() as conn:
         value = await conn.scalar(select(func.coalesce(func.sum(decisions.c.count), 0)))
     return int(value or 0)
+
+
+# A row's times span one flush window (about a second; longer when a flush overran). Rows that
+# began longer than this before an id's time are not searched.
+_LONGEST_WINDOW_US = 600 * 1_000_000
+
+
+async def find_decision(engine: AsyncEngine, decision_id: str) -> list[dict[str, Any]]:
+    """The audit row(s) that counted the response carrying ``decision_id`` (empty until the
+    node's writer has flushed it, about a second). Several rows only when one client network
+    got several different answers for one name from one node in the same millisecond.
+
+    Raises :class:`~gtm.audit.decision_id.DecisionIdError` for a malformed id."""
+    wanted = parse_id(decision_id)
+    lo = wanted.at_ms * 1000
+    hi = lo + 999
+    query = (
+        select(decisions)
+        .where(
+            decisions.c.node == wanted.node,
+            decisions.c.first_at_us <= hi,
+            decisions.c.first_at_us >= lo - _LONGEST_WINDOW_US,
+            decisions.c.last_at_us >= lo,
+        )
+        .order_by(decisions.c.node_seq)
+    )
+    async with engine.connect() as conn:
+        rows = [_as_dict(r) for r in await conn.execute(query)]
+    return [r for r in rows if mark_of(r["client_network"], r["name"]) == wanted.mark]

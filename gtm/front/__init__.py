@@ -15,8 +15,9 @@ For a request to a configured service host the front decides with the real clien
   ``405`` methods outside the served set, ``413`` bodies over the proxy limit, ``414``/``431``
   heads over the limits).
 
-Every one of those responses is counted in the audit store. Modules: :mod:`.app` (the raw ASGI
-callable), :mod:`.client_address`, :mod:`.signals`, :mod:`.proxy`, :mod:`.server` (uvicorn in
-the caller's loop: :func:`~gtm.front.server.serve_front`), :mod:`.metrics`; ``python -m
-gtm.front`` runs the front alone.
+Every one of those responses is counted in the audit store, and the decision id it names leads
+back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). Modules: :mod:`.app` (the
+raw ASGI callable), :mod:`.client_address`, :mod:`.signals`, :mod:`.proxy`, :mod:`.server`
+(uvicorn in the caller's loop: :func:`~gtm.front.server.serve_front`), :mod:`.metrics`. ``gtm
+serve --http`` runs the front, alone or beside the DNS responder.
 """

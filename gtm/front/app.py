@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from http import HTTPStatus
@@ -42,6 +41,7 @@ import structlog
 from prometheus_client import generate_latest
 
 from gtm.answer_window import AnswerWindow
+from gtm.audit.decision_id import id_tail
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.writer import Tally
 from gtm.capacity import Rejected
@@ -137,7 +137,7 @@ class _Answer(_Tally):
     """One decision rendered as a redirect: everything of the response but its date, path,
     query and decision id, and its audit record (with the responses given from it)."""
 
-    __slots__ = ("base", "middle", "region", "status", "status_line")
+    __slots__ = ("base", "id_tail", "middle", "region", "status", "status_line")
 
     def __init__(
         self, record: AuditRecord, status: int, base: bytes, region: bytes, middle: bytes
@@ -148,6 +148,7 @@ class _Answer(_Tally):
         self.region = region
         self.status_line = _status_line(status)
         self.middle = middle
+        self.id_tail = id_tail(record.client_network, record.name)
 
 
 _STATUS_LINES: dict[int, bytes] = {}
@@ -179,10 +180,11 @@ class FrontApp:
         self.stats = FrontStats()
         self.ready = False
         self.draining = False
-        # Decision ids: unique per response, cheap to make (a counter), and traceable to the
-        # node and process that made them.
+        # Decision ids (gtm.audit.decision_id): unique per response (a serial), and leading
+        # to the audit row that counts it (node, time, client network and name).
         self._ids = itertools.count(1)
-        self._id_prefix = f"{runtime.settings.node_id}-{secrets.token_hex(3)}-"
+        self._node_b = runtime.settings.node_id.encode() + b"~"
+        self._now = 0.0  # the time redirect() last answered at: the id's time
         self._tenants = TenantIndex(runtime.store.current.topology)
         self._topology = runtime.store.current.topology
         self._hosts: dict[bytes, tuple[str | None, Service | None]] = {}
@@ -201,7 +203,6 @@ class FrontApp:
         # caches are dropped, so no count is lost to a new snapshot.
         self._tallied: list[_Tally] = []
         self._closed = False
-        self._id_prefix_b = self._id_prefix.encode()
         self._date_key: object = None
         self._date_head = b""
         self.responses = 0  # responses to traffic since start (rule 2 bookkeeping)
@@ -232,7 +233,7 @@ class FrontApp:
                         (b"location", location),
                         _NO_STORE,
                         (b"x-gtm-region", answer.region),
-                        (b"x-gtm-decision-id", self._decision_id()),
+                        (b"x-gtm-decision-id", self._cached_id(answer)),
                         (b"content-length", b"0"),
                     ],
                 }
@@ -330,7 +331,9 @@ class FrontApp:
                 answer.base,
                 tail,
                 answer.middle,
-                self._id_prefix_b,
+                self._node_b,
+                b"%x" % int(self._now * 1000),
+                answer.id_tail,
                 b"%x" % next(self._ids),
                 _END if keep_alive else _END_CLOSE,
             )
@@ -346,7 +349,7 @@ class FrontApp:
         peer's address as the server gives it.
         """
         snapshot = self.store.current
-        now = self.clock()
+        now = self._now = self.clock()
         window = self._window
         if not window.holds(snapshot, now) and not window.advance(snapshot, now):
             self._exact.clear()
@@ -527,8 +530,15 @@ class FrontApp:
             self._hosts[raw] = hit
         return hit
 
-    def _decision_id(self) -> bytes:
-        return (self._id_prefix + format(next(self._ids), "x")).encode()
+    def _cached_id(self, answer: _Answer) -> bytes:
+        """The id of a response ``redirect()`` has just given from ``answer``."""
+        return b"%s%x%s%x" % (self._node_b, int(self._now * 1000), answer.id_tail, next(self._ids))
+
+    def _decision_id(self, decision: Decision, name: str, at: float) -> bytes:
+        """The id of a response the general path gives at ``at`` (the time it is counted
+        with, so that its audit row's time span holds the id's time)."""
+        tail = id_tail(str(decision.client_network), name)
+        return b"%s%x%s%x" % (self._node_b, int(at * 1000), tail, next(self._ids))
 
     def _base(self, url: str) -> bytes:
         hit = self._bases.get(url)
@@ -564,7 +574,8 @@ class FrontApp:
         query: bytes = scope["query_string"]
         base_b = self._base(base)
         location = base_b + raw_path + b"?" + query if query else base_b + raw_path
-        decision_id = self._decision_id()
+        at = self.clock()
+        decision_id = self._decision_id(decision, host, at)
         await send(
             {
                 "type": "http.response.start",
@@ -579,7 +590,7 @@ class FrontApp:
             }
         )
         await send({"type": "http.response.body", "body": b""})
-        self._count(decision, host, tenant, scope["method"], status, base)
+        self._count(decision, host, tenant, scope["method"], status, base, at=at)
 
     def _count(
         self,
@@ -590,7 +601,11 @@ class FrontApp:
         status: int,
         answer: str | None,
         response: str | None = None,
+        *,
+        at: float | None = None,
     ) -> None:
+        """Count a response of the general path; ``at``: the time its decision id names
+        (default now)."""
         self.stats.count(status)
         # The record is memoised: building one walks every candidate and costs more than the
         # decision itself, and almost every response repeats a recent one. The parts of a
@@ -628,7 +643,7 @@ class FrontApp:
             if len(self._records) >= _RECORDS_LIMIT:
                 self._records.clear()  # tallies being counted stay in self._tallied
             entry = self._records[key] = _Counted(record, decision)
-        now = self.clock()
+        now = self.clock() if at is None else at
         if entry.n:
             entry.n += 1
         else:
@@ -681,10 +696,11 @@ class FrontApp:
                 ],
                 "retry_after_s": retry_after,
             }
-        body["decision_id"] = self._decision_id().decode()
+        at = self.clock()
+        body["decision_id"] = self._decision_id(decision, host, at).decode()
         body["snapshot_version"] = decision.versions.snapshot
         await _send_json(send, status, body, extra)
-        self._count(decision, host, tenant, scope["method"], status, None)
+        self._count(decision, host, tenant, scope["method"], status, None, at=at)
 
     async def _reject(
         self,
@@ -725,7 +741,9 @@ class FrontApp:
             await self._refuse(scope, send, snapshot, decision, host, tenant)
             return
         method: str = scope["method"]
-        decision_id = self._decision_id()
+        # Counted at the decision's time, however long the exchange takes: the id names it.
+        at = self.clock()
+        decision_id = self._decision_id(decision, host, at)
         try:
             body = await read_body(receive, self.forwarder.limits.max_body_bytes)
         except BodyTooLarge:
@@ -736,10 +754,10 @@ class FrontApp:
                 {"error": "body_too_large", "message": f"request bodies are limited to {limit}"},
                 [],
             )
-            self._count(decision, host, tenant, method, 413, None)
+            self._count(decision, host, tenant, method, 413, None, at=at)
             return
         except ClientGone:
-            self._count(decision, host, tenant, method, 499, None, "499 client went away")
+            self._count(decision, host, tenant, method, 499, None, "499 client went away", at=at)
             return
         upstream_headers = [
             (b"x-forwarded-for", str(client).encode()),
@@ -762,7 +780,9 @@ class FrontApp:
         finally:
             # Counted however the exchange ended, cancellation included (rule 2).
             if result is None:
-                self._count(decision, host, tenant, method, 502, None, "502 proxy interrupted")
+                self._count(
+                    decision, host, tenant, method, 502, None, "502 proxy interrupted", at=at
+                )
             else:
                 served = decision
                 if result.region is not None and result.region != decision.region:
@@ -772,7 +792,9 @@ class FrontApp:
                     response += " aborted"
                 if result.note:
                     response += f" ({result.note})"
-                self._count(served, host, tenant, method, result.status, result.base_url, response)
+                self._count(
+                    served, host, tenant, method, result.status, result.base_url, response, at=at
+                )
 
     # -- the front's own endpoints -------------------------------------------------------------
 
