@@ -26,6 +26,7 @@ from gtm import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister
+from gtm.heap import HeapKeeper
 from gtm.listen import parse_listen
 from gtm.logs import configure as configure_logs
 from gtm.runtime import Runtime
@@ -67,6 +68,10 @@ async def run_node(
     tune_for_latency()
     node = Node(runtime)
     collector = register(node.dns_stats)
+    keeper: asyncio.Task[None] | None = None
+    if settings.gc_freeze_interval_s > 0:
+        heap = HeapKeeper(settings.gc_freeze_interval_s, settings.gc_full_interval_s)
+        keeper = asyncio.create_task(heap.run(), name="heap-keeper")
     try:
         if settings.dns_listen:
             node.dns = make_server(runtime, node.dns_stats, reuse_port=reuse_port)
@@ -101,6 +106,8 @@ async def run_node(
             ready.set_result(node)
         await stop.wait()
     finally:
+        if keeper is not None:
+            keeper.cancel()
         if node.http_task is not None:
             front_stop.set()  # answers in flight finish, and are counted, before the flush
             with contextlib.suppress(Exception):
