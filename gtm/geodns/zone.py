@@ -171,13 +171,16 @@ def answer(
         *,
         aa: bool = True,
         decision: Decision | None = None,
+        located: bool = False,
         given: tuple[str, ...] = (),
         outcome: str = "zone",
     ) -> Answer:
-        if decision is not None and opt is not None and ecs is not None:
-            # The answer holds over the decision's scope; a name whose answer does not depend
-            # on the client's location (NODATA for another type) has scope 0.
-            scope = decision.scope_prefix if answers or rcode != Rcode.NOERROR else 0
+        if opt is not None and ecs is not None:
+            # RFC 7871 section 7.2.1: the scope is the prefix over which this answer holds.
+            # ``located``: the answer came from the decision, whose scope is where the client's
+            # location stops mattering; anything else (the apex, NODATA for a type no decision
+            # gives) is the same from everywhere: scope 0.
+            scope = decision.scope_prefix if located and decision is not None else 0
             out_opt: OptOut | None = OptOut(opt.do, ecs, scope)
         else:
             out_opt = opt
@@ -230,7 +233,16 @@ def answer(
             failure = decision.dns_failure or DnsFailure.REFUSED
             rcode = _FAILURE_RCODE[failure]
             authority = [zone.negative_soa] if rcode == Rcode.NOERROR else []
-            return finish(rcode, [], authority, aa=rcode != Rcode.REFUSED, decision=decision)
+            # Which regions are allowed, and so whether any is up, can depend on where the
+            # client is (rules match client geography): the failure is located too.
+            return finish(
+                rcode,
+                [],
+                authority,
+                aa=rcode != Rcode.REFUSED,
+                decision=decision,
+                located=True,
+            )
         qtype = query.qtype
         if qtype == Qtype.ANY:  # RFC 8482: one RRset is enough
             qtype = Qtype.A if decision.ipv4 else Qtype.AAAA
@@ -240,11 +252,13 @@ def answer(
         elif qtype == Qtype.AAAA:
             given = decision.ipv6
             answers = address_records(Qtype.AAAA, decision.ttl, given)
-        else:
-            given, answers = (), []
-        if not answers:
+        else:  # NODATA from everywhere: no decision gives this type
             return finish(Rcode.NOERROR, [], [zone.negative_soa], decision=decision)
-        return finish(Rcode.NOERROR, answers, decision=decision, given=given)
+        if not answers:
+            # NODATA because the region chosen for this client has no address of the type:
+            # another client's region may have one, so it holds over the decision's scope.
+            return finish(Rcode.NOERROR, [], [zone.negative_soa], decision=decision, located=True)
+        return finish(Rcode.NOERROR, answers, decision=decision, located=True, given=given)
 
     if name == zone.apex:
         if query.qtype in (Qtype.SOA, Qtype.ANY):

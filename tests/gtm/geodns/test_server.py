@@ -122,6 +122,35 @@ async def test_edns_handling(start_node: StartNode) -> None:
     assert badvers.rcode() == dns.rcode.BADVERS and badvers.edns == 0 and not badvers.answer
 
 
+async def test_nodata_for_a_missing_family_holds_over_the_decisions_scope(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """US East has no IPv6 here: AAAA from a US network is NODATA, but from Europe it is an
+    answer, so that NODATA depends on the client's location and carries the decision's scope
+    (a resolver caching it at scope 0 would give it to every client). NODATA for a type no
+    decision gives (TXT) is the same from everywhere: scope 0."""
+
+    def no_v6_in_us_east(data: dict[str, Any]) -> None:
+        for region in data["regions"]:
+            if region["id"] == "us-east":
+                region["ipv6"] = []
+
+    node = await start_node(write_topology(tmp_path / "topology.yaml", no_v6_in_us_east))
+    a = await udp(node, q(ecs=(US, 24)))
+    assert addresses(a) == {"192.0.2.10"}
+    scope = ecs_of(a).scopelen  # type: ignore[union-attr]
+    assert scope > 0
+    aaaa = await udp(node, q(rdtype="AAAA", ecs=(US, 24)))
+    assert aaaa.rcode() == dns.rcode.NOERROR and not aaaa.answer
+    assert aaaa.authority[0].rdtype == dns.rdatatype.SOA
+    assert ecs_of(aaaa).scopelen == scope  # type: ignore[union-attr]
+    europe = await udp(node, q(rdtype="AAAA", ecs=(DE, 24)))
+    assert addresses(europe) <= EU_V6 and addresses(europe)
+    txt = await udp(node, q(rdtype="TXT", ecs=(US, 24)))
+    assert txt.rcode() == dns.rcode.NOERROR and not txt.answer
+    assert ecs_of(txt).scopelen == 0  # type: ignore[union-attr]
+
+
 async def test_client_subnet_cases(start_node: StartNode) -> None:
     node = await start_node()
     without = await udp(node, q(use_edns=0))
