@@ -49,8 +49,14 @@ def id_tail(client_network: str, name: str) -> bytes:
     return b"~" + mark_of(client_network, name).encode() + b"~"
 
 
+def render_id(node_prefix: bytes, at: float, tail: bytes, serial: int) -> bytes:
+    """An id from its parts as the answering path holds them: ``node_prefix`` is the node name
+    and its separator, ``tail`` from :func:`id_tail`."""
+    return b"%s%x%s%x" % (node_prefix, int(at * 1000), tail, serial)
+
+
 def make_id(node: str, at: float, client_network: str, name: str, serial: int) -> str:
-    return f"{node}~{int(at * 1000):x}{id_tail(client_network, name).decode()}{serial:x}"
+    return render_id(node.encode() + b"~", at, id_tail(client_network, name), serial).decode()
 
 
 def parse_id(text: str) -> DecisionId:

@@ -41,7 +41,7 @@ import structlog
 from prometheus_client import generate_latest
 
 from gtm.answer_window import AnswerWindow
-from gtm.audit.decision_id import id_tail
+from gtm.audit.decision_id import id_tail, render_id
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.writer import Tally
 from gtm.capacity import Rejected
@@ -331,10 +331,7 @@ class FrontApp:
                 answer.base,
                 tail,
                 answer.middle,
-                self._node_b,
-                b"%x" % int(self._now * 1000),
-                answer.id_tail,
-                b"%x" % next(self._ids),
+                self._cached_id(answer),
                 _END if keep_alive else _END_CLOSE,
             )
         )
@@ -532,13 +529,13 @@ class FrontApp:
 
     def _cached_id(self, answer: _Answer) -> bytes:
         """The id of a response ``redirect()`` has just given from ``answer``."""
-        return b"%s%x%s%x" % (self._node_b, int(self._now * 1000), answer.id_tail, next(self._ids))
+        return render_id(self._node_b, self._now, answer.id_tail, next(self._ids))
 
     def _decision_id(self, decision: Decision, name: str, at: float) -> bytes:
         """The id of a response the general path gives at ``at`` (the time it is counted
         with, so that its audit row's time span holds the id's time)."""
         tail = id_tail(str(decision.client_network), name)
-        return b"%s%x%s%x" % (self._node_b, int(at * 1000), tail, next(self._ids))
+        return render_id(self._node_b, at, tail, next(self._ids))
 
     def _base(self, url: str) -> bytes:
         hit = self._bases.get(url)
