@@ -7,7 +7,7 @@ Every problem is reported at once with its location; the CLI exits with code 2 o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -86,6 +86,18 @@ class HealthConfig(_Strict):
     stall_timeout_s: float = Field(default=20.0, gt=0)
 
 
+class AffinityConfig(_Strict):
+    """Session or prompt-prefix affinity (regional_lb.affinity): off by default."""
+
+    mode: Literal["none", "session", "prefix"] = "none"
+    # session: the header naming the conversation (else the body's OpenAI "user" field).
+    session_header: str = "X-Session-Id"
+    # prefix: how many characters of the prompt make the key (a system prompt's length).
+    prefix_chars: int = Field(default=1024, gt=0)
+    # Affinity holds while the instance's score is within this many times the mean.
+    load_bound: float = Field(default=1.25, ge=1.0)
+
+
 class ScrapeConfig(_Strict):
     interval_s: float = Field(default=1.0, gt=0)
     stale_after_s: float = Field(default=3.0, gt=0)
@@ -115,6 +127,7 @@ class BalancerConfig(_Strict):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     kv_limit: float = Field(default=0.95, gt=0, le=1)
 

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from regional_lb.affinity import rank
 from regional_lb.instance import InstanceState
 
 
@@ -32,6 +33,9 @@ class PickParams:
     # Scores closer than this share of the best candidate's own service time for the request
     # count as equal (see pick()).
     tie_tolerance: float = 0.05
+    # Session / prefix affinity holds while the affine instance's score is within this many
+    # times the mean score of the eligible instances (regional_lb.affinity).
+    affinity_bound: float = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,8 @@ class PickRequest:
     # Rotates the order in which exact ties are broken (e.g. the request number), so an idle
     # pool does not send everything to the first instance in the list.
     tiebreak: int = 0
+    # A session's or prompt prefix's key (regional_lb.affinity.key_of), or None.
+    affinity: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +130,9 @@ def pick(
     Scores within ``params.tie_tolerance`` of the best candidate's own time for this
     request are treated as equal: learned speeds of identical GPUs differ by noise, and
     without a tolerance an idle pool would send every request to whichever looks a hair
-    faster. Equal candidates go round robin by ``req.tiebreak``. The window is a share of the
+    faster. Equal candidates go round robin by ``req.tiebreak``. With an affinity key, the
+    key's instance is chosen instead while its score is within the load bound
+    (:mod:`regional_lb.affinity`). The window is a share of the
     request's own time, not of the whole score: under load a score is mostly work already
     queued, and a window that grew with it (5% of a minute's queue is 3 s) let the tie-break
     override real differences in waiting time (on the mixed fleet, P99 1.20x the oracle's
@@ -151,6 +159,14 @@ def pick(
             best_score, best_own = score, own_cost / rate
     if not scored:
         return None
+    if req.affinity is not None and len(scored) > 1:
+        # Bounded-load affinity: the key's highest-ranked instance under the bound.
+        bound = params.affinity_bound * sum(c[0] for c in scored) / len(scored) + 1e-12
+        under = [c for c in scored if c[0] <= bound]
+        if under:
+            key = req.affinity
+            held = max(under, key=lambda c: rank(key, instances[c[1]].id))
+            return Choice(instances[held[1]], held[0], held[2])
     limit = best_score + params.tie_tolerance * best_own + 1e-12
     chosen = min(
         (c for c in scored if c[0] <= limit),

@@ -142,7 +142,11 @@ class Pool:
             coefficients={name: _coefficients(m) for name, m in cfg.models.items()}
         )
         h = cfg.health
-        self.params = PickParams(slow_start_s=h.slow_start_s, kv_limit=cfg.kv_limit)
+        self.params = PickParams(
+            slow_start_s=h.slow_start_s,
+            kv_limit=cfg.kv_limit,
+            affinity_bound=cfg.affinity.load_bound,
+        )
         self.ejection = EjectionParams(
             h.consecutive_failures, h.ejection_base_s, h.ejection_max_s, h.max_ejected_share
         )
@@ -238,7 +242,9 @@ class Pool:
         self._speed_anchor = speed_anchor(self.instances)
         return self._speed_anchor
 
-    def pick_request(self, shape: RequestShape, cost: float) -> PickRequest:
+    def pick_request(
+        self, shape: RequestShape, cost: float, affinity: int | None = None
+    ) -> PickRequest:
         c = self.estimator.coeffs(shape.model)
         return PickRequest(
             shape.model,
@@ -248,6 +254,7 @@ class Pool:
             c.load_time_s,
             c.memory_gb,
             tiebreak=self._costs_seen,
+            affinity=affinity,
         )
 
     def can_serve(self, model: str) -> bool:
@@ -256,7 +263,9 @@ class Pool:
             return False
         return any(i.can_serve(model) for i in self.serving())
 
-    def route(self, shape: RequestShape, cost: float) -> Lease:
+    def route(self, shape: RequestShape, cost: float, affinity: int | None = None) -> Lease:
+        """Pick an instance and lease it. ``affinity``: a session's or prompt prefix's key
+        (:mod:`regional_lb.affinity`), honoured under the load bound."""
         if not self.known_model(shape.model):
             raise RequestError(
                 404,
@@ -268,7 +277,7 @@ class Pool:
         choice = (
             None
             if self.draining
-            else pick(self.instances, self.pick_request(shape, cost), now, self.params)
+            else pick(self.instances, self.pick_request(shape, cost, affinity), now, self.params)
         )
         if choice is None:
             raise NoInstanceError(f"no instance can take model {shape.model!r} now")

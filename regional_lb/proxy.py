@@ -26,6 +26,7 @@ import httpx
 from fastapi import FastAPI
 
 from regional_lb.admin_api import create_admin_app
+from regional_lb.affinity import key_of, prompt_prefix
 from regional_lb.asgi import (
     Disconnected,
     Receive,
@@ -109,6 +110,7 @@ class Balancer:
         # ASGI header names arrive lower-cased, as bytes.
         self._tenant_h = config.tenant_header.lower().encode("latin-1")
         self._tier_h = config.tier_header.lower().encode("latin-1")
+        self._session_h = config.affinity.session_header.lower().encode("latin-1")
         # Counters resolved once: a labels() lookup per request is measurable here.
         self._handled = metrics.requests.labels("handled")
         self._bad = metrics.requests.labels("bad_request")
@@ -161,12 +163,27 @@ class Balancer:
     def _failure(self, inst: InstanceState, kind: str) -> None:
         self.metrics.upstream_failures.labels(inst.id, kind).inc()
 
-    async def _admit_and_route(self, tier: str, cost: float, shape: RequestShape) -> Lease:
+    def _affinity(self, scope: Scope, body: dict[str, Any]) -> int | None:
+        """The request's affinity key, when affinity is on and the request names one."""
+        spec = self.config.affinity
+        if spec.mode == "session":
+            session = text_header(scope, self._session_h)
+            if session is None and isinstance(body.get("user"), str):
+                session = body["user"]
+            return key_of(f"{body.get('model')}\x00{session}") if session else None
+        if spec.mode == "prefix":
+            prefix = prompt_prefix(body, spec.prefix_chars)
+            return key_of(f"{body.get('model')}\x00{prefix}") if prefix else None
+        return None
+
+    async def _admit_and_route(
+        self, tier: str, cost: float, shape: RequestShape, affinity: int | None
+    ) -> Lease:
         pool = self.pool
         await pool.admission.acquire(tier, cost)
         try:
             t0 = time.perf_counter()
-            lease = pool.route(shape, cost)  # the routing decision: pick() plus the lease
+            lease = pool.route(shape, cost, affinity)  # the routing decision: pick() + lease
             self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         except BaseException:
             pool.admission.release()
@@ -201,6 +218,7 @@ class Balancer:
                 else json.dumps({**parsed.body, "model": served}).encode()
             )
             cost = pool.estimate(shape)
+            affinity = self._affinity(scope, parsed.body)
         except Disconnected:
             self._gone.inc()
             return
@@ -219,7 +237,7 @@ class Balancer:
             await respond_error(send, 503, str(exc), "service_unavailable", retry_after=1.0)
             return
         await self._route_and_forward(
-            scope, receive, send, tier, cost, shape, content, parsed.stream, started
+            scope, receive, send, tier, cost, shape, content, parsed.stream, started, affinity
         )
 
     async def _route_and_forward(
@@ -233,6 +251,7 @@ class Balancer:
         content: bytes,
         stream: bool,
         started: float,
+        affinity: int | None = None,
     ) -> None:
         # Waiting in the admission queue and waiting for the instance are both abandoned
         # (and the upstream request aborted) if the client goes away.
@@ -244,7 +263,9 @@ class Balancer:
             first_byte = self.config.timeouts.first_byte_s
             sent = started
             for attempt in (1, 2):
-                lease = await self._admit_and_route(tier, cost, shape)
+                # A retry goes where the load says: the affine instance just failed.
+                key = affinity if attempt == 1 else None
+                lease = await self._admit_and_route(tier, cost, shape, key)
                 sent = time.perf_counter()
                 try:
                     resp = await self.upstream.post(
