@@ -107,7 +107,9 @@ async def run_node(
         await stop.wait()
     finally:
         if keeper is not None:
-            keeper.cancel()
+            keeper.cancel()  # and it unfreezes the heap
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
         if node.http_task is not None:
             front_stop.set()  # answers in flight finish, and are counted, before the flush
             with contextlib.suppress(Exception):

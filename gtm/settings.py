@@ -54,9 +54,9 @@ class Settings(BaseSettings):
     audit_flush_interval_s: float = Field(default=1.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)
     # gtm.heap: freeze what survives young collections this often (0: leave the collector to
-    # its defaults), and run a full collection this often to reclaim frozen cycles (0: never).
+    # its defaults), and run a full collection this often to reclaim frozen cycles.
     gc_freeze_interval_s: float = Field(default=1.0, ge=0)
-    gc_full_interval_s: float = Field(default=600.0, ge=0)
+    gc_full_interval_s: float = Field(default=600.0, gt=0)
     # HTTP front: peers whose Forwarded / X-Forwarded-For headers are believed.
     trusted_proxies: tuple[IPv4Network | IPv6Network, ...] = ()
     # Region probing (each region's probe_url) and capacity reports.

@@ -105,8 +105,9 @@ class BalancerMetrics:
         )
         self.overhead_seconds = Histogram(
             "regional_lb_proxy_overhead_seconds",
-            "Time a unary request spends in the balancer outside the instance's own exchange "
-            "(reading and checking it, admission, the pick, writing the answer back)",
+            "Time a unary request answered by its instance (not 5xx) spends in the balancer "
+            "outside the instance's own exchange: reading and checking it, any wait in the "
+            "admission queue, the pick, writing the answer back",
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )

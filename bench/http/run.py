@@ -469,10 +469,10 @@ def main() -> int:
                 paced_script = tmp / f"paced-{v.name}.lua"
                 write_wrk_script(paced_script, client_addresses(v.clients), delay_ms)
                 connections = max(1, round(target * delay_ms / 1000))
-                for _ in range(6):
+                for attempt in range(6):
                     probe = wrk(v, 2, connections, paced_script)
-                    if abs(probe.rate / target - 1) < 0.03:
-                        break
+                    if abs(probe.rate / target - 1) < 0.03 or attempt == 5:
+                        break  # the count used is always one that was probed
                     # Capped steps: near saturation latency grows with the connections.
                     step = min(2.0, max(0.5, target / max(probe.rate, 1.0)))
                     connections = max(1, round(connections * step))

@@ -8,7 +8,8 @@ picks the row out afterwards::
 
 - ``node``: the node (worker) whose audit chain counts the response;
 - the time of the decision: the row's ``[first_at_us, last_at_us]`` contains it, since a
-  row's times are those of the first and last response it counts;
+  row's times are the earliest and latest decision times of the responses it counts (for a
+  proxied exchange, the time its decision was made, however long the exchange lasted);
 - ``mark``: a short hash of the client network and the name asked for, the columns that tell
   apart the rows a node writes for the same moment;
 - a serial, so that two responses never share an id (logs on both tiers can be joined on it).
@@ -51,8 +52,10 @@ def id_tail(client_network: str, name: str) -> bytes:
 
 def render_id(node_prefix: bytes, at: float, tail: bytes, serial: int) -> bytes:
     """An id from its parts as the answering path holds them: ``node_prefix`` is the node name
-    and its separator, ``tail`` from :func:`id_tail`."""
-    return b"%s%x%s%x" % (node_prefix, int(at * 1000), tail, serial)
+    and its separator, ``tail`` from :func:`id_tail`. The milliseconds are cut from the
+    microseconds the audit writer stores (``int(at * 1e6)``), not from ``at`` itself: the two
+    roundings disagree for about one time in a million."""
+    return b"%s%x%s%x" % (node_prefix, int(at * 1_000_000) // 1000, tail, serial)
 
 
 def make_id(node: str, at: float, client_network: str, name: str, serial: int) -> str:

@@ -78,15 +78,18 @@ async def total_count(engine: AsyncEngine) -> int:
     return int(value or 0)
 
 
-# A row's times span one flush window (about a second; longer when a flush overran). Rows that
-# began longer than this before an id's time are not searched.
+# A row's times span one flush window (about a second; longer when a flush overran, or when it
+# counts proxied exchanges, which are counted at their decision's time when they end). Rows
+# that began longer than this before an id's time are not searched.
 _LONGEST_WINDOW_US = 600 * 1_000_000
 
 
 async def find_decision(engine: AsyncEngine, decision_id: str) -> list[dict[str, Any]]:
     """The audit row(s) that counted the response carrying ``decision_id`` (empty until the
-    node's writer has flushed it, about a second). Several rows only when one client network
-    got several different answers for one name from one node in the same millisecond.
+    node's writer has flushed it, about a second). Several rows when one client network got
+    different answers for one name from one node within one flush window (a 307 and a 451 to
+    two clients behind one NAT, say): each is a decision that node made for that network and
+    name at that time, and the response's own is among them.
 
     Raises :class:`~gtm.audit.decision_id.DecisionIdError` for a malformed id."""
     wanted = parse_id(decision_id)

@@ -643,11 +643,16 @@ class FrontApp:
         now = self.clock() if at is None else at
         if entry.n:
             entry.n += 1
+            # Responses counted at their decision's time (``at``) can end out of order (a
+            # long proxied exchange decided first): the row must span every one of them.
+            if now < entry.first:
+                entry.first = now
+            if now > entry.last:
+                entry.last = now
         else:
             entry.n = 1
-            entry.first = now
+            entry.first = entry.last = now
             self._tallied.append(entry)
-        entry.last = now
         self.responses += 1
 
     async def _refuse(

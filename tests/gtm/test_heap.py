@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
+
+import pytest
 
 from gtm.heap import HeapKeeper
 
@@ -48,10 +51,17 @@ def test_survivors_are_frozen_and_frozen_cycles_wait_for_the_full_collection() -
         gc.unfreeze()
 
 
-def test_no_full_collection_when_disabled() -> None:
-    keeper = HeapKeeper(interval_s=1.0, full_every_s=0.0, clock=lambda: 1e12)
-    try:
-        keeper.tick()
-        assert keeper.full_collections == 0
-    finally:
-        gc.unfreeze()
+def test_a_keeper_without_full_collections_is_refused() -> None:
+    with pytest.raises(ValueError, match="full_every_s"):
+        HeapKeeper(full_every_s=0.0)
+
+
+async def test_stopping_the_keeper_unfreezes_the_heap() -> None:
+    keeper = HeapKeeper(interval_s=0.01)
+    task = asyncio.create_task(keeper.run())
+    await asyncio.sleep(0.05)
+    assert gc.get_freeze_count() > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gc.get_freeze_count() == 0

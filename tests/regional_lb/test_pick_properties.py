@@ -22,9 +22,7 @@ from regional_lb.pick import PickParams, PickRequest, blend_weight, eligible, pi
 PARAMS = PickParams(slow_start_s=10.0)
 
 instance_st = st.builds(
-    lambda i, healthy, draining, ejected, speed, conc, loaded, servable, kv, joined, n, work: _make(
-        i, healthy, draining, ejected, speed, conc, loaded, servable, kv, joined, n, work
-    ),
+    lambda *args: _make(*args),  # _make is defined below
     st.integers(0, 10_000),
     # Mostly healthy, not draining, not ejected: pools where several instances compete.
     st.sampled_from([True, True, True, False]),
@@ -38,6 +36,7 @@ instance_st = st.builds(
     st.floats(-20.0, 100.0),
     st.integers(0, 10),
     st.floats(0.0, 50.0),
+    st.sampled_from([16.0, 32.0, 48.0]),  # room for one to three models of 16 GB
 )
 
 
@@ -54,6 +53,7 @@ def _make(
     joined: float,
     n: int,
     work: float,
+    memory_gb: float = 48.0,
 ) -> InstanceState:
     inst = InstanceState(
         id=f"i{i}",
@@ -66,10 +66,11 @@ def _make(
         loaded=dict.fromkeys(loaded, 0.0),
         kv_usage=kv,
         joined_at=joined,
-        memory_gb=48.0,
+        memory_gb=memory_gb,
     )
-    for r in range(n):
-        inst.add(r, work / max(n, 1), now=0.0)
+    models = sorted(loaded) or [""]
+    for r in range(n):  # flights on the loaded models pin them (not evictable)
+        inst.add(r, work / max(n, 1), now=0.0, model=models[r % len(models)])
     return inst
 
 
@@ -113,16 +114,18 @@ def test_pick_never_returns_an_ineligible_instance(
         assert ok == []
     else:
         assert choice.instance in ok
-        # Minimal score up to the tie window, a share of the request's own time on the
-        # candidate (bounded here by its time on the slowest eligible candidate): no eligible
-        # instance scores clearly better.
+        # Minimal score up to the tie window: a share of the request's own time on the
+        # best-scoring candidate. No eligible instance scores clearly better.
         w = blend_weight(sigma, PARAMS)
         own = (1 - w) * cost + w * req.mean_cost
-        slowest = min(i.speed.speed * i.ramp(now, PARAMS.slow_start_s) for i in ok)
+        alts = []
         for other in ok:
             alt = pick([other], req, now, PARAMS)
             assert alt is not None
-            assert choice.score <= alt.score + PARAMS.tie_tolerance * own / slowest + 1e-9
+            alts.append((alt.score, other))
+        best_score, best = min(alts, key=lambda a: a[0])
+        rate = max(best.speed.speed, 1e-9) * best.ramp(now, PARAMS.slow_start_s)
+        assert choice.score <= best_score + PARAMS.tie_tolerance * own / rate + 1e-9
 
 
 ops_st = st.lists(

@@ -3,8 +3,10 @@ cached redirects, refusals and proxied exchanges, through the query and the ``gt
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -153,3 +155,33 @@ async def test_the_asgi_path_names_its_row_too(start_front: FrontFactory) -> Non
         for i in ids:
             (row,) = await _rows(front.runtime, i)
             assert row["region"] == "ap-northeast" and row["client_network"] == "192.0.2.0/24"
+
+
+async def test_exchanges_ending_out_of_order_share_a_row_both_ids_find(
+    start_front: FrontFactory,
+) -> None:
+    """A proxied exchange is counted when it ends, at its decision's time. One decided first
+    but ending last (its client sends the body slowly) lands in the same tally as a quicker
+    one decided after it: the row must span both decision times."""
+    async with regions(eu_central="ok") as up:
+        topo = proxy_topology({r: up[r].port for r in up})
+        async with start_front(topo) as front, client(front.url) as http:
+            front.runtime.writer.flush_interval = 60.0  # one window for both exchanges
+            await front.runtime.writer.flush()
+
+            async def slow_body() -> AsyncIterator[bytes]:
+                yield b"first half, "
+                await asyncio.sleep(0.4)
+                yield b"second half"
+
+            slow = asyncio.create_task(http.post("/v1/chat", content=slow_body(), headers=HEADERS))
+            await asyncio.sleep(0.15)
+            quick = await http.post("/v1/chat", content=b"q", headers=HEADERS)
+            assert not slow.done()
+            first = await slow
+            assert first.status_code == quick.status_code == 200
+            ids = [first.headers["x-gtm-decision-id"], quick.headers["x-gtm-decision-id"]]
+            assert parse_id(ids[0]).at_ms < parse_id(ids[1]).at_ms
+            rows = [await _rows(front.runtime, i) for i in ids]
+            assert len(rows[0]) == len(rows[1]) == 1
+            assert rows[0][0]["id"] == rows[1][0]["id"] and rows[0][0]["count"] == 2
