@@ -424,7 +424,7 @@ def audit_export(
     typer.echo(f"exported {n} row(s)", err=True)
 
 
-def _row_explained(row: dict[str, Any]) -> str:
+def explain_row(row: dict[str, Any]) -> str:
     """A row as a compliance reader wants it: the answer, then why every region was or was not
     it, then the versions that let the decision be replayed."""
     lines = [
@@ -469,7 +469,7 @@ def audit_show(
 
     rows = run_async(main)
     for row in rows:
-        typer.echo(json.dumps(row) if as_json else _row_explained(row))
+        typer.echo(json.dumps(row) if as_json else explain_row(row))
     if not rows:
         typer.echo(f"no audit row holds {decision_id} (yet)", err=True)
         raise typer.Exit(1)

@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from gtm import operator, shared_state
 from gtm.audit import query
 from gtm.audit.record import record_of
-from gtm.cli import render_decision
+from gtm.cli import explain_row, render_decision
 from gtm.fleet import Fleet
 from gtm.logs import configure
 from gtm.node import Node, run_node
@@ -219,6 +219,16 @@ async def serve_live(
         task.result()  # the node could not start: say why
     node = ready.result()
     try:
+        # The store outlives a run, and so would the drain the last run ended with (it holds
+        # for an hour): undo it, on the record, so a second run starts from a whole fleet.
+        for region in fleet.balancers:
+            await operator.clear(
+                node.runtime.engine,
+                region,
+                actor="demo",
+                reason="a new demo run starts from the whole fleet",
+                now=time.time(),
+            )
         await until_up(node, len(fleet.balancers))
         await asyncio.sleep(1.5)  # a round of pushed reports
         accepted = REGISTRY.get_sample_value(
@@ -226,7 +236,7 @@ async def serve_live(
         )
         print(f"capacity reports pushed by the balancers and accepted: {accepted or 0:.0f}")
         await show_dns(dns_port)
-        await show_http(http_port)
+        await show_http(http_port, settings.database_url)
         await show_failover(node, fleet, dns_port)
         print(
             f"\nTry: dig @127.0.0.1 -p {dns_port} chat.eu.gtm.example A "
@@ -288,13 +298,14 @@ async def show_dns(port: int) -> None:
         print(f"{name + ' ' + rdtype:<32} {subnet:<22} {shown(reply):<18} /{scope}")
 
 
-async def show_http(port: int) -> None:
+async def show_http(port: int, database_url: str) -> None:
     heading(f"HTTP front on 127.0.0.1:{port}: redirect, then the region's balancer answers")
     body = {
         "model": "llama-3-8b",
         "max_tokens": 6,
         "messages": [{"role": "user", "content": "Where is my data processed?"}],
     }
+    decision_ids: list[str] = []
     async with httpx.AsyncClient(timeout=30) as client:
         for host, client_ip, extra in (
             ("chat.eu.gtm.example", "8.8.8.8", {}),
@@ -304,6 +315,8 @@ async def show_http(port: int) -> None:
             headers = {"Host": host, "X-Forwarded-For": client_ip, **extra}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             first = await client.post(url, json=body, headers=headers)
+            if "x-gtm-decision-id" in first.headers:
+                decision_ids.append(first.headers["x-gtm-decision-id"])
             line = (
                 f"POST {host} from {client_ip}{' + ' + str(extra) if extra else ''}: "
                 f"{first.status_code}"
@@ -319,6 +332,27 @@ async def show_http(port: int) -> None:
                 line += f" {first.text[:120]}"
             print(line)
     await show_curl(port, body)
+    await show_decision_id(decision_ids[0], database_url)
+
+
+async def show_decision_id(decision_id: str, database_url: str) -> None:
+    """What a compliance reader does with the id a response named: its audit row."""
+    from gtm.audit.database import make_async_engine
+
+    print(f"\nWhy the first answer? gtm audit show {decision_id}")
+    engine = make_async_engine(database_url)
+    try:
+        for _ in range(30):  # the node writes its rows within a flush interval
+            rows = await query.find_decision(engine, decision_id)
+            if rows:
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        await engine.dispose()
+    for row in rows:
+        print(explain_row(row))
+    if not rows:
+        print("  (not in the audit store yet)")
 
 
 async def show_curl(port: int, body: dict[str, object]) -> None:
