@@ -40,6 +40,12 @@ from gtm.geoip import default_database_path  # noqa: E402
 PERIOD_US = 100_000
 
 
+def _enter(procs: Path, argv: list[str]) -> list[str]:
+    """``argv`` started inside the cgroup whose ``cgroup.procs`` is ``procs`` (its worker
+    processes inherit the group)."""
+    return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+
+
 class CpuGroup:
     """A CPU cgroup with a quota, v1 (``cpu`` controller) or v2 (``cpu.max``)."""
 
@@ -57,9 +63,7 @@ class CpuGroup:
         self.v2 = v2
 
     def wrap(self, argv: list[str]) -> list[str]:
-        """``argv`` started inside the group (its worker processes inherit it)."""
-        procs = self.path / "cgroup.procs"
-        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+        return _enter(self.path / "cgroup.procs", argv)
 
     def cpu_seconds(self) -> float:
         """CPU time used by the group (v2; on v1 see :func:`_cpuacct`)."""
@@ -135,9 +139,9 @@ def main() -> int:
             if args.database_url:
                 env["GTM_DATABASE_URL"] = args.database_url
             wrapped = groups[n].wrap(argv)
-            if accts[n] is not None:
-                acct_procs = accts[n] / "cgroup.procs"  # type: ignore[operator]
-                wrapped = ["sh", "-c", f'echo $$ > {acct_procs} && exec "$@"', "sh", *wrapped]
+            acct = accts[n]
+            if acct is not None:
+                wrapped = _enter(acct / "cgroup.procs", wrapped)
             procs[n] = subprocess.Popen(
                 wrapped, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
