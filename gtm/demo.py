@@ -332,7 +332,8 @@ async def show_http(port: int, database_url: str) -> None:
                 line += f" {first.text[:120]}"
             print(line)
     await show_curl(port, body)
-    await show_decision_id(decision_ids[0], database_url)
+    if decision_ids:
+        await show_decision_id(decision_ids[0], database_url)
 
 
 async def show_decision_id(decision_id: str, database_url: str) -> None:

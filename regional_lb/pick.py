@@ -130,13 +130,14 @@ def pick(
     Scores within ``params.tie_tolerance`` of the best candidate's own time for this
     request are treated as equal: learned speeds of identical GPUs differ by noise, and
     without a tolerance an idle pool would send every request to whichever looks a hair
-    faster. Equal candidates go round robin by ``req.tiebreak``. With an affinity key, the
-    key's instance is chosen instead while its score is within the load bound
-    (:mod:`regional_lb.affinity`). The window is a share of the
+    faster. Equal candidates go round robin by ``req.tiebreak``. The window is a share of the
     request's own time, not of the whole score: under load a score is mostly work already
     queued, and a window that grew with it (5% of a minute's queue is 3 s) let the tie-break
     override real differences in waiting time (on the mixed fleet, P99 1.20x the oracle's
     against 1.13-1.15x without it).
+
+    With an affinity key, the key's highest-ranked instance whose score is within the load
+    bound is chosen instead (:mod:`regional_lb.affinity`).
     """
     w = blend_weight(req.sigma, params)
     n = len(instances)
