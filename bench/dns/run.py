@@ -17,7 +17,11 @@ give the CPU cost of an answer: dnsperf itself needs most of a core at these rat
 maximum is partly the client's, and the cost per answer is what tells the servers apart. After
 the rounds, latency percentiles at 80% of each server's median maximum (open loop, every reply
 timed; dnsperf writes its per-query lines to a file, not a pipe this script would have to read
-meanwhile), in rounds too, also as a ratio to the bare ceiling's at its own 80%. Finally GTM's
+meanwhile), in rounds too, also as a ratio to the bare ceiling's at its own 80%. dnsperf times
+a reply when its receiving thread, which shares a core with its sending thread, gets to it: its
+tail is partly the client's. So each paced run also carries ``probe.py``'s queries (2,000 a
+second, inside the 80%), timed by the kernel's arrival stamp on each reply: the server's own
+queueing and answering, which is what the p99 target is about. Finally GTM's
 own count of the responses it sent (its metrics) is compared with the answers counted in its
 audit store after a graceful stop: they must be equal (DESIGN.md rule 2).
 
@@ -60,6 +64,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
+from typing import Any
 
 import dns.edns
 import dns.message
@@ -124,6 +129,21 @@ def write_sets(directory: Path, geoip: Path, subnets: int) -> dict[str, tuple[Pa
             ).to_wire()
             f.write(struct.pack("!H", len(wire)) + wire)
     return {"plain": (plain, False), "ecs": (binary, True)}
+
+
+def probe_file(data: Path, binary: bool) -> Path:
+    """The query set as length-prefixed wire messages, as :mod:`probe` reads them: ``data``
+    itself when it is already (dnsperf ``-B``), else its ``name type`` lines made into messages
+    the way dnsperf sends them (no EDNS)."""
+    if binary:
+        return data
+    wired = data.with_suffix(".probe.bin")
+    with wired.open("wb") as f:
+        for line in data.read_text().splitlines():
+            name, rdtype = line.split()[:2]
+            wire = dns.message.make_query(name, rdtype, use_edns=False).to_wire()
+            f.write(struct.pack("!H", len(wire)) + wire)
+    return wired
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -330,6 +350,46 @@ def dnsperf(
     return out.read_text()
 
 
+PROBE_RATE = 2000  # probe queries a second, part of the paced rate
+
+
+def paced_with_probe(
+    port: int, data: Path, binary: bool, seconds: float, out: Path, rate: int
+) -> tuple[str, dict[str, Any]]:
+    """dnsperf paced at ``rate`` - PROBE_RATE queries a second with ``probe.py`` sending the
+    rest from the same core meanwhile: dnsperf's per-query output and the probe's result."""
+    argv = [
+        "dnsperf",
+        *("-s", "127.0.0.1", "-p", str(port), "-d", str(data), "-l", str(seconds)),
+        *("-T", "1", "-c", "16", "-q", "200", "-t", str(TIMEOUT_S)),
+        *("-Q", str(max(1, rate - PROBE_RATE)), "-v"),
+    ]
+    if binary:
+        argv.append("-B")
+    # Real-time priority on the client core: the probe sends when due even while dnsperf is
+    # catching up after a stall (otherwise it would sample the worst moments least).
+    realtime = ["chrt", "-f", "10"] if shutil.which("chrt") and os.geteuid() == 0 else []
+    probe = [
+        *realtime,
+        sys.executable,
+        str(Path(__file__).with_name("probe.py")),
+        *(str(port), str(probe_file(data, binary))),
+        *("--rate", str(PROBE_RATE), "--seconds", str(seconds - 1)),
+    ]
+    with out.open("w") as f:
+        load = subprocess.Popen(pinned(CLIENT_CPU, argv), stdout=f)
+        try:
+            time.sleep(0.5)  # the probe runs inside dnsperf's run, not at its edges
+            result = subprocess.run(
+                pinned(CLIENT_CPU, probe), capture_output=True, text=True, timeout=seconds + 30
+            )
+        finally:
+            load.wait(timeout=seconds + 30)
+    if result.returncode != 0:
+        raise RuntimeError(f"probe failed: {result.stderr[-2000:]}")
+    return out.read_text(), json.loads(result.stdout)
+
+
 def field(output: str, label: str) -> float:
     for line in output.splitlines():
         if label in line:
@@ -364,19 +424,21 @@ def responses_sent(metrics_port: int) -> int:
     return sum(int(float(m.group(1))) for m in sample.finditer(text))
 
 
-def settled_responses_sent(metrics_port: int, limit_s: float = 60) -> int:
-    """:func:`responses_sent` once it stops moving: answers given from the cache reach the
-    metrics when the audit writer drains their tallies, up to a flush interval (or, on a loaded
-    core, a few) after the load stopped."""
-    last = -1
+def settled_responses_sent(metrics_port: int, database: Path, limit_s: float = 90) -> int:
+    """:func:`responses_sent` once the audit store has caught up with it. Answers given from
+    the cache reach the metrics when the audit writer drains their tallies, and the store when
+    that flush's rows are inserted; a flush of thousands of rows is paced over a second or more
+    on a loaded core, so "unchanged for a while" is not enough: wait until the two agree and
+    hold still, or until ``limit_s`` (the caller then reports the difference)."""
+    last = (-1, -1)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         time.sleep(1.5)
-        now = responses_sent(metrics_port)
-        if now == last:
+        now = (responses_sent(metrics_port), audited(database))
+        if now == last and now[0] == now[1]:
             break
         last = now
-    return last
+    return last[0]
 
 
 def audited(database: Path) -> int:
@@ -429,6 +491,8 @@ class Results:
     cost: dict[str, dict[str, list[float]]]  # server -> set -> CPU microseconds per answer
     # server -> set -> (p50, p99, mean, rate) per latency round
     paced: dict[str, dict[str, list[tuple[float, float, float, float]]]]
+    # server -> set -> the probe's kernel-timed (p50, p99, p99.9, lost) per latency round
+    probed: dict[str, dict[str, list[tuple[float, float, float, int]]]]
     served: dict[str, int]  # gtm servers (one worker): responses sent, by their metrics
     counted: dict[str, int]  # ... and answers counted in their audit store
     by_worker: dict[str, dict[str, int]]  # gtm servers with workers: answers counted per worker
@@ -442,6 +506,9 @@ def run_all(
     lost: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in sets} for s in servers}
     cost: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in sets} for s in servers}
     paced: dict[str, dict[str, list[tuple[float, float, float, float]]]] = {
+        s.name: {k: [] for k in sets} for s in servers
+    }
+    probed: dict[str, dict[str, list[tuple[float, float, float, int]]]] = {
         s.name: {k: [] for k in sets} for s in servers
     }
     checked = [s for s in servers if s.metrics_port is not None and "--workers" not in s.argv]
@@ -479,18 +546,26 @@ def run_all(
             for server in servers[shift:] + servers[:shift]:
                 for name, (data, binary) in sets.items():
                     rate = int(0.8 * statistics.median(peaks[server.name][name]))
-                    result = dnsperf(server.port, data, binary, min(args.seconds, 4), out, rate)
+                    result, probe = paced_with_probe(
+                        server.port, data, binary, max(args.seconds, 4), out, rate
+                    )
                     paced[server.name][name].append((*percentiles(result), rate))
+                    timed = probe["kernel_ms"]
+                    probed[server.name][name].append(
+                        (timed["p50"], timed["p99"], timed["p99.9"], probe["lost"])
+                    )
         for server in checked:
             assert server.metrics_port is not None
-            served[server.name] = settled_responses_sent(server.metrics_port)
+            served[server.name] = settled_responses_sent(
+                server.metrics_port, work / server.name / "bench.sqlite3"
+            )
     counted = {s.name: audited(work / s.name / "bench.sqlite3") for s in checked}
     by_worker = {
         s.name: audited_by_node(work / s.name / "bench.sqlite3")
         for s in servers
         if "--workers" in s.argv
     }
-    return Results(peaks, lost, cost, paced, served, counted, by_worker)
+    return Results(peaks, lost, cost, paced, probed, served, counted, by_worker)
 
 
 def report(results: Results, notes: dict[str, str], args: argparse.Namespace) -> None:
@@ -510,10 +585,13 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
         pairs = zip(cost["bare-python"][set_name], cost[a][set_name], strict=True)
         return f"{statistics.median(b / x for b, x in pairs):.2f}x"
 
-    def p99_ratio(a: str, set_name: str) -> str:
-        if "bare-python" not in results.paced:
+    def p99_ratio(a: str, set_name: str, by: str = "paced") -> str:
+        # dnsperf's p99 (by="paced") or the probe's (by="probed") over the bare ceiling's in
+        # the same latency round, then the median.
+        table: dict[str, dict[str, list[Any]]] = getattr(results, by)
+        if "bare-python" not in table:
             return "-"
-        pairs = zip(results.paced["bare-python"][set_name], results.paced[a][set_name], strict=True)
+        pairs = zip(table["bare-python"][set_name], table[a][set_name], strict=True)
         return f"{statistics.median(x[1] / b[1] for b, x in pairs):.2f}x"
 
     print(
@@ -522,24 +600,30 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
         f"{args.reports_per_s:g}/s; {args.rounds} rounds x {args.seconds:g} s, "
         "ratios per round then the median; latency paced at 80% of the median maximum "
         f"({args.latency_rounds} rounds, medians); "
-        "CPU us/answer: the server's user+system time over the answers of its peak runs"
+        "CPU us/answer: the server's user+system time over the answers of its peak runs; "
+        "p50/p99 ms@80%: dnsperf's timing; srv p99: the probe's, by the kernel's arrival stamps "
+        f"({PROBE_RATE}/s of the 80%)"
     )
     print(
         f"{'server':<16} {'set':<6} {'qps':>9} {'min-max':>11} {'lost':>5} {'us/ans':>7} "
-        f"{'p50 ms@80%':>11} {'p99 ms@80%':>11}  {'vs bare':>8} {'cpu vs bare':>11} "
-        f"{'p99 vs bare':>11} {'vs pdns':>8}  note"
+        f"{'p50 ms@80%':>11} {'p99 ms@80%':>11} {'srv p99':>8} {'srv p99.9':>9}  "
+        f"{'vs bare':>8} {'cpu vs bare':>11} {'p99 vs bare':>11} {'srv vs bare':>11} "
+        f"{'vs pdns':>8}  note"
     )
     for name, by_set in peaks.items():
         for set_name, rates in by_set.items():
             p50 = statistics.median(x[0] for x in results.paced[name][set_name])
             p99 = statistics.median(x[1] for x in results.paced[name][set_name])
+            srv99 = statistics.median(x[1] for x in results.probed[name][set_name])
+            srv999 = statistics.median(x[2] for x in results.probed[name][set_name])
             spread = f"{min(rates) / 1e3:.0f}k-{max(rates) / 1e3:.0f}k"
             print(
                 f"{name:<16} {set_name:<6} {statistics.median(rates):>9,.0f} {spread:>11} "
                 f"{max(results.lost[name][set_name]):>5.0f} "
-                f"{statistics.median(cost[name][set_name]):>7.2f} {p50:>11.3f} {p99:>11.3f}  "
+                f"{statistics.median(cost[name][set_name]):>7.2f} {p50:>11.3f} {p99:>11.3f} "
+                f"{srv99:>8.3f} {srv999:>9.3f}  "
                 f"{ratio(name, 'bare-python', set_name):>8} {cost_ratio(name, set_name):>11} "
-                f"{p99_ratio(name, set_name):>11} "
+                f"{p99_ratio(name, set_name):>11} {p99_ratio(name, set_name, 'probed'):>11} "
                 f"{ratio(name, 'powerdns-geoip', set_name):>8}  {notes[name]}"
             )
     for name, served in results.served.items():
@@ -619,6 +703,7 @@ def main() -> None:
                     "lost": results.lost,
                     "cpu_us_per_answer": results.cost,
                     "paced_p50_p99_mean_rate": results.paced,
+                    "probed_p50_p99_p999_lost": results.probed,
                     "served": results.served,
                     "audited": results.counted,
                     "audited_by_worker": results.by_worker,
