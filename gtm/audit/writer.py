@@ -359,6 +359,10 @@ class AuditWriter:
             rows = await self._in_io(self.spool.pending)
         total = len(rows) if batch is None else len(batch)
         if not total:
+            # Nothing in the spool, nor sealed: the next flush need not read the spool back.
+            # (Leaving the flag set made the flush after every quiet interval replay the whole
+            # spool, parsing each row back from JSON, on the answering path's core.)
+            self._backlog = False
             metrics.AUDIT_SPOOLED_ROWS.set(0)
             return 0
         written = 0
@@ -383,12 +387,16 @@ class AuditWriter:
                         written += stop - i
                         await slices.next()
                 else:
-                    todo = [r for r in rows if r["node_seq"] > have]
-                    for i in range(0, len(todo), _INSERT_BATCH):
-                        part = todo[i : i + _INSERT_BATCH]
-                        await conn.exec_driver_sql(sql, [_params(r) for r in part])
-                        await conn.commit()
-                        written += len(part)
+                    # A batch at a time, between rests, like the sealed rows: a replay after an
+                    # outage may hold many thousands. Rows the database has are skipped.
+                    for i in range(0, total, _INSERT_BATCH):
+                        part = [
+                            _params(r) for r in rows[i : i + _INSERT_BATCH] if r["node_seq"] > have
+                        ]
+                        if part:
+                            await conn.exec_driver_sql(sql, part)
+                            await conn.commit()
+                            written += len(part)
                         await slices.next()
         except (SQLAlchemyError, OSError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]

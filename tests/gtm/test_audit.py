@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from ipaddress import ip_address
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -165,6 +166,40 @@ async def test_replay_after_a_crash_does_not_duplicate(
     restarted = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"))
     await restarted.start()
     await restarted.stop()
+    assert await query.total_count(engine) == 4
+    assert (await query.verify(engine))[1] == []
+
+
+class CountingSpool(Spool):
+    """A real spool that counts how often the writer reads it back."""
+
+    reads = 0
+
+    def pending(self) -> list[dict[str, Any]]:
+        self.reads += 1
+        return super().pending()
+
+
+async def test_a_quiet_interval_does_not_make_the_next_flush_replay_the_spool(
+    engine: AsyncEngine,
+    snapshot: Snapshot,
+    tmp_path: Path,
+) -> None:
+    # Reading the spool back parses every row from JSON: it is for after an outage or a crash,
+    # not for the flush that follows a second without answers.
+    spool = CountingSpool(tmp_path / "spool", "node-a")
+    writer = AuditWriter(engine, "node-a", spool)
+    await writer.start()  # the first flush after a start does read it
+    started_reads = spool.reads
+    a, b, c = records(snapshot)
+    writer.count(a)
+    assert await writer.flush() == 1
+    assert await writer.flush() == 0  # a quiet interval
+    writer.count(b, 2)
+    writer.count(c)
+    assert await writer.flush() == 2
+    assert spool.reads == started_reads
+    await writer.stop()
     assert await query.total_count(engine) == 4
     assert (await query.verify(engine))[1] == []
 
