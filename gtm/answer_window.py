@@ -49,14 +49,24 @@ class AnswerWindow:
 
     def advance(self, snapshot: Snapshot, now: float) -> bool:
         """Move the window to ``snapshot`` at ``now``. True when the answers cached so far still
-        hold (same snapshot, or a successor in the same decision epoch, before the window
-        closed); False when the caller must drop them."""
+        hold; False when the caller must drop them.
+
+        The same snapshot holds until its window closes. A successor in the same decision
+        epoch decides as the cached answers' snapshot did up to the moment it was built (each
+        step of an epoch checked that no report had turned stale since the step before,
+        :meth:`Snapshot.evolve`), and from then on until one of its own reports turns stale:
+        however long nobody asked meanwhile. (Bounding it by the old window instead dropped
+        every cached answer after ten quiet seconds, although reports kept the epoch, and the
+        next burst of queries re-decided every client network at once.)"""
         old = self.snapshot
-        kept = (
-            old is not None
-            and now < self.until
-            and (snapshot is old or snapshot.epoch == old.epoch)
-        )
+        if snapshot is old:
+            kept = now < self.until
+        else:
+            kept = (
+                old is not None
+                and snapshot.epoch == old.epoch
+                and now < time_boundary(snapshot, snapshot.built_at)
+            )
         if snapshot is not old or not kept:
             self.snapshot = snapshot
             self.until = time_boundary(snapshot, now)

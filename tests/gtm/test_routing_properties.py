@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gtm.answer_window import time_boundary
+from gtm.answer_window import AnswerWindow, time_boundary
 from gtm.decision import Decision
 from gtm.geoip import GeoDatabase
 from gtm.policy import PolicyDocument, Verdict, compile_policy
@@ -319,11 +320,11 @@ def test_a_successor_in_the_same_epoch_decides_alike(
         snap.topology.routing.spillover,
     )
     successor = snap.evolve(arrived, capacity=capacity)
-    filled_until = time_boundary(snap, NOW)
-    if successor.epoch != snap.epoch or arrived >= filled_until:
-        event("new epoch or closed window")
-        return  # a new epoch, or the old window closed: the paths drop their caches
-    event("same epoch")
+    if successor.epoch != snap.epoch:
+        event("new epoch")
+        return  # the paths drop their caches
+    # However long after the old window closed the successor came (AnswerWindow.advance).
+    event("same epoch" if arrived < time_boundary(snap, NOW) else "same epoch, old window closed")
     until = time_boundary(successor, arrived)
     instants = [arrived, arrived + 0.001, min(until - 0.001, arrived + 60)]
     for client in CLIENTS:
@@ -335,8 +336,9 @@ def test_a_successor_in_the_same_epoch_decides_alike(
                     assert decide(req, successor, t) == cached, (client, t)
 
 
-def test_routine_reports_keep_the_epoch_and_decisive_ones_start_one(geo: GeoDatabase) -> None:
-    world = {
+def two_regions() -> dict[str, Any]:
+    """Two regions of one jurisdiction reporting capacity, stale after 10 s."""
+    return {
         "topology": {
             "zone": {
                 "apex": "t.example.",
@@ -358,6 +360,10 @@ def test_routine_reports_keep_the_epoch_and_decisive_ones_start_one(geo: GeoData
         "health": {}, "weights": {}, "capacity": {}, "client": CLIENTS[0], "ecs": False,
         "tenant": None, "extra_class": None,
     }  # fmt: skip
+
+
+def test_routine_reports_keep_the_epoch_and_decisive_ones_start_one(geo: GeoDatabase) -> None:
+    world = two_regions()
     snap = dataclasses.replace(build(world, geo)[0], built_at=NOW)
     spill = snap.topology.routing.spillover
 
@@ -383,3 +389,45 @@ def test_routine_reports_keep_the_epoch_and_decisive_ones_start_one(geo: GeoData
     # Health, weights, policy: always a new epoch.
     down = routine.evolve(NOW + 4, health={"r1": RegionHealth(HealthState.DOWN, NOW + 4)})
     assert down.epoch == down.version
+
+
+def test_cached_answers_outlive_a_quiet_spell_while_routine_reports_keep_the_epoch(
+    geo: GeoDatabase,
+) -> None:
+    """Answers cached, then nobody asks for 20 s (twice the staleness limit) while both regions
+    keep reporting routinely: the answers still hold, and the window keeps them. When a
+    region falls silent instead, its report turns stale in between and they are dropped."""
+    world = two_regions()
+    base, req = build(world, geo)
+    spill = base.topology.routing.spillover
+
+    def report(s: Snapshot, region: str, at: float) -> Snapshot:
+        cap = dict(s.capacity)
+        cap[region] = next_capacity(cap.get(region), 0.3 + (at % 3) / 10, at, True, spill)
+        return s.evolve(at, capacity=cap)
+
+    def reports(first: Snapshot, until: float, silent_from: float = math.inf) -> Snapshot:
+        snap, at = first, NOW + 2
+        while at <= until:
+            snap = report(snap, "r0", at)
+            if at < silent_from:
+                snap = report(snap, "r1", at)
+            at += 1
+        return snap
+
+    filled = report(report(dataclasses.replace(base, built_at=NOW), "r0", NOW), "r1", NOW + 1)
+    window = AnswerWindow()
+    assert not window.advance(filled, NOW + 1.5)  # the first snapshot: nothing cached yet
+    cached = decide(req, filled, NOW + 1.5)
+    assert window.until == NOW + 10  # r0's first report turns stale then
+
+    later = reports(filled, NOW + 21)
+    assert later.epoch == filled.epoch
+    assert window.advance(later, NOW + 21.5)
+    assert decide(req, later, NOW + 21.5) == cached
+
+    window = AnswerWindow()
+    window.advance(filled, NOW + 1.5)
+    quiet = reports(filled, NOW + 21, silent_from=NOW + 5)  # r1 stale from NOW + 14
+    assert quiet.epoch != filled.epoch
+    assert not window.advance(quiet, NOW + 21.5)
