@@ -38,17 +38,30 @@ class Spool:
 
     def pending(self) -> list[dict[str, Any]]:
         """Rows waiting for the database, in order. A torn last line (crash mid-write) is
-        dropped: it was never acknowledged as flushed."""
+        dropped, and cut from the file: it was never acknowledged as flushed, and rows appended
+        after it would otherwise run on from it into one unreadable line, lost to every later
+        replay."""
         try:
-            lines = self.path.read_bytes().splitlines()
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return []
         rows = []
-        for line in lines:
+        good = 0  # bytes up to the end of the last readable line
+        for line in data.split(b"\n"):
+            if not line:
+                good += 1
+                continue
             try:
                 rows.append(orjson.loads(line))
             except orjson.JSONDecodeError:
                 break
+            good += len(line) + 1
+        good = min(good, len(data))
+        if good < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
         return rows
 
     def clear(self) -> None:

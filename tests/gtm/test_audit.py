@@ -204,6 +204,33 @@ async def test_a_quiet_interval_does_not_make_the_next_flush_replay_the_spool(
     assert (await query.verify(engine))[1] == []
 
 
+async def test_rows_spooled_after_a_torn_line_are_not_lost(
+    engine: AsyncEngine,
+    snapshot: Snapshot,
+    tmp_path: Path,
+) -> None:
+    # A crash left half a line; then the database was away for a while, then back.
+    spool_dir = tmp_path / "spool"
+    tear(Spool(spool_dir, "node-a"))
+    dead = make_async_engine(DEAD_DB)
+    down = AuditWriter(dead, "node-a", Spool(spool_dir, "node-a"))
+    await down.start()
+    a, b, _ = records(snapshot)
+    down.count(a, 5)
+    assert await down.flush() == 0
+    await down.stop()
+    await dead.dispose()
+    assert [r["count"] for r in Spool(spool_dir, "node-a").pending()] == [5]
+
+    up = AuditWriter(engine, "node-a", Spool(spool_dir, "node-a"))
+    await up.start()  # replays the five
+    assert await up.flush() == 0  # a quiet interval
+    up.count(b)
+    await up.stop()
+    assert await query.total_count(engine) == down.counted + up.counted == 6
+    assert (await query.verify(engine))[1] == []
+
+
 async def test_two_nodes_keep_separate_chains(
     engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
 ) -> None:
