@@ -17,7 +17,7 @@ reading the clock and sending can only add to it.
 
 Queries come from a file of length-prefixed wire messages (dnsperf's ``-B`` format), sent in
 turn with fresh IDs. Prints one JSON object: samples, lost, and the kernel-timed and user-timed
-percentiles in milliseconds.
+percentiles in milliseconds (a lost query counts as the reply timeout, one second).
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def probe(port: int, queries: list[bytes], rate: float, seconds: float) -> dict[
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([sock], [], [], left)[0]:
+                # Counted at the timeout, as dnsperf counts its own: losses show in the tail.
                 lost += 1
+                kernel.append(REPLY_TIMEOUT_S * 1e3)
+                user.append(REPLY_TIMEOUT_S * 1e3)
                 break
             reply, ancillary, _flags, _addr = sock.recvmsg(4096, cmsg_space)
             seen_ns = time.time_ns()

@@ -383,11 +383,17 @@ def paced_with_probe(
             result = subprocess.run(
                 pinned(CLIENT_CPU, probe), capture_output=True, text=True, timeout=seconds + 30
             )
-        finally:
             load.wait(timeout=seconds + 30)
+        finally:
+            if load.poll() is None:  # the probe failed: no stray load on the next run
+                load.kill()
+                load.wait()
     if result.returncode != 0:
         raise RuntimeError(f"probe failed: {result.stderr[-2000:]}")
-    return out.read_text(), json.loads(result.stdout)
+    timed: dict[str, Any] = json.loads(result.stdout)
+    if not timed.get("samples"):
+        raise RuntimeError(f"the probe sent no queries: {result.stdout}")
+    return out.read_text(), timed
 
 
 def field(output: str, label: str) -> float:
@@ -626,6 +632,13 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
                 f"{p99_ratio(name, set_name):>11} {p99_ratio(name, set_name, 'probed'):>11} "
                 f"{ratio(name, 'powerdns-geoip', set_name):>8}  {notes[name]}"
             )
+    for name, probed_sets in results.probed.items():
+        for set_name, rounds in probed_sets.items():
+            if any(x[3] for x in rounds):
+                print(
+                    f"{name} {set_name}: the probe lost {sum(x[3] for x in rounds)} queries "
+                    "(counted at its 1 s timeout in srv p99)"
+                )
     for name, served in results.served.items():
         counted = results.counted[name]
         verdict = "equal" if served == counted else "DIFFERENT"
