@@ -9,6 +9,7 @@ last sequence number and hash, so a node continues its chain without asking the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -27,41 +28,40 @@ class Spool:
         self.state_path = directory / f"audit-{safe}.chain.json"
 
     def append(self, rows: list[dict[str, Any]]) -> None:
-        if not rows:
+        if rows:
+            lines = [orjson.dumps(r) + b"\n" for r in rows]
+            self.append_lines(lines, rows[-1]["node_seq"], rows[-1]["row_hash"])
+
+    def append_lines(self, lines: list[bytes], last_seq: int, last_hash: str) -> None:
+        """Append rows already rendered as JSON lines (each ending in a newline) and fsync,
+        then remember the chain's end (``last_seq``, ``last_hash``). A write torn by a crash
+        leaves a partial last line: the append starts a new line after it, so the torn line
+        never swallows the first row written after it."""
+        if not lines:
             return
-        data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
-        with open(self.path, "ab") as f:
-            f.write(data)
+        with open(self.path, "a+b") as f:  # writes go to the end whatever was read
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
-        self._save_state(rows[-1]["node_seq"], rows[-1]["row_hash"])
+        self._save_state(last_seq, last_hash)
 
     def pending(self) -> list[dict[str, Any]]:
-        """Rows waiting for the database, in order. A torn last line (crash mid-write) is
-        dropped, and cut from the file: it was never acknowledged as flushed, and rows appended
-        after it would otherwise run on from it into one unreadable line, lost to every later
-        replay."""
+        """Rows waiting for the database, in order. An unreadable line (a write torn by a
+        crash) is skipped: it was never acknowledged as flushed. Rows after it still count;
+        if rows were lost with it, the chain shows the gap (``gtm audit verify``)."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return []
         rows = []
-        good = 0  # bytes up to the end of the last readable line
-        for line in data.split(b"\n"):
-            if not line:
-                good += 1
-                continue
-            try:
-                rows.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                break
-            good += len(line) + 1
-        good = min(good, len(data))
-        if good < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
+        for line in data.splitlines():
+            if line:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    rows.append(orjson.loads(line))
         return rows
 
     def clear(self) -> None:

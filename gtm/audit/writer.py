@@ -442,13 +442,9 @@ class AuditWriter:
 
 
 def _append(spool: Spool, batch: _Batch) -> None:
-    """Append a batch's lines to the spool and fsync, as :meth:`Spool.append` does with row
-    dictionaries (the lines are those rows, rendered while sealing)."""
-    with open(spool.path, "ab") as f:
-        f.writelines(batch.lines)
-        f.flush()
-        os.fsync(f.fileno())
-    spool._save_state(batch.first_seq + len(batch) - 1, batch.hashes[-1])
+    """Append a batch's lines to the spool (the rows as :meth:`Spool.append` would write
+    them, rendered while sealing)."""
+    spool.append_lines(batch.lines, batch.first_seq + len(batch) - 1, batch.hashes[-1])
 
 
 def _set_nice(tid: int) -> None:

@@ -204,6 +204,15 @@ async def test_a_quiet_interval_does_not_make_the_next_flush_replay_the_spool(
     assert (await query.verify(engine))[1] == []
 
 
+def test_a_torn_spool_line_costs_only_itself(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", "node-a")
+    spool.append([{"node_seq": 1, "row_hash": "a"}])
+    tear(spool)  # a write cut short by a crash
+    spool.append([{"node_seq": 2, "row_hash": "b"}, {"node_seq": 3, "row_hash": "c"}])
+    assert [r["node_seq"] for r in spool.pending()] == [1, 2, 3]
+    assert spool.chain_state() == (3, "c")
+
+
 async def test_rows_spooled_after_a_torn_line_are_not_lost(
     engine: AsyncEngine,
     snapshot: Snapshot,
