@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
@@ -591,10 +591,9 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
         pairs = zip(cost["bare-python"][set_name], cost[a][set_name], strict=True)
         return f"{statistics.median(b / x for b, x in pairs):.2f}x"
 
-    def p99_ratio(a: str, set_name: str, by: str = "paced") -> str:
-        # dnsperf's p99 (by="paced") or the probe's (by="probed") over the bare ceiling's in
-        # the same latency round, then the median.
-        table: dict[str, dict[str, list[Any]]] = getattr(results, by)
+    def p99_ratio(table: Mapping[str, Mapping[str, Sequence[Any]]], a: str, set_name: str) -> str:
+        # A p99 (dnsperf's or the probe's: the second figure of each round's entry) over the
+        # bare ceiling's in the same latency round, then the median.
         if "bare-python" not in table:
             return "-"
         pairs = zip(table["bare-python"][set_name], table[a][set_name], strict=True)
@@ -629,7 +628,8 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
                 f"{statistics.median(cost[name][set_name]):>7.2f} {p50:>11.3f} {p99:>11.3f} "
                 f"{srv99:>8.3f} {srv999:>9.3f}  "
                 f"{ratio(name, 'bare-python', set_name):>8} {cost_ratio(name, set_name):>11} "
-                f"{p99_ratio(name, set_name):>11} {p99_ratio(name, set_name, 'probed'):>11} "
+                f"{p99_ratio(results.paced, name, set_name):>11} "
+                f"{p99_ratio(results.probed, name, set_name):>11} "
                 f"{ratio(name, 'powerdns-geoip', set_name):>8}  {notes[name]}"
             )
     for name, probed_sets in results.probed.items():
