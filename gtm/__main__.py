@@ -1,3 +1,3 @@
-from gtm.cli import app
+from gtm.cli.main import app
 
 app(prog_name="gtm")

@@ -25,8 +25,8 @@ from gtm import migrate, shared_state
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
-from gtm.cli_common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
-from gtm.cli_fleet import config_app, region_app
+from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.cli.fleet import config_app, region_app
 from gtm.errors import ConfigError, GTMError
 from gtm.listen import parse_listen
 from gtm.node import serve_forever, serve_workers

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import time
 from ipaddress import ip_address, ip_network
 from pathlib import Path
@@ -32,8 +31,8 @@ from pydantic import SecretStr
 from gtm import operator, shared_state
 from gtm.audit import query
 from gtm.audit.record import record_of
-from gtm.cli import explain_row, render_decision
-from gtm.fleet import Fleet
+from gtm.cli.main import explain_row, render_decision
+from gtm.demo.local_fleet import Fleet
 from gtm.logs import configure
 from gtm.node import Node, run_node
 from gtm.routing import Channel, Decision, DecisionRequest, decide
@@ -428,7 +427,3 @@ async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:
         change = f"{event.previous} -> {event.state}" if event.state else event.detail
         who = f" by {event.actor}: {event.reason}" if event.actor else ""
         print(f"  {event.node:<10} {event.region:<11} {event.kind:<9} {change}{who}")
-
-
-if __name__ == "__main__":
-    asyncio.run(main(once="--once" in sys.argv[1:]))

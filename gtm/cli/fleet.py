@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm import migrate, operator, shared_state
 from gtm.audit.database import make_async_engine
-from gtm.cli_common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.errors import ConfigError, GTMError
 from gtm.policy import policy_files
 from gtm.region_state import Force, Override, RegionBook, RegionEvent
