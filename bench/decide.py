@@ -41,11 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gtm.policy import PolicyDocument, compile_policy  # noqa: E402
-from gtm.routing import Channel, DecisionRequest, decide  # noqa: E402
+from gtm.decision.policy import PolicyDocument, compile_policy  # noqa: E402
+from gtm.decision.routing import Channel, DecisionRequest, decide  # noqa: E402
+from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity  # noqa: E402
 from gtm.runtime import build_snapshot  # noqa: E402
 from gtm.settings import Settings  # noqa: E402
-from gtm.snapshot import HealthState, RegionHealth, Snapshot, next_capacity  # noqa: E402
 
 NOW = 1_000_000.0
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.dns import run as dnsbench  # noqa: E402
 from bench.http import run as httpbench  # noqa: E402
-from gtm.geoip import default_database_path  # noqa: E402
+from gtm.decision.geoip import default_database_path  # noqa: E402
 
 PERIOD_US = 100_000
 

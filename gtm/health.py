@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gtm.snapshot import HealthState
+from gtm.decision.snapshot import HealthState
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from gtm.snapshot import HealthState, RegionHealth
+from gtm.decision.snapshot import HealthState, RegionHealth
 
 # When several states tie for the most fresh observations and the previous one is not among
 # them, the more cautious wins: down before draining before up.

@@ -24,19 +24,19 @@ from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.capacity import CapacityIntake
-from gtm.documents import parse_yaml
+from gtm.decision.documents import parse_yaml
+from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path
+from gtm.decision.policy import PolicySet, load_policy, parse_policies
+from gtm.decision.routing import spill_share
+from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
+from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
-from gtm.geoip import GeoDatabase, GeoIPSource, default_database_path
 from gtm.health import TargetHealth, Thresholds
-from gtm.policy import PolicySet, load_policy, parse_policies
 from gtm.probing import Prober
 from gtm.region_state import Composed, Observation, RegionBook, RegionEvent
-from gtm.routing import spill_share
 from gtm.settings import Settings
 from gtm.shared_state import Published
-from gtm.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
 from gtm.state_sync import StateSync
-from gtm.topology import Topology, load_topology, parse_topology
 from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gtm.documents import problems_from_validation
+from gtm.decision.documents import problems_from_validation
 from gtm.errors import ConfigError
 
 

@@ -27,8 +27,8 @@ from gtm.audit.schema import (
     region_events,
     region_overrides,
 )
+from gtm.decision.snapshot import HealthState
 from gtm.region_state import Force, Observation, Override, RegionEvent
-from gtm.snapshot import HealthState
 
 
 def _us(t: float) -> int:

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from gtm.geoip import GeoDatabase
-from gtm.policy import PolicySet, load_policy
-from gtm.snapshot import Snapshot
-from gtm.topology import Topology, load_topology
+from gtm.decision.geoip import GeoDatabase
+from gtm.decision.policy import PolicySet, load_policy
+from gtm.decision.snapshot import Snapshot
+from gtm.decision.topology import Topology, load_topology
 from tests.support.geoip import build_city_db
 from tests.support.postgres import postgres_database
 

@@ -75,8 +75,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common.capacity_push import REPORT_SECRET, ReportPusher  # noqa: E402
-from gtm.geoip import default_database_path  # noqa: E402
-from gtm.topology import load_topology  # noqa: E402
+from gtm.decision.geoip import default_database_path  # noqa: E402
+from gtm.decision.topology import load_topology  # noqa: E402
 
 SERVER_CPU, CLIENT_CPU = "0", "1"
 TIMEOUT_S = 2.0

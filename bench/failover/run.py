@@ -54,8 +54,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from gtm.decision.topology import load_topology  # noqa: E402
 from gtm.demo.local_fleet import Fleet  # noqa: E402
-from gtm.topology import load_topology  # noqa: E402
 
 SECRET = "bench-report-secret"
 REGION = "eu-central"

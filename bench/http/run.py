@@ -377,7 +377,7 @@ def main() -> int:
     for problem in problems:
         print(f"note: {problem}" + (" - nginx is left out" if "nginx" in problem else ""))
 
-    from gtm.geoip import default_database_path
+    from gtm.decision.geoip import default_database_path
 
     mmdb = default_database_path()
     cores = os.sched_getaffinity(0)

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from gtm.decision import Decision
-from gtm.snapshot import Versions
+from gtm.decision.model import Decision
+from gtm.decision.snapshot import Versions
 
 GENESIS = "0" * 64
 

@@ -18,12 +18,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gtm import migrate, operator, shared_state
 from gtm.audit.database import make_async_engine
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.decision.policy import policy_files
+from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
-from gtm.policy import policy_files
 from gtm.region_state import Force, Override, RegionBook, RegionEvent
 from gtm.runtime import documents_from_published, load_documents
 from gtm.settings import Settings
-from gtm.topology import Topology
 
 region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
 config_app = typer.Typer(help="Documents published to every node.", no_args_is_help=True)

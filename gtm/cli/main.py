@@ -27,14 +27,14 @@ from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.cli.fleet import config_app, region_app
+from gtm.decision.policy import json_schema, load_policy
+from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
+from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
+from gtm.decision.topology import load_topology, normalise_dns_name
 from gtm.errors import ConfigError, GTMError
 from gtm.listen import parse_listen
 from gtm.node import serve_forever, serve_workers
-from gtm.policy import json_schema, load_policy
-from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import build_snapshot
-from gtm.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
-from gtm.topology import load_topology, normalise_dns_name
 
 app = typer.Typer(
     help="GTM: global traffic manager for AI inference fleets.",

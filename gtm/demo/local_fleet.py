@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from gtm.topology import Topology
+from gtm.decision.topology import Topology
 
 MODEL = "llama-3-8b"
 

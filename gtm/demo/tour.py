@@ -32,14 +32,14 @@ from gtm import operator, shared_state
 from gtm.audit import query
 from gtm.audit.record import record_of
 from gtm.cli.main import explain_row, render_decision
+from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
+from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
+from gtm.decision.topology import load_topology
 from gtm.demo.local_fleet import Fleet
 from gtm.logs import configure
 from gtm.node import Node, run_node
-from gtm.routing import Channel, Decision, DecisionRequest, decide
 from gtm.runtime import Runtime
 from gtm.settings import Settings
-from gtm.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
-from gtm.topology import load_topology
 
 # Well-known addresses and where the 2018 GeoLite2-City data puts them.
 CLIENTS = [

@@ -1,4 +1,4 @@
-"""The HTTP front: the decision of :func:`gtm.routing.decide` answered over HTTP.
+"""The HTTP front: the decision of :func:`gtm.decision.routing.decide` answered over HTTP.
 
 For a request to a configured service host the front decides with the real client address
 (the peer, or what trusted proxies forward), the service's residency class, an

@@ -13,9 +13,9 @@ counted in the audit store (rule 2); the operational endpoints are not decisions
 Redirects are answered from memory twice over: a decision once made is rendered into an
 :class:`_Answer` (status, region, base URL and audit record) and reused for every request with the
 same decision inputs (host, method, client network and GeoIP bucket, residency classes, tenant)
-within one decision epoch (successor snapshots that decide alike, :mod:`gtm.answer_window`),
-until the next instant at which a decision can change with time alone (a capacity report
-turning stale). A first level keys the answer by the request's raw
+within one decision epoch (successor snapshots that decide alike,
+:mod:`gtm.decision.answer_window`), until the next instant at which a decision can change with time
+alone (a capacity report turning stale). A first level keys the answer by the request's raw
 inputs (method, peer, and the values of the headers the decision reads; credentials by the
 tenant they name), so a repeat skips the parsing as well. Only the path, query and decision id
 are per response. Answers given are tallied on the answer (an integer) and the audit writer
@@ -40,12 +40,15 @@ import httptools
 import structlog
 from prometheus_client import generate_latest
 
-from gtm.answer_window import AnswerWindow
 from gtm.audit.decision_id import id_tail, render_id
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.writer import Tally
 from gtm.capacity import Rejected
-from gtm.decision import Decision, IPAddress, Outcome, Status
+from gtm.decision.answer_window import AnswerWindow
+from gtm.decision.model import Decision, IPAddress, Outcome, Status
+from gtm.decision.routing import Channel, DecisionRequest, decide
+from gtm.decision.snapshot import Snapshot
+from gtm.decision.topology import Service
 from gtm.front.client_address import ForwardingError, TrustedProxies, client_address, parse_peer
 from gtm.front.metrics import FrontStats
 from gtm.front.proxy import BodyTooLarge, ClientGone, Forwarder, Target, read_body
@@ -60,10 +63,7 @@ from gtm.front.signals import (
     signals_of,
 )
 from gtm.metrics import CAPACITY_REPORTS
-from gtm.routing import Channel, DecisionRequest, decide
 from gtm.runtime import Runtime
-from gtm.snapshot import Snapshot
-from gtm.topology import Service
 
 log = structlog.get_logger(__name__)
 

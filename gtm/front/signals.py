@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from gtm.topology import Service, Topology
+from gtm.decision.topology import Service, Topology
 
 RESIDENCY_HEADER = b"x-data-residency"
 TENANT_HEADER = b"x-gtm-tenant"

@@ -5,7 +5,7 @@ never await: rate limit (UDP), look the exact query up, else parse, look the ren
 (or render it), patch in the ID, flags and question case, count it towards the audit. Rendered
 answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
 one decision epoch (successor snapshots that decide alike: routine capacity reports keep the
-caches, :mod:`gtm.answer_window`), and only until the next instant at which a decision can
+caches, :mod:`gtm.decision.answer_window`), and only until the next instant at which a decision can
 change with time alone: when one of the snapshot's capacity reports goes stale.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
@@ -28,18 +28,18 @@ from typing import Any
 
 import structlog
 
-from gtm.answer_window import AnswerWindow
 from gtm.audit.record import AuditRecord, zone_record
 from gtm.audit.writer import Tally
+from gtm.decision.answer_window import AnswerWindow
+from gtm.decision.routing import client_network
+from gtm.decision.snapshot import Snapshot
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
 from gtm.geodns.zone import answer, qtype_name, zone_data
 from gtm.listen import parse_listen
-from gtm.routing import client_network
 from gtm.runtime import Runtime
-from gtm.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +106,7 @@ class Responder:
         self.stats = stats
         self.rrl = rate_limiter
         self.clock = clock  # replaceable, as in tests
-        # The snapshot the caches below answer for, and until when (gtm.answer_window).
+        # The snapshot the caches below answer for, and until when (gtm.decision.answer_window).
         self._window = AnswerWindow()
         self._cache: dict[tuple[object, ...], _Cached] = {}
         # First level, per sender: the query bytes after the ID -> the entry. UDP senders by

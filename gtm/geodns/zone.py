@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
 from gtm.audit.record import AuditRecord, record_of, zone_record
-from gtm.decision import Channel, Decision, DecisionRequest, Outcome
+from gtm.decision.model import Channel, Decision, DecisionRequest, Outcome
+from gtm.decision.policy import DnsFailure
+from gtm.decision.routing import client_network, decide
+from gtm.decision.snapshot import Snapshot
+from gtm.decision.topology import Service, Topology, in_zone
 from gtm.geodns.render import (
     QUESTION_POINTER,
     OptOut,
@@ -30,10 +34,6 @@ from gtm.geodns.render import (
     soa_rdata,
 )
 from gtm.geodns.wire import QCLASS_ANY, QCLASS_IN, Qtype, Query, Rcode
-from gtm.policy import DnsFailure
-from gtm.routing import client_network, decide
-from gtm.snapshot import Snapshot
-from gtm.topology import Service, Topology, in_zone
 
 IPAddress = IPv4Address | IPv6Address
 

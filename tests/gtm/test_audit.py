@@ -20,8 +20,8 @@ from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.schema import decisions, metadata
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
-from gtm.routing import Channel, DecisionRequest, decide
-from gtm.snapshot import Snapshot
+from gtm.decision.routing import Channel, DecisionRequest, decide
+from gtm.decision.snapshot import Snapshot
 
 DEAD_DB = "postgresql://postgres@127.0.0.1:1/nothing"  # nothing listens on port 1
 

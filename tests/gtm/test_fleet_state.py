@@ -15,10 +15,10 @@ from sqlalchemy import func, select
 
 from gtm import operator, shared_state
 from gtm.audit.schema import region_events
+from gtm.decision.snapshot import HealthState
 from gtm.region_state import Force, Observation
 from gtm.runtime import Runtime
 from gtm.settings import Settings
-from gtm.snapshot import HealthState
 from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
 from tests.support.postgres import postgres_database
@@ -267,7 +267,7 @@ async def test_a_node_started_while_the_database_is_away_answers_and_migrates_wh
     from gtm.audit import query
     from gtm.audit.database import make_async_engine
     from gtm.audit.record import record_of
-    from gtm.routing import Channel, DecisionRequest, decide
+    from gtm.decision.routing import Channel, DecisionRequest, decide
 
     config, _ = balancers
     real = make_url(database_url)

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
-from gtm.decision import Channel, DecisionRequest, Outcome, Reason
-from gtm.routing import decide
+from gtm.decision.model import Channel, DecisionRequest, Outcome, Reason
+from gtm.decision.routing import decide
+from gtm.decision.snapshot import HealthState
 from gtm.runtime import Runtime
 from gtm.settings import Settings
-from gtm.snapshot import HealthState
 from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gtm.decision.snapshot import HealthState
 from gtm.region_state import (
     Force,
     Observation,
@@ -14,7 +15,6 @@ from gtm.region_state import (
     agree,
     in_force,
 )
-from gtm.snapshot import HealthState
 
 UP, DOWN, DRAINING, UNKNOWN = (
     HealthState.UP,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gtm.audit import query
 from gtm.audit.record import record_of
-from gtm.routing import Channel, DecisionRequest, decide
+from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES

@@ -148,7 +148,7 @@ def test_audit_tail_and_export(env: dict[str, str], tmp_path: Path) -> None:
         "from ipaddress import ip_address\n"
         "from gtm.settings import load_settings\nfrom gtm.runtime import Runtime\n"
         "from gtm.audit.record import record_of\n"
-        "from gtm.routing import DecisionRequest, Channel, decide\n"
+        "from gtm.decision.routing import DecisionRequest, Channel, decide\n"
         "async def main():\n"
         "    rt = Runtime(load_settings()); await rt.start()\n"
         "    for i in range(7):\n"

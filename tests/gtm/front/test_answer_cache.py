@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from gtm.snapshot import HealthState, RegionCapacity, RegionHealth
+from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth
 from tests.gtm.front.conftest import Front, FrontFactory, audit_rows, audited, demo_topology
 
 FRANKFURT = "198.51.100.7"

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from gtm.snapshot import HealthState
+from gtm.decision.snapshot import HealthState
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
 
 from .conftest import FrontFactory

@@ -14,8 +14,8 @@ import pytest
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, make_id, mark_of, parse_id
+from gtm.decision.snapshot import HealthState, RegionHealth
 from gtm.runtime import Runtime
-from gtm.snapshot import HealthState, RegionHealth
 from tests.conftest import ROOT
 from tests.gtm.front.conftest import FrontFactory
 from tests.gtm.front.test_proxy import HEADERS, client, proxy_topology, regions

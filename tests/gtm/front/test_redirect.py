@@ -13,8 +13,8 @@ import httpx
 import pytest
 import uvicorn
 
+from gtm.decision.snapshot import HealthState, RegionHealth
 from gtm.front.server import FrontServer, HeadLimits, serve_front
-from gtm.snapshot import HealthState, RegionHealth
 from tests.gtm.front.conftest import Front, FrontFactory, audit_rows, audited, demo_topology
 
 FRANKFURT = "198.51.100.7"

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
-from gtm.snapshot import HealthState, RegionCapacity, RegionHealth
+from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth
 
 from .conftest import StartNode, port_of, raw_udp, tcp, udp, write_topology
 

@@ -23,9 +23,9 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gtm.documents import parse_yaml, validate_document
+from gtm.decision.documents import parse_yaml, validate_document
+from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, Problem
-from gtm.topology import Topology
 
 
 class Action(StrEnum):

@@ -4,7 +4,7 @@ from ipaddress import ip_address, ip_network
 
 import pytest
 
-from gtm.routing import (
+from gtm.decision.routing import (
     Channel,
     DecisionRequest,
     Outcome,
@@ -16,8 +16,8 @@ from gtm.routing import (
     spill_point,
     spill_share,
 )
-from gtm.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
-from gtm.topology import Spillover
+from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
+from gtm.decision.topology import Spillover
 from tests.support.geoip import UNKNOWN_V4
 
 NOW = 1000.0

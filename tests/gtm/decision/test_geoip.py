@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gtm.decision.geoip import GeoDatabase, GeoIPSource
 from gtm.errors import GeoIPError
-from gtm.geoip import GeoDatabase, GeoIPSource
 from tests.support.geoip import UNKNOWN_V4, build_city_db
 
 

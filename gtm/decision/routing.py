@@ -15,7 +15,7 @@ steps follow DESIGN.md "The decision":
 6. outcome     the region, its addresses, a TTL and a verdict for every candidate
 
 Steps 1-4 do not depend on the individual client and are memoised per snapshot
-(:mod:`gtm.plan`); step 5 and the outcome are worked out per query.
+(:mod:`gtm.decision.plan`); step 5 and the outcome are worked out per query.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import math
 from collections.abc import Sequence
 from ipaddress import IPv4Network, IPv6Network
 
-from gtm.decision import (
+from gtm.decision.geoip import Location
+from gtm.decision.geometry import great_circle_km
+from gtm.decision.model import (
     Candidate,
     Channel,
     Decision,
@@ -36,10 +38,8 @@ from gtm.decision import (
     Reason,
     Status,
 )
-from gtm.geoip import Location
-from gtm.geometry import great_circle_km
-from gtm.plan import Head, Plan, decision_head, plan_for
-from gtm.snapshot import RegionView, Snapshot
+from gtm.decision.plan import Head, Plan, decision_head, plan_for
+from gtm.decision.snapshot import RegionView, Snapshot
 
 # The client network recorded in the audit log and hashed for spillover: /24 and /56 by default
 # (privacy: the audit never holds a full client address; stability: one resolver's clients move

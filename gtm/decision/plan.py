@@ -4,7 +4,8 @@ Within one snapshot, candidates, residency, health and ranking depend only on th
 residency classes, the tenant and the client's location, never on the individual client. A
 :class:`Plan` holds their result; :func:`plan_for` memoises plans on the snapshot so a query
 pays for a dictionary lookup instead of policy evaluation and great-circle arithmetic. Only
-capacity spillover, which hashes the client network, is left to each query (``gtm.routing``).
+capacity spillover, which hashes the client network, is left to each query
+(``gtm.decision.routing``).
 
 A plan can also depend on the clock: a fresh "cannot take work" report drops a region only until
 it goes stale. Each plan records the time window in which it holds.
@@ -16,12 +17,12 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from gtm.decision import Candidate, Outcome, Reason, Status
-from gtm.geoip import Location
-from gtm.geometry import UnitVector, chord_km, unit_vector
-from gtm.policy import DnsFailure, Verdict
-from gtm.snapshot import HealthState, RegionView, Snapshot
-from gtm.topology import Service
+from gtm.decision.geoip import Location
+from gtm.decision.geometry import UnitVector, chord_km, unit_vector
+from gtm.decision.model import Candidate, Outcome, Reason, Status
+from gtm.decision.policy import DnsFailure, Verdict
+from gtm.decision.snapshot import HealthState, RegionView, Snapshot
+from gtm.decision.topology import Service
 
 _PLAN_LIMIT = 50_000
 
@@ -69,7 +70,7 @@ def decision_head(
     candidates: tuple[Candidate, ...],
     ttl: int,
 ) -> Head:
-    """The fields of a :class:`~gtm.decision.Decision` before ``location``, in order."""
+    """The fields of a :class:`~gtm.decision.model.Decision` before ``location``, in order."""
     answer = outcome is Outcome.ANSWER
     failed = outcome is Outcome.FAIL_CLOSED or outcome is Outcome.DENIED
     return (

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gtm.decision.topology import load_topology, normalise_dns_name, parse_topology
 from gtm.errors import ConfigError
-from gtm.topology import load_topology, normalise_dns_name, parse_topology
 from tests.conftest import DEMO
 
 

@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from gtm.documents import read_yaml, validate_document
+from gtm.decision.documents import read_yaml, validate_document
 from gtm.errors import ConfigError, Problem
 
 RegionId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]

@@ -3,8 +3,8 @@ HTTP front) check before giving a cached answer.
 
 A decision is a pure function of (request, snapshot, now), so an answer cached from a snapshot
 holds until either the snapshot is replaced by one that decides differently (a new decision
-epoch, :attr:`gtm.snapshot.Snapshot.epoch`) or time alone changes a decision: a capacity report
-turning stale (DESIGN.md: stale reports are ignored). Successors in the same epoch (routine
+epoch, :attr:`gtm.decision.snapshot.Snapshot.epoch`) or time alone changes a decision: a capacity
+report turning stale (DESIGN.md: stale reports are ignored). Successors in the same epoch (routine
 capacity reports from healthy regions, several a second in a fleet) keep the cached answers.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from gtm.snapshot import Snapshot
+from gtm.decision.snapshot import Snapshot
 
 
 def time_boundary(snapshot: Snapshot, now: float) -> float:

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gtm.answer_window import AnswerWindow, time_boundary
-from gtm.decision import Decision
-from gtm.geoip import GeoDatabase
-from gtm.policy import PolicyDocument, Verdict, compile_policy
-from gtm.routing import Channel, DecisionRequest, Outcome, decide
-from gtm.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
-from gtm.topology import Service, parse_topology
+from gtm.decision.answer_window import AnswerWindow, time_boundary
+from gtm.decision.geoip import GeoDatabase
+from gtm.decision.model import Decision
+from gtm.decision.policy import PolicyDocument, Verdict, compile_policy
+from gtm.decision.routing import Channel, DecisionRequest, Outcome, decide
+from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
+from gtm.decision.topology import Service, parse_topology
 
 NOW = 10_000.0
 JURISDICTIONS = ["A", "B", "C"]

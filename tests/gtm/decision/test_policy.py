@@ -7,8 +7,8 @@ import jsonschema
 import pytest
 import yaml
 
+from gtm.decision.policy import Action, DnsFailure, json_schema, load_policy
 from gtm.errors import ConfigError
-from gtm.policy import Action, DnsFailure, json_schema, load_policy
 from tests.conftest import POLICIES
 
 EU = frozenset({"eu-west", "eu-central"})

@@ -14,10 +14,10 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from gtm.geoip import GeoDatabase
-from gtm.geometry import UnitVector, unit_vector
-from gtm.policy import PolicySet
-from gtm.topology import Service, Spillover, Topology
+from gtm.decision.geoip import GeoDatabase
+from gtm.decision.geometry import UnitVector, unit_vector
+from gtm.decision.policy import PolicySet
+from gtm.decision.topology import Service, Spillover, Topology
 
 
 class HealthState(StrEnum):
@@ -33,7 +33,7 @@ class RegionHealth:
     since: float  # unix seconds of the last state change
     detail: str = ""
     # Share of its clients a region being re-admitted after an outage has back (0..1); the
-    # rest stay where failover sent them (gtm.region_state, gtm.routing).
+    # rest stay where failover sent them (gtm.region_state, gtm.decision.routing).
     admitted: float = 1.0
 
 
@@ -121,16 +121,16 @@ class Snapshot:
     versions: Versions = field(init=False)
     regions: Mapping[str, RegionView] = field(init=False, repr=False)
     services: Mapping[str, Service] = field(init=False, repr=False)
-    # Memo of rankings (gtm.plan): they depend on the topology and the client's location only,
-    # so successors that keep the topology share it across health and capacity swaps.
+    # Memo of rankings (gtm.decision.plan): they depend on the topology and the client's location
+    # only, so successors that keep the topology share it across health and capacity swaps.
     ranks: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
-    # Memo of policy verdicts (gtm.plan), shared by successors that keep the policy.
+    # Memo of policy verdicts (gtm.decision.plan), shared by successors that keep the policy.
     verdicts: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
-    # Memo of routing plans (steps 1-4 of a decision, gtm.plan): derived from this snapshot
+    # Memo of routing plans (steps 1-4 of a decision, gtm.decision.plan): derived from this snapshot
     # alone; evolve() hands it on only where it stays true.
     plans: dict[Hashable, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
-    # Memo of spillover outcomes per plan (gtm.routing): they read this snapshot's capacity,
-    # so unlike plans they never carry over.
+    # Memo of spillover outcomes per plan (gtm.decision.routing): they read this snapshot's
+    # capacity, so unlike plans they never carry over.
     spills: dict[int, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -210,10 +210,10 @@ class Snapshot:
 def capacity_inputs(
     capacity: Mapping[str, RegionCapacity], spill: Spillover, at: float
 ) -> dict[str, tuple[bool, bool, bool, float | None]]:
-    """What decisions at ``at`` read of the capacity reports (gtm.plan, gtm.routing): per region
-    with a fresh report, whether it can take work, whether it is spilling, whether it is below
-    the high watermark (a spill target's check), and its utilisation only while spilling (the
-    spill share). Stale reports are ignored like absent ones."""
+    """What decisions at ``at`` read of the capacity reports (gtm.decision.plan,
+    gtm.decision.routing): per region with a fresh report, whether it can take work, whether it is
+    spilling, whether it is below the high watermark (a spill target's check), and its utilisation
+    only while spilling (the spill share). Stale reports are ignored like absent ones."""
     return {
         region: (
             c.can_take_work,

@@ -9,9 +9,9 @@ from enum import StrEnum
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import NamedTuple
 
-from gtm.geoip import Location
-from gtm.policy import DnsFailure
-from gtm.snapshot import Versions
+from gtm.decision.geoip import Location
+from gtm.decision.policy import DnsFailure
+from gtm.decision.snapshot import Versions
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network
