@@ -22,7 +22,7 @@ import structlog
 from prometheus_client import start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
-from gtm import migrate
+from gtm.audit import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister

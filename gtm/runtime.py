@@ -18,12 +18,12 @@ from pathlib import Path
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
-from gtm import metrics, migrate
+from gtm import metrics
+from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
-from gtm.capacity import CapacityIntake
 from gtm.decision.documents import parse_yaml
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path
 from gtm.decision.policy import PolicySet, load_policy, parse_policies
@@ -31,12 +31,13 @@ from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
 from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
-from gtm.health import TargetHealth, Thresholds
-from gtm.probing import Prober
-from gtm.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.fleet.capacity import CapacityIntake
+from gtm.fleet.health import TargetHealth, Thresholds
+from gtm.fleet.probing import Prober
+from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.fleet.shared_state import Published
+from gtm.fleet.state_sync import StateSync
 from gtm.settings import Settings
-from gtm.shared_state import Published
-from gtm.state_sync import StateSync
 from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)

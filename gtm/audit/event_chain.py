@@ -4,7 +4,7 @@ A decision row says which regions were eligible; the region events say why one w
 probe saw it down, an operator drained it, who and why). They are chained like the decisions,
 in one fleet-wide chain: a row's hash covers its content and the previous row's hash, so an
 edited, removed or reordered event breaks every later hash. Appends are serialised through a
-one-row chain head (see :func:`gtm.shared_state.append_events`); events are few, so one
+one-row chain head (see :func:`gtm.fleet.shared_state.append_events`); events are few, so one
 chain for the fleet costs nothing and reads in the order it was written.
 """
 

@@ -15,13 +15,14 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm import migrate, operator, shared_state
+from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.decision.policy import policy_files
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
-from gtm.region_state import Force, Override, RegionBook, RegionEvent
+from gtm.fleet import operator, shared_state
+from gtm.fleet.region_state import Force, Override, RegionBook, RegionEvent
 from gtm.runtime import documents_from_published, load_documents
 from gtm.settings import Settings
 

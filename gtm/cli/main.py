@@ -21,8 +21,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from gtm import migrate, shared_state
-from gtm.audit import query
+from gtm.audit import migrate, query
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
@@ -32,6 +31,7 @@ from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology, normalise_dns_name
 from gtm.errors import ConfigError, GTMError
+from gtm.fleet import shared_state
 from gtm.listen import parse_listen
 from gtm.node import serve_forever, serve_workers
 from gtm.runtime import build_snapshot

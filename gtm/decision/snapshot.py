@@ -33,7 +33,7 @@ class RegionHealth:
     since: float  # unix seconds of the last state change
     detail: str = ""
     # Share of its clients a region being re-admitted after an outage has back (0..1); the
-    # rest stay where failover sent them (gtm.region_state, gtm.decision.routing).
+    # rest stay where failover sent them (gtm.fleet.region_state, gtm.decision.routing).
     admitted: float = 1.0
 
 

@@ -28,7 +28,6 @@ import httpx
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
-from gtm import operator, shared_state
 from gtm.audit import query
 from gtm.audit.record import record_of
 from gtm.cli.main import explain_row, render_decision
@@ -36,6 +35,7 @@ from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology
 from gtm.demo.local_fleet import Fleet
+from gtm.fleet import operator, shared_state
 from gtm.logs import configure
 from gtm.node import Node, run_node
 from gtm.runtime import Runtime

@@ -43,12 +43,12 @@ from prometheus_client import generate_latest
 from gtm.audit.decision_id import id_tail, render_id
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.writer import Tally
-from gtm.capacity import Rejected
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.model import Decision, IPAddress, Outcome, Status
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
+from gtm.fleet.capacity import Rejected
 from gtm.front.client_address import ForwardingError, TrustedProxies, client_address, parse_peer
 from gtm.front.metrics import FrontStats
 from gtm.front.proxy import BodyTooLarge, ClientGone, Forwarder, Target, read_body

@@ -1,10 +1,13 @@
 """The authoritative GeoDNS responder.
 
-``wire``    parsing queries (the one parse function listeners and the fuzzer share)
-``render``  writing responses
-``zone``    the authoritative answer for a query, from the snapshot (pure)
-``cache``   rendered answers reused per name, type, client bucket and snapshot
-``ratelimit`` response rate limiting per client network, with slip
-``stats``   counters, exported to Prometheus at scrape time
-``server``  the UDP and TCP listeners
+``wire``       parsing queries (the one parse function listeners and the fuzzer share)
+``render``     writing responses: the record types an authority for GTM serves, OPT, truncation
+``zone``       the authoritative answer for a query, from the snapshot (pure)
+``ratelimit``  response rate limiting per client network, with slip
+``stats``      counters, exported to Prometheus at scrape time
+``server``     the UDP and TCP listeners and the rendered-answer caches
+
+It may import ``gtm.decision``, ``gtm.audit`` (counting answers) and ``gtm.runtime`` (the
+snapshot store and the audit writer it answers from); never ``gtm.front`` or ``gtm.cli``. A new
+record type is parsed in ``wire``, answered in ``zone`` and written in ``render``.
 """

@@ -3,7 +3,7 @@
 Every GTM node of a deployment uses the same database (SQLite for one node, PostgreSQL for
 several). Nodes write their own health observations and region events here and read their
 peers' observations, the operators' overrides and the newest published documents on each sync
-(:mod:`gtm.state_sync`); the CLI writes overrides and documents. Times are stored as unix
+(:mod:`gtm.fleet.state_sync`); the CLI writes overrides and documents. Times are stored as unix
 microseconds, like the audit log.
 """
 
@@ -28,7 +28,7 @@ from gtm.audit.schema import (
     region_overrides,
 )
 from gtm.decision.snapshot import HealthState
-from gtm.region_state import Force, Observation, Override, RegionEvent
+from gtm.fleet.region_state import Force, Observation, Override, RegionEvent
 
 
 def _us(t: float) -> int:

@@ -14,8 +14,9 @@ from gtm.audit.database import make_sync_engine, sync_url
 
 def _script_location() -> Path:
     # Installed wheels carry the migrations inside the package; a checkout has them at the top.
-    packaged = Path(__file__).parent / "migrations"
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "migrations"
+    package = Path(__file__).resolve().parents[1]
+    packaged = package / "migrations"
+    return packaged if packaged.is_dir() else package.parent / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:

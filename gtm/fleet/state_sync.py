@@ -2,11 +2,11 @@
 
 Every ``interval_s`` (0.5 s by default) a node writes its own health observations and any
 region events it has queued, then reads its peers' fresh observations, the operators'
-overrides and the id of the newest published documents; the :class:`~gtm.region_state.RegionBook`
-then composes the state in force and the runtime swaps a snapshot if it changed. Version polling
-rather than PostgreSQL LISTEN/NOTIFY: one code path for SQLite and PostgreSQL, a bound on how
-late a change arrives (one interval) that meets the 2-second target, and nothing to re-arm after
-a lost connection.
+overrides and the id of the newest published documents; the
+:class:`~gtm.fleet.region_state.RegionBook` then composes the state in force and the runtime swaps a
+snapshot if it changed. Version polling rather than PostgreSQL LISTEN/NOTIFY: one code path for
+SQLite and PostgreSQL, a bound on how late a change arrives (one interval) that meets the 2-second
+target, and nothing to re-arm after a lost connection.
 
 When the database is away the node keeps answering from what it has: its own probes go on
 deciding (its peers' observations age out, so it decides alone), queued events wait in memory,
@@ -25,9 +25,9 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm import shared_state
-from gtm.region_state import Composed, Observation, RegionBook, RegionEvent
-from gtm.shared_state import Published
+from gtm.fleet import shared_state
+from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.fleet.shared_state import Published
 
 log = structlog.get_logger(__name__)
 

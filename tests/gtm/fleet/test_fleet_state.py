@@ -13,10 +13,10 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from gtm import operator, shared_state
 from gtm.audit.schema import region_events
 from gtm.decision.snapshot import HealthState
-from gtm.region_state import Force, Observation
+from gtm.fleet import operator, shared_state
+from gtm.fleet.region_state import Force, Observation
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
@@ -263,8 +263,7 @@ async def test_a_node_started_while_the_database_is_away_answers_and_migrates_wh
 
     from sqlalchemy.engine import make_url
 
-    from gtm import migrate
-    from gtm.audit import query
+    from gtm.audit import migrate, query
     from gtm.audit.database import make_async_engine
     from gtm.audit.record import record_of
     from gtm.decision.routing import Channel, DecisionRequest, decide

@@ -13,8 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import delete, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm import migrate
-from gtm.audit import query
+from gtm.audit import migrate, query
 from gtm.audit.database import make_async_engine, make_sync_engine
 from gtm.audit.record import AuditRecord, record_of
 from gtm.audit.schema import decisions, metadata

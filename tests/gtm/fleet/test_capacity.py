@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gtm.capacity import CapacityIntake, Rejected
+from gtm.fleet.capacity import CapacityIntake, Rejected
 from regional_lb.capacity_report import CapacityReport, sign
 
 SECRET = b"s3cret"

@@ -21,8 +21,8 @@ import httpx
 import structlog
 
 from gtm import metrics
-from gtm.capacity import CapacityIntake, Rejected
-from gtm.health import TargetHealth, Thresholds, observe
+from gtm.fleet.capacity import CapacityIntake, Rejected
+from gtm.fleet.health import TargetHealth, Thresholds, observe
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport
 
 log = structlog.get_logger(__name__)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gtm.decision.snapshot import HealthState
-from gtm.region_state import (
+from gtm.fleet.region_state import (
     Force,
     Observation,
     Override,

@@ -2,7 +2,7 @@
 
 Changes go to the shared database (``region_overrides``, one row per region, and an event in
 ``region_events`` in the same transaction); every node picks them up on its next state sync
-(:mod:`gtm.state_sync`, half a second by default). The CLI calls these now; the admin API will
+(:mod:`gtm.fleet.state_sync`, half a second by default). The CLI calls these now; the admin API will
 call the same functions.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm import shared_state
-from gtm.region_state import Force, Override
+from gtm.fleet import shared_state
+from gtm.fleet.region_state import Force, Override
 
 # Where a change is made from, in the events' node column: not one of the serving nodes.
 OPERATOR_NODE = "operator"

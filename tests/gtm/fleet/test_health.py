@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from gtm.decision.snapshot import HealthState
-from gtm.health import TargetHealth, Thresholds, observe
+from gtm.fleet.health import TargetHealth, Thresholds, observe
 
 T = Thresholds(rise=2, fall=3)
 

@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm import migrate, shared_state
+from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.audit.schema import region_events
-from gtm.region_state import Override, RegionEvent
+from gtm.fleet import shared_state
+from gtm.fleet.region_state import Override, RegionEvent
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
