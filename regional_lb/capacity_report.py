@@ -38,7 +38,8 @@ class CapacityReport(BaseModel):
         ge=0,
         description=(
             "share of the region's throughput ceiling in use (batching, KV cache), above 1 by "
-            "the work queued at the balancer and the instances; 0..2 (regional_lb.utilisation)"
+            "the work queued at the balancer and the instances; 0..2 "
+            "(regional_lb.balancing.utilisation)"
         ),
     )
     queue_depth: dict[str, int] = Field(default_factory=dict)

@@ -22,9 +22,9 @@ from typing import Annotated, Any
 
 import typer
 
+from regional_lb.balancing.gpus import GPUS, profile
 from regional_lb.config import ReportSettings, load_config, split_listen
 from regional_lb.errors import ConfigError
-from regional_lb.gpus import GPUS, profile
 from regional_lb.logs import configure as configure_logs
 
 app = typer.Typer(
@@ -98,9 +98,9 @@ def serve(
 
 async def _serve(cfg: object, host: str, port: int, secret: bytes | None, grace: float) -> None:
     from regional_lb.config import BalancerConfig
-    from regional_lb.pool import Pool
-    from regional_lb.proxy import create_app
-    from regional_lb.serving import bind, make_server
+    from regional_lb.protocol.serving import bind, make_server
+    from regional_lb.proxy.app import create_app
+    from regional_lb.upstream.pool import Pool
 
     assert isinstance(cfg, BalancerConfig)
     app_ = create_app(cfg, secret)
@@ -159,8 +159,8 @@ def sim_backend(
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
     """Run a simulated OpenAI-compatible inference server (no GPU needed)."""
-    from regional_lb.sim_backend import serve as serve_sim
-    from regional_lb.sim_engine import EngineConfig
+    from regional_lb.sim.engine import EngineConfig
+    from regional_lb.sim.server import serve as serve_sim
 
     try:
         host, port = _listen(listen)

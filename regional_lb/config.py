@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from regional_lb.balancing.gpus import GPUS
 from regional_lb.errors import ConfigError
-from regional_lb.gpus import GPUS
 
 
 class _Strict(BaseModel):
@@ -87,7 +87,7 @@ class HealthConfig(_Strict):
 
 
 class AffinityConfig(_Strict):
-    """Session or prompt-prefix affinity (regional_lb.affinity): off by default."""
+    """Session or prompt-prefix affinity (regional_lb.balancing.affinity): off by default."""
 
     mode: Literal["none", "session", "prefix"] = "none"
     # session: the header naming the conversation (else the body's OpenAI "user" field).

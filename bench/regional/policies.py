@@ -1,8 +1,8 @@
 """Routing policies compared by the benchmark: the baselines, ours (the balancer's own
-:func:`regional_lb.pick.pick`), and an oracle that knows every request's exact cost.
+:func:`regional_lb.balancing.pick.pick`), and an oracle that knows every request's exact cost.
 
 A policy sees the fleet the way a balancer would: its own accounting of what it sent where
-(:class:`regional_lb.instance.InstanceState`), each instance's declared speed, and nothing
+(:class:`regional_lb.balancing.instance.InstanceState`), each instance's declared speed, and nothing
 else. Only the oracle reads the simulator's true remaining work.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from regional_lb.cost import ErrorTracker
-from regional_lb.instance import InstanceState
-from regional_lb.pick import PickParams, PickRequest, pick
+from regional_lb.balancing.cost import ErrorTracker
+from regional_lb.balancing.instance import InstanceState
+from regional_lb.balancing.pick import PickParams, PickRequest, pick
 
 
 class ServerView(Protocol):

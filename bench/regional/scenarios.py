@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from regional_lb.gpus import batch_throughput, profile
+from regional_lb.balancing.gpus import batch_throughput, profile
 
 
 @dataclass(frozen=True, slots=True)

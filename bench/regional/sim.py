@@ -1,7 +1,7 @@
 """Discrete-event simulator: seeded Poisson arrivals routed by a policy to simulated
 continuous-batching instances. Deterministic for a given (scenario, load, policy, seed).
 
-The balancer's bookkeeping (:class:`regional_lb.instance.InstanceState`: add on dispatch,
+The balancer's bookkeeping (:class:`regional_lb.balancing.instance.InstanceState`: add on dispatch,
 re-estimate while running, release on completion) is the real code, kept for every policy, so
 ``ours`` runs exactly the function the proxy runs. Arrivals, true costs and estimation errors
 depend only on the seed, so every policy sees the same requests.
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from bench.regional.policies import Fleet, Policy
 from bench.regional.scenarios import Scenario, ServerSpec
-from regional_lb.admission import PoolLoad, TierSpec, predicted_wait, retry_after_for
-from regional_lb.cost import ErrorTracker
-from regional_lb.instance import InstanceState, SpeedLearner
+from regional_lb.balancing.admission import PoolLoad, TierSpec, predicted_wait, retry_after_for
+from regional_lb.balancing.cost import ErrorTracker
+from regional_lb.balancing.instance import InstanceState, SpeedLearner
 
 WARMUP_SHARE = 0.05  # the first requests fill the pipes and teach the learners; not measured
 
@@ -199,7 +199,8 @@ def simulate(
 
     def refresh_estimates(now: float) -> None:
         # While a request runs the balancer re-estimates what is left from the tokens it has
-        # seen (regional_lb.cost.CostEstimator.remaining); progress here is the true work done.
+        # seen (regional_lb.balancing.cost.CostEstimator.remaining); progress here is the true work
+        # done.
         for i, srv in enumerate(servers):
             srv.advance(now)
             st = states[i]

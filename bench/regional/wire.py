@@ -7,8 +7,8 @@ balancer pinned to its own core, instances and load generator on the other), the
 open-loop Poisson traffic at a moderate rate, each request going at random either straight to
 an instance or through the balancer, so both paths are measured in the same run under the
 same conditions. The load generator is the balancer's own lean HTTP/1.1 client
-(:mod:`regional_lb.h1client`): an httpx client costs ~0.5 ms of CPU per request, noise of the
-size being measured.
+(:mod:`regional_lb.upstream.h1client`): an httpx client costs ~0.5 ms of CPU per request, noise of
+the size being measured.
 
 What the balancer adds is given three ways:
 
@@ -44,10 +44,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from regional_lb.balancing.cost import RequestShape
 from regional_lb.config import parse_config
-from regional_lb.cost import RequestShape
-from regional_lb.h1client import H1Client
-from regional_lb.pool import Pool
+from regional_lb.upstream.h1client import H1Client
+from regional_lb.upstream.pool import Pool
 
 BODY = json.dumps(
     {

@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
+from regional_lb.balancing.gpus import profile
 from regional_lb.config import BalancerConfig, parse_config
-from regional_lb.gpus import profile
-from regional_lb.pool import Pool
-from regional_lb.proxy import create_app
-from regional_lb.serving import running
-from regional_lb.sim_backend import create_app as create_sim
-from regional_lb.sim_engine import Engine, EngineConfig
+from regional_lb.protocol.serving import running
+from regional_lb.proxy.app import create_app
+from regional_lb.sim.engine import Engine, EngineConfig
+from regional_lb.sim.server import create_app as create_sim
+from regional_lb.upstream.pool import Pool
 
 SPEEDUP = 20.0  # a simulated A100 token takes 1 ms
 

@@ -16,16 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from regional_lb.admission import AdmissionController, PoolLoad, TierSpec, TokenBucket
+from regional_lb.balancing.admission import AdmissionController, PoolLoad, TierSpec, TokenBucket
+from regional_lb.balancing.cost import CostEstimator, ModelCoefficients, RequestShape
+from regional_lb.balancing.gpus import GPUS, profile
+from regional_lb.balancing.health import EjectionParams, record_failure, record_success
+from regional_lb.balancing.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
+from regional_lb.balancing.pick import PickParams, PickRequest, pick
+from regional_lb.balancing.utilisation import pool_utilisation
 from regional_lb.capacity_report import CapacityReport, ModelAvailability
 from regional_lb.config import BalancerConfig, InstanceConfig, ModelConfig
-from regional_lb.cost import CostEstimator, ModelCoefficients, RequestShape
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
-from regional_lb.gpus import GPUS, profile
-from regional_lb.health import EjectionParams, record_failure, record_success
-from regional_lb.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
-from regional_lb.pick import PickParams, PickRequest, pick
-from regional_lb.utilisation import pool_utilisation
 
 # ok: completed (its actual cost teaches the estimator and the speed learner);
 # upstream_error: 5xx, timeout, stall or broken stream (counts towards ejection);
@@ -237,8 +237,8 @@ class Pool:
         return cost
 
     def refresh_speed_anchor(self) -> float:
-        """Recompute the fleet's :func:`regional_lb.instance.speed_anchor` (on completions;
-        routing reads the cached value)."""
+        """Recompute the fleet's :func:`regional_lb.balancing.instance.speed_anchor` (on
+        completions; routing reads the cached value)."""
         self._speed_anchor = speed_anchor(self.instances)
         return self._speed_anchor
 
@@ -265,7 +265,7 @@ class Pool:
 
     def route(self, shape: RequestShape, cost: float, affinity: int | None = None) -> Lease:
         """Pick an instance and lease it. ``affinity``: a session's or prompt prefix's key
-        (:mod:`regional_lb.affinity`), honoured under the load bound."""
+        (:mod:`regional_lb.balancing.affinity`), honoured under the load bound."""
         if not self.known_model(shape.model):
             raise RequestError(
                 404,
@@ -316,7 +316,7 @@ class Pool:
         )
 
     def utilisation(self) -> float:
-        """The region's utilisation (:mod:`regional_lb.utilisation`)."""
+        """The region's utilisation (:mod:`regional_lb.balancing.utilisation`)."""
         depth = sum(self.admission.depth().values())
         return pool_utilisation(self.serving(), depth, self.clock(), self.params)
 

@@ -12,9 +12,9 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from regional_lb.admission import retry_after_header
+from regional_lb.balancing.admission import retry_after_header
 from regional_lb.errors import RequestError
-from regional_lb.openai_io import error_body
+from regional_lb.protocol.openai_io import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

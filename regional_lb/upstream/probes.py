@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import structlog
 
-from regional_lb.balancer_metrics import BalancerMetrics
+from regional_lb.balancing.health import busy_not_stuck, record_probe
+from regional_lb.balancing.instance import InstanceState
 from regional_lb.capacity_report import SIGNATURE_HEADER, sign
-from regional_lb.health import busy_not_stuck, record_probe
-from regional_lb.instance import InstanceState
-from regional_lb.load_signals import LoadSignal, parse_metrics
-from regional_lb.pool import Pool
+from regional_lb.metrics import BalancerMetrics
+from regional_lb.upstream.load_signals import LoadSignal, parse_metrics
+from regional_lb.upstream.pool import Pool
 
 log = structlog.get_logger("regional_lb")
 

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from regional_lb.cost import ModelCoefficients
-from regional_lb.instance import InstanceState
+from regional_lb.balancing.cost import ModelCoefficients
+from regional_lb.balancing.instance import InstanceState
 
 # The pick runs in microseconds; the buckets must resolve that range.
 PICK_BUCKETS = (5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)

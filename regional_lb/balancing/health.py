@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from regional_lb.instance import InstanceState
+from regional_lb.balancing.instance import InstanceState
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from regional_lb.balancing.gpus import GpuProfile
 from regional_lb.errors import RegionalError
-from regional_lb.gpus import GpuProfile
 
 
 class UnknownModel(RegionalError):

@@ -19,8 +19,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from regional_lb.affinity import rank
-from regional_lb.instance import InstanceState
+from regional_lb.balancing.affinity import rank
+from regional_lb.balancing.instance import InstanceState
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class PickParams:
     # count as equal (see pick()).
     tie_tolerance: float = 0.05
     # Session / prefix affinity holds while the affine instance's score is within this many
-    # times the mean score of the eligible instances (regional_lb.affinity).
+    # times the mean score of the eligible instances (regional_lb.balancing.affinity).
     affinity_bound: float = 1.25
 
 
@@ -49,7 +49,7 @@ class PickRequest:
     # Rotates the order in which exact ties are broken (e.g. the request number), so an idle
     # pool does not send everything to the first instance in the list.
     tiebreak: int = 0
-    # A session's or prompt prefix's key (regional_lb.affinity.key_of), or None.
+    # A session's or prompt prefix's key (regional_lb.balancing.affinity.key_of), or None.
     affinity: int | None = None
 
 
@@ -137,7 +137,7 @@ def pick(
     against 1.13-1.15x without it).
 
     With an affinity key, the key's highest-ranked instance whose score is within the load
-    bound is chosen instead (:mod:`regional_lb.affinity`).
+    bound is chosen instead (:mod:`regional_lb.balancing.affinity`).
     """
     w = blend_weight(req.sigma, params)
     n = len(instances)

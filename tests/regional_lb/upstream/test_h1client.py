@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from regional_lb.h1client import ConnectFailed, H1Client, HopBroken, HopTimeout
+from regional_lb.upstream.h1client import ConnectFailed, H1Client, HopBroken, HopTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

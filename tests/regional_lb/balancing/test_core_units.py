@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from regional_lb.admission import (
+from regional_lb.balancing.admission import (
     AdmissionController,
     PoolLoad,
     TierSpec,
@@ -18,16 +18,22 @@ from regional_lb.admission import (
     predicted_wait,
     retry_after_header,
 )
+from regional_lb.balancing.cost import (
+    CostEstimator,
+    ModelCoefficients,
+    RequestShape,
+    estimate_tokens,
+)
+from regional_lb.balancing.instance import SpeedLearner
 from regional_lb.capacity_report import CapacityReport, ModelAvailability, sign, verify
 from regional_lb.cli import app
 from regional_lb.config import load_config, parse_config
-from regional_lb.cost import CostEstimator, ModelCoefficients, RequestShape, estimate_tokens
 from regional_lb.errors import ConfigError, Overloaded
-from regional_lb.instance import SpeedLearner
-from regional_lb.load_signals import parse_metrics
-from regional_lb.openai_io import parse_request
+from regional_lb.protocol.openai_io import parse_request
+from regional_lb.upstream.load_signals import parse_metrics
+from tests.conftest import ROOT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "regional_lb" / "examples" / "eu-west.yaml"
+EXAMPLE = ROOT / "regional_lb" / "examples" / "eu-west.yaml"
 
 
 def test_estimator_learns_output_ratio_and_error_spread() -> None:
@@ -220,7 +226,7 @@ def test_example_config_loads_and_bad_config_lists_every_problem(tmp_path: Path)
 
 
 def test_pool_canary_share_tiers_and_known_models() -> None:
-    from regional_lb.pool import Pool
+    from regional_lb.upstream.pool import Pool
 
     cfg = parse_config(
         {
@@ -245,8 +251,8 @@ def test_pool_canary_share_tiers_and_known_models() -> None:
 
 
 def test_busy_not_stuck_gives_a_busy_instance_a_request_s_patience() -> None:
-    from regional_lb.health import busy_not_stuck
-    from regional_lb.instance import InstanceState
+    from regional_lb.balancing.health import busy_not_stuck
+    from regional_lb.balancing.instance import InstanceState
 
     inst = InstanceState(id="i0")
     assert not busy_not_stuck(inst, 100.0, 10.0)  # nothing in flight: a silent model is down

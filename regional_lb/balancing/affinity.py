@@ -10,7 +10,7 @@ SODA 2018). Each key ranks the instances by rendezvous hashing (highest random w
 when instances join or leave, every instance equally likely first); the request goes to the
 highest-ranked eligible instance whose load is within ``bound`` times the mean, where load is
 the pick score (the time for the instance to finish its work and this request). With no
-instance under the bound it goes where :func:`regional_lb.pick.pick` would send it anyway.
+instance under the bound it goes where :func:`regional_lb.balancing.pick.pick` would send it anyway.
 
 Pure: no clock, no I/O. :func:`rank` must give the same order on every balancer replica, so it
 hashes with a fixed function, not Python's per-process ``hash``.

@@ -12,10 +12,10 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, Callable
 
-from regional_lb.asgi import Scope
-from regional_lb.h1client import HopError, HopResponse, HopTimeout
-from regional_lb.openai_io import error_body
-from regional_lb.pool import Lease
+from regional_lb.protocol.asgi import Scope
+from regional_lb.protocol.openai_io import error_body
+from regional_lb.upstream.h1client import HopError, HopResponse, HopTimeout
+from regional_lb.upstream.pool import Lease
 
 # Only what an instance needs; hop-by-hop and client-specific headers stay here.
 FORWARD_HEADERS = frozenset((b"authorization", b"accept", b"x-request-id"))

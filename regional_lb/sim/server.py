@@ -2,7 +2,7 @@
 
 Serves ``/v1/chat/completions``, ``/v1/completions`` (streamed or not), ``/v1/embeddings``,
 ``/v1/models``, ``/health`` and ``/metrics`` with vLLM's metric names, on top of
-:class:`regional_lb.sim_engine.Engine`. ``POST /sim/faults`` injects failures for tests and
+:class:`regional_lb.sim.engine.Engine`. ``POST /sim/faults`` injects failures for tests and
 demos: the next N requests answer 500, or token generation stalls for some seconds.
 """
 
@@ -23,10 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from regional_lb.disconnect import ClientGone, unless_disconnected
 from regional_lb.errors import RequestError
-from regional_lb.openai_io import PATHS, error_body, parse_request
-from regional_lb.sim_engine import Engine, EngineConfig, Sequence, UnknownModel
+from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
+from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
+from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
 
 
 def _chunk(
@@ -239,7 +239,7 @@ async def serve(config: EngineConfig, host: str, port: int) -> None:
     """Run the simulated server until SIGTERM/SIGINT (used by the CLI)."""
     import signal
 
-    from regional_lb.serving import bind, make_server
+    from regional_lb.protocol.serving import bind, make_server
 
     server = make_server(create_app(config), graceful_s=2)
     loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from prometheus_client.parser import text_string_to_metric_families
 
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, verify
-from regional_lb.serving import running
+from regional_lb.protocol.serving import running
 from tests.regional_lb.conftest import (
     balancer,
     balancer_config,

@@ -9,11 +9,11 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from regional_lb.affinity import key_of, prompt_prefix, rank
-from regional_lb.instance import InstanceState, SpeedLearner
-from regional_lb.pick import PickParams, PickRequest, pick
+from regional_lb.balancing.affinity import key_of, prompt_prefix, rank
+from regional_lb.balancing.instance import InstanceState, SpeedLearner
+from regional_lb.balancing.pick import PickParams, PickRequest, pick
+from tests.regional_lb.balancing.test_pick_properties import _spec_eligible, instance_st
 from tests.regional_lb.conftest import balancer, balancer_config, chat, sim
-from tests.regional_lb.test_pick_properties import _spec_eligible, instance_st
 
 PARAMS = PickParams(slow_start_s=10.0)
 CHAT = "/v1/chat/completions"

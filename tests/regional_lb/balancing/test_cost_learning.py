@@ -13,7 +13,7 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from regional_lb.cost import (
+from regional_lb.balancing.cost import (
     CoefficientFit,
     CostEstimator,
     LearnParams,
@@ -21,8 +21,8 @@ from regional_lb.cost import (
     RequestShape,
     TimingSample,
 )
-from regional_lb.gpus import batch_slowdown
-from regional_lb.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
+from regional_lb.balancing.gpus import batch_slowdown
+from regional_lb.balancing.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
 from tests.regional_lb.conftest import balancer, balancer_config, chat, eventually, idle, sim
 
 CHAT = "/v1/chat/completions"

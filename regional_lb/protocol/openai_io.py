@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from regional_lb.cost import Endpoint, RequestShape, estimate_tokens
+from regional_lb.balancing.cost import Endpoint, RequestShape, estimate_tokens
 from regional_lb.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 256

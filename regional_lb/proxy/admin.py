@@ -2,7 +2,7 @@
 and the admin API for drain and membership.
 
 None of these is on the request path, so they keep the framework's conveniences; the
-OpenAI endpoints themselves are served by :mod:`regional_lb.proxy` without it.
+OpenAI endpoints themselves are served by :mod:`regional_lb.proxy.app` without it.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from regional_lb.admission import retry_after_header
-from regional_lb.balancer_metrics import BalancerMetrics
+from regional_lb.balancing.admission import retry_after_header
+from regional_lb.balancing.health import end_drain, start_drain
 from regional_lb.capacity_report import SIGNATURE_HEADER, sign
 from regional_lb.config import InstanceConfig
 from regional_lb.errors import RequestError
-from regional_lb.health import end_drain, start_drain
-from regional_lb.openai_io import error_body
-from regional_lb.pool import Pool
+from regional_lb.metrics import BalancerMetrics
+from regional_lb.protocol.openai_io import error_body
+from regional_lb.upstream.pool import Pool
 
 
 def error_response(

@@ -30,8 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from regional_lb.instance import InstanceState
-from regional_lb.pick import PickParams
+from regional_lb.balancing.instance import InstanceState
+from regional_lb.balancing.pick import PickParams
 
 # Above 1.0 work is waiting. The global tier sheds ``(u - low) / u`` of a region's clients
 # (capped by its own max_share), so the cap bounds how hard a burst of queueing can push

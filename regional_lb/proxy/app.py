@@ -5,10 +5,10 @@ model version -> cost estimate -> admission (queue or 429) -> pick -> lease -> f
 Nothing is counted as outstanding until the lease is taken, so rejected input never is; from
 then on the lease is ended on every path (rule 5).
 
-The OpenAI endpoints are raw ASGI on a lean upstream client (:mod:`regional_lb.h1client`):
+The OpenAI endpoints are raw ASGI on a lean upstream client (:mod:`regional_lb.upstream.h1client`):
 with FastAPI and httpx on this path the balancer spent ~2 ms of CPU per request, against a
 budget of 1 ms for the whole hop at p99. Everything else (admin, reports, metrics) is a
-FastAPI app the dispatcher hands over to (:mod:`regional_lb.admin_api`).
+FastAPI app the dispatcher hands over to (:mod:`regional_lb.proxy.admin`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from regional_lb.admin_api import create_admin_app
-from regional_lb.affinity import key_of, prompt_prefix
-from regional_lb.asgi import (
+from regional_lb.balancing.affinity import key_of, prompt_prefix
+from regional_lb.balancing.cost import Endpoint, RequestShape
+from regional_lb.balancing.instance import InstanceState
+from regional_lb.config import BalancerConfig
+from regional_lb.errors import NoInstanceError, Overloaded, RequestError
+from regional_lb.metrics import BalancerMetrics
+from regional_lb.protocol.asgi import (
     Disconnected,
     Receive,
     Scope,
@@ -37,16 +41,12 @@ from regional_lb.asgi import (
     respond_error,
     text_header,
 )
-from regional_lb.balancer_metrics import BalancerMetrics
-from regional_lb.config import BalancerConfig
-from regional_lb.cost import Endpoint, RequestShape
-from regional_lb.errors import NoInstanceError, Overloaded, RequestError
-from regional_lb.h1client import ConnectFailed, H1Client, HopError, HopResponse, HopTimeout
-from regional_lb.instance import InstanceState
-from regional_lb.openai_io import PATHS, parse_request
-from regional_lb.pool import Lease, Pool
-from regional_lb.probes import Background
-from regional_lb.upstream import completion_tokens, relay, upstream_headers
+from regional_lb.protocol.openai_io import PATHS, parse_request
+from regional_lb.proxy.admin import create_admin_app
+from regional_lb.upstream.forward import completion_tokens, relay, upstream_headers
+from regional_lb.upstream.h1client import ConnectFailed, H1Client, HopError, HopResponse, HopTimeout
+from regional_lb.upstream.pool import Lease, Pool
+from regional_lb.upstream.probes import Background
 
 _SSE = b"text/event-stream"
 

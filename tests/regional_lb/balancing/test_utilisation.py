@@ -11,12 +11,12 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from regional_lb.balancing.gpus import batch_throughput
+from regional_lb.balancing.instance import InstanceState, SpeedLearner
+from regional_lb.balancing.pick import PickParams
+from regional_lb.balancing.utilisation import UTILISATION_CAP, instance_load, pool_utilisation
 from regional_lb.capacity_report import CapacityReport
-from regional_lb.gpus import batch_throughput
-from regional_lb.instance import InstanceState, SpeedLearner
-from regional_lb.pick import PickParams
-from regional_lb.pool import Pool
-from regional_lb.utilisation import UTILISATION_CAP, instance_load, pool_utilisation
+from regional_lb.upstream.pool import Pool
 from tests.regional_lb.conftest import balancer, balancer_config, chat, eventually, idle, sim
 
 CHAT = "/v1/chat/completions"
@@ -248,7 +248,7 @@ async def test_requests_waiting_at_the_instance_count_from_its_metrics() -> None
     # Another balancer replica fills a T4 (8 batch slots) and queues 4 more on it. (The model
     # probe is off anyway, but here it would matter: this balancer has nothing in flight there,
     # so a probe stuck behind the other replica's queue would count as a dead instance, see
-    # regional_lb.health.busy_not_stuck.)
+    # regional_lb.balancing.health.busy_not_stuck.)
     async with sim(gpu="T4", speedup=5.0) as (u1, _):
         cfg = balancer_config([u1], **NO_PING)
         cfg = cfg.model_copy(

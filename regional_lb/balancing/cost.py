@@ -12,8 +12,9 @@ turned out to be:
   configuration and are refitted from the timing of completed streams
   (:class:`CoefficientFit`): the decode time per generated token, and the time to the first
   token against the prompt size. The proxy hands over timings already normalised to a
-  reference GPU running the sequence alone (:meth:`regional_lb.instance.InstanceState.timing`),
-  so a slow or busy instance does not make a model look expensive;
+  reference GPU running the sequence alone
+  (:meth:`regional_lb.balancing.instance.InstanceState.timing`), so a slow or busy instance does not
+  make a model look expensive;
 * the spread of ``log(actual / predicted)`` is tracked, because the picker blends in the
   request count when estimates are poor (pure cost routing loses once that spread is large).
 """

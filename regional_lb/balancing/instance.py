@@ -3,7 +3,7 @@
 Rule 5 of the design: work added when a request is routed is removed when it ends, however it
 ends. :class:`InstanceState` keeps every in-flight request by id, so releasing is idempotent
 and the outstanding total can always be recomputed from the flights themselves; the proxy wraps
-the whole request lifetime in :func:`regional_lb.upstream.tracked` so nothing escapes.
+the whole request lifetime in :func:`regional_lb.upstream.forward.tracked` so nothing escapes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from regional_lb.cost import TimingSample
-from regional_lb.gpus import batch_slowdown, batch_throughput
+from regional_lb.balancing.cost import TimingSample
+from regional_lb.balancing.gpus import batch_slowdown, batch_throughput
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ class InstanceState:
     outstanding: float = 0.0
     # When the instance last showed it is working: a request completed or a stream produced a
     # token. A saturated instance queues a model probe behind its batch; this tells busy from
-    # dead (see regional_lb.probes).
+    # dead (see regional_lb.upstream.probes).
     progress_at: float = 0.0
     completed: int = 0
     work_done: float = 0.0

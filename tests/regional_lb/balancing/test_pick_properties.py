@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from regional_lb.health import (
+from regional_lb.balancing.health import (
     EjectionParams,
     drained,
     end_drain,
@@ -16,8 +16,8 @@ from regional_lb.health import (
     record_success,
     start_drain,
 )
-from regional_lb.instance import InstanceState, SpeedLearner
-from regional_lb.pick import PickParams, PickRequest, blend_weight, eligible, pick
+from regional_lb.balancing.instance import InstanceState, SpeedLearner
+from regional_lb.balancing.pick import PickParams, PickRequest, blend_weight, eligible, pick
 
 PARAMS = PickParams(slow_start_s=10.0)
 
@@ -302,7 +302,12 @@ def test_admission_rejections_carry_retry_after_and_slots_return(
 ) -> None:
     import asyncio
 
-    from regional_lb.admission import AdmissionController, PoolLoad, TierSpec, retry_after_header
+    from regional_lb.balancing.admission import (
+        AdmissionController,
+        PoolLoad,
+        TierSpec,
+        retry_after_header,
+    )
     from regional_lb.errors import Overloaded
 
     async def settle() -> None:

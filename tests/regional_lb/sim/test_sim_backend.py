@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from regional_lb.load_signals import parse_metrics
+from regional_lb.upstream.load_signals import parse_metrics
 from tests.regional_lb.conftest import chat, eventually, sim
 
 CHAT = "/v1/chat/completions"

@@ -13,8 +13,7 @@ from bench.regional.policies import POLICIES, Ours
 from bench.regional.run import Task, percentile, run_task
 from bench.regional.scenarios import scenarios
 from bench.regional.sim import AdmissionSpec, make_jobs, simulate
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT
 
 
 def test_same_seed_same_result_and_policies_see_the_same_requests() -> None:
