@@ -16,8 +16,23 @@ For a request to a configured service host the front decides with the real clien
   heads over the limits).
 
 Every one of those responses is counted in the audit store, and the decision id it names leads
-back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). Modules: :mod:`.app` (the
-raw ASGI callable), :mod:`.client_address`, :mod:`.signals`, :mod:`.proxy`, :mod:`.server`
-(uvicorn in the caller's loop: :func:`~gtm.front.server.serve_front`), :mod:`.metrics`. ``gtm
-serve --http`` runs the front, alone or beside the DNS responder.
+back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). ``gtm serve --http``
+runs the front, alone or beside the DNS responder.
+
+``server``          uvicorn in the caller's loop; cached redirects answered in the protocol
+``app``             ``FrontApp``: the units put together, and the general path (decide, redirect,
+                    refuse, reject, proxy)
+``answers``         the answer cache: redirects answered from memory (the hot path)
+``ledger``          every response counted towards the audit store, and its decision id
+``headers``         a request's decision inputs: headers, Host and service, tenant index
+``client_address``  the client behind trusted proxies
+``signals``         residency classes and tenant of a request
+``proxy``           proxy mode: forwarding with one retry inside the allowed set
+``intake``          ``POST /v1/capacity``: signed capacity reports from regional balancers
+``ops``             ``/livez``, ``/readyz``, ``/metrics``
+``respond``, ``metrics``: JSON responses and the front's Prometheus counters
+
+It may import ``gtm.decision``, ``gtm.fleet`` (report intake), ``gtm.audit`` and ``gtm.runtime``;
+never ``gtm.geodns`` or ``gtm.cli``. A new operational endpoint goes in ``ops``; an endpoint
+for people (policies, audit search) belongs to the admin API, not to the answering listener.
 """

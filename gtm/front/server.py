@@ -6,11 +6,11 @@ uvicorn's ``sys.exit``, leaves signal handling to the caller, and returns once `
 and the requests in flight have been answered.
 
 A redirect that the front's answer cache holds is answered here, in the protocol, as soon as
-the request head is parsed: :meth:`FrontApp.respond` renders and counts it, and the protocol
-writes it, with no ASGI request cycle (a task, a scope, two messages), which costs more than the
-whole decision. Everything else (cache misses that are not redirects, refusals, bad input, proxy
-mode, the front's own endpoints, a request pipelined behind one still being answered) goes
-through uvicorn's request cycle to the ASGI app, as before.
+the request head is parsed: :meth:`gtm.front.answers.AnswerCache.respond` renders and counts
+it, and the protocol writes it, with no ASGI request cycle (a task, a scope, two messages), which
+costs more than the whole decision. Everything else (cache misses that are not redirects, refusals,
+bad input, proxy mode, the front's own endpoints, a request pipelined behind one still being
+answered) goes through uvicorn's request cycle to the ASGI app, as before.
 
 Request heads are bounded here, at the protocol, before anything reaches the application:
 uvicorn's httptools protocol has no limit of its own on header size, so a client could make it
@@ -173,7 +173,7 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
                 keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
                 client = self.client
                 try:
-                    response = app.respond(
+                    response = app.answers.respond(
                         parser.get_method(),
                         self.url,
                         self.headers,
@@ -219,7 +219,7 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
             method = ""
             with contextlib.suppress(Exception):
                 method = self.parser.get_method().decode("ascii", "replace")
-            app.count_rejected(app.store.current, peer, None, method, status)
+            app.ledger.count_rejected(app.store.current, peer, None, method, status)
 
     return FrontProtocol
 
@@ -304,7 +304,7 @@ class FrontServer:
         app = self.app = FrontApp(self.runtime, forwarder)
 
         def started() -> None:
-            app.ready = True
+            app.ops.ready = True
             log.info("front.listening", url=self.url)
             if ready is not None:
                 ready.set()
@@ -328,7 +328,7 @@ class FrontServer:
         stopping = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            app.draining = True
+            app.ops.draining = True
             server.should_exit = True
             await serving
         finally:
@@ -343,7 +343,7 @@ class FrontServer:
             await forwarder.aclose()
             sock.close()
             self.sock = None
-            app.ready = False
+            app.ops.ready = False
 
 
 async def serve_front(

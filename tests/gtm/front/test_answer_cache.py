@@ -105,7 +105,7 @@ async def test_repeated_answers_are_each_counted(start_front: FrontFactory) -> N
             for r in responses:
                 assert r.headers["location"].endswith(r.request.url.raw_path.decode())
             await asyncio.sleep(0.06)  # let a flush of the audit writer run in between
-        assert front.app.responses == 1800
+        assert front.app.ledger.responses == 1800
     assert await audited(front.runtime) == 1800
     counted: collections.Counter[tuple[str, str]] = collections.Counter()
     networks = {c: ".".join(c.split(".")[:3]) + ".0/24" for c in clients}
@@ -292,7 +292,7 @@ async def test_inputs_that_change_the_decision_do_not_share_an_answer(
         )
         assert r.status_code == 400
         # The cache keeps no credentials.
-        keys = repr(list(front.app._exact)) + repr(list(front.app._answers))
+        keys = repr(list(front.app.answers._exact)) + repr(list(front.app.answers._answers))
         assert "sk-usgov" not in keys and "sk-acme" not in keys
     rows = await audit_rows(front.runtime)
     assert {row["tenant"] for row in rows} == {"usgov", "acme", None}
