@@ -26,11 +26,12 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/pytest -q
 
-## check: lint, format and strict typing
+## check: lint, format, strict typing and the import layering (pyproject [tool.importlinter])
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python bench/decide.py
