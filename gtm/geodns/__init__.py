@@ -5,7 +5,8 @@
 ``zone``       the authoritative answer for a query, from the snapshot (pure)
 ``ratelimit``  response rate limiting per client network, with slip
 ``stats``      counters, exported to Prometheus at scrape time
-``server``     the UDP and TCP listeners and the rendered-answer caches
+``responder``  the answering path: wire bytes in, wire bytes out, from the answer caches
+``server``     the UDP and TCP listeners around one responder
 
 It may import ``gtm.decision``, ``gtm.audit`` (counting answers) and ``gtm.runtime`` (the
 snapshot store and the audit writer it answers from); never ``gtm.front`` or ``gtm.cli``. A new

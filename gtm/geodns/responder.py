@@ -1,0 +1,381 @@
+"""The DNS answering path: a query's wire bytes in, the response's wire bytes out, from memory.
+
+:meth:`Responder.answer_udp` and :meth:`Responder.answer_tcp` are the whole answering path and
+never await: rate limit (UDP), look the exact query up, else parse, look the rendered answer up
+(or render it), patch in the ID, flags and question case, count it towards the audit. Rendered
+answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
+one decision epoch (successor snapshots that decide alike: routine capacity reports keep the
+caches, :mod:`gtm.decision.answer_window`), and only until the next instant at which a decision
+can change with time alone: when one of the snapshot's capacity reports goes stale.
+
+Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
+integer increment, and the audit writer drains the tallies at each flush (the responder is one
+of its sources): counting through the writer per answer cost a fifth of the answering path.
+Their response counters are folded into :class:`DnsStats` at the same time. The sockets are
+:mod:`gtm.geodns.server`'s.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address
+from typing import Any
+
+import structlog
+
+from gtm.audit.record import AuditRecord, zone_record
+from gtm.audit.writer import Tally
+from gtm.decision.answer_window import AnswerWindow
+from gtm.decision.routing import client_network
+from gtm.decision.snapshot import Snapshot
+from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
+from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
+from gtm.geodns.stats import DnsStats
+from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
+from gtm.geodns.zone import answer, qtype_name, zone_data
+from gtm.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+IPAddress = IPv4Address | IPv6Address
+_CACHE_LIMIT = 200_000  # rendered answers, and exact-query entries, per snapshot
+_COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
+_ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    template: bytes  # rendered with ID 0 and RD/CD clear
+    flags: int
+    record: AuditRecord
+    rcode_name: str
+    truncated: bool
+
+
+class _Exact:
+    """The whole response to one exact query from one sender, and the answers given from it
+    since the audit writer last drained them (``n``, with the first and last answer's time)."""
+
+    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated")
+
+    def __init__(
+        self, tail: bytes, record: AuditRecord, stats_key: tuple[str, str, str], truncated: bool
+    ) -> None:
+        self.tail = tail  # the whole response after its ID
+        self.record = record
+        self.stats_key = stats_key
+        self.truncated = truncated
+        self.n = 0
+        self.first = self.last = 0.0
+
+
+def udp_limit(edns: Edns | None) -> int:
+    # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
+    # without EDNS (RFC 1035 §4.2.1).
+    return min(edns.udp_size, OUR_UDP_SIZE) if edns is not None else 512
+
+
+class Responder:
+    """Answers DNS messages from memory, in two levels of cache over :func:`answer`.
+
+    First level (:meth:`answer_udp`, :meth:`answer_tcp`): per transport and sender, the exact
+    query bytes after the ID. They fix name, type, flags, letter case and ECS, and the sender
+    fixes the location when there is no ECS, so the whole response but its ID is known: no
+    parsing, no allocation beyond the key and the response. Second level: the rendered answer
+    per (name, type, EDNS shape, UDP limit, client bucket, GeoIP network), patched with the ID,
+    flags and question case of each query. Both are dropped with the decision epoch they came
+    from, and at the next instant a decision can change with time alone.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        stats: DnsStats,
+        rate_limiter: ResponseRateLimiter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runtime = runtime
+        self._store = runtime.store
+        self.stats = stats
+        self.rrl = rate_limiter
+        self.clock = clock  # replaceable, as in tests
+        # The snapshot the caches below answer for, and until when (gtm.decision.answer_window).
+        self._window = AnswerWindow()
+        self._cache: dict[tuple[object, ...], _Cached] = {}
+        # First level, per sender: the query bytes after the ID -> the entry. UDP senders by
+        # the host string the transport gives (cheaper to hash than an address object).
+        self._udp: dict[str, dict[bytes, _Exact]] = {}
+        self._tcp: dict[IPAddress, dict[bytes, _Exact]] = {}
+        self._entries = 0
+        self._services: Mapping[str, object] = {}
+        # Entries answered from since the last drain. They stay here when the caches are
+        # dropped, so no tally is lost to a new snapshot.
+        self._tallied: list[_Exact] = []
+        runtime.writer.add_source(self.drain_tallies)
+
+    def drain_tallies(self) -> Iterator[Tally]:
+        """The audit writer's source: the answers given from cached entries since the last
+        drain. Runs on the loop, interleaved with answering (the writer slices its flush): an
+        entry answered from again before its turn here is drained with that answer too, and
+        one answered from after its turn is listed again for the next drain. The response
+        counters of these answers are folded into :class:`DnsStats` here too."""
+        tallied, self._tallied = self._tallied, []
+        stats = self.stats
+        queries = stats.queries
+        for entry in tallied:
+            n = entry.n
+            entry.n = 0
+            queries[entry.stats_key] += n
+            stats.cache_hits += n
+            if entry.truncated:
+                stats.truncated += n
+            yield entry.record, n, entry.first, entry.last
+
+    def answer_udp(self, wire: bytes, host: str) -> bytes | None:
+        """The response to a datagram from ``host`` (the address as the transport gives it), or
+        None to send nothing. Never raises on input.
+
+        Nearly every query takes the first lines: these exact bytes from this sender answered
+        before, in this snapshot. Answering then is a dictionary lookup, a tally on the entry
+        (the audit writer drains it) and the ID put in front of the stored response."""
+        rrl = self.rrl
+        if rrl is not None:
+            verdict = rrl.check_key(_network_key(host))
+            if verdict is not _ANSWER:
+                return self._limited(wire, host, verdict)
+        out = self._repeat(self._udp.get(host), wire)
+        return out if out is not None else self._answer(wire, peer_address(host), True, host)
+
+    def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
+        """The response to one message over TCP (never rate limited), or None to send nothing
+        (the connection is then closed). Never raises on input."""
+        out = self._repeat(self._tcp.get(client), wire)
+        return out if out is not None else self._answer(wire, client, False, client)
+
+    def _repeat(self, by_query: dict[bytes, _Exact] | None, wire: bytes) -> bytes | None:
+        """The stored response to these exact bytes from this sender, tallied, while the answer
+        window holds (moved on to a successor in the same decision epoch if need be); None to
+        answer them the long way."""
+        if by_query is None:
+            return None
+        exact = by_query.get(wire[2:])
+        if exact is None:
+            return None
+        now = self.clock()
+        snapshot = self._store.current
+        window = self._window
+        if not (now < window.until and snapshot is window.snapshot) and not self._advance(
+            snapshot, now
+        ):
+            return None
+        if exact.n:
+            exact.n += 1
+        else:
+            exact.n = 1
+            exact.first = now
+            self._tallied.append(exact)
+        exact.last = now
+        return wire[:2] + exact.tail
+
+    def _advance(self, snapshot: Snapshot, now: float) -> bool:
+        """Move the answer window to ``snapshot``, dropping the caches unless they still hold
+        (a successor in the same decision epoch: a routine capacity report). True when kept."""
+        if self._window.advance(snapshot, now):
+            return True
+        self._cache = {}
+        self._udp, self._tcp, self._entries = {}, {}, 0
+        self._services = zone_data(snapshot.topology).services
+        return False
+
+    def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
+        """The response to one message from ``client`` over UDP or TCP, or None."""
+        return self.answer_udp(wire, str(client)) if udp else self.answer_tcp(wire, client)
+
+    def _answer(
+        self, wire: bytes, client: IPAddress, udp: bool, sender: str | IPAddress
+    ) -> bytes | None:
+        """The first level missed: parse, look the rendered answer up (or render it), keep the
+        whole response as this sender's entry for these bytes, count it."""
+        snapshot = self._store.current
+        now = self.clock()
+        if not self._window.holds(snapshot, now):
+            self._advance(snapshot, now)
+        parsed = parse_query(wire)
+        if isinstance(parsed, Reject):
+            return self._reject(parsed, client, udp)
+        query = parsed
+        limit = udp_limit(query.edns) if udp else None
+        key = self._key(query, client, limit, snapshot, self._services)
+        cached = self._cache.get(key)
+        if cached is None:
+            self.stats.cache_misses += 1
+            result = answer(query, client, snapshot, now, limit)
+            template = (
+                b"\x00\x00"
+                + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
+                + result.wire[4:]
+            )
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            truncated = bool(result.wire[2] & 0x02)
+            cached = self._cache[key] = _Cached(
+                template,
+                int.from_bytes(template[2:4], "big"),
+                result.record,
+                result.record.response or rcode_name(result.rcode),
+                truncated,
+            )
+            out = result.wire
+        else:
+            self.stats.cache_hits += 1
+            template, n = cached.template, len(query.qname)
+            out = (
+                query.id.to_bytes(2, "big")
+                + (cached.flags | (query.flags & _COPIED)).to_bytes(2, "big")
+                + template[4:12]
+                + query.qname
+                + template[12 + n :]
+            )
+        stats_key = ("udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name)
+        if self._entries >= _CACHE_LIMIT:
+            # Entries with answers not yet drained stay listed in self._tallied.
+            self._udp, self._tcp, self._entries = {}, {}, 0
+        senders: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
+        by_query = senders.get(sender)
+        if by_query is None:
+            by_query = senders[sender] = {}
+        by_query[wire[2:]] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+        self._entries += 1
+        # Counted at once, like the rare answers below: only repeats are tallied on the entry.
+        self.runtime.count(cached.record)
+        self.stats.queries[stats_key] += 1
+        if cached.truncated:
+            self.stats.truncated += 1
+        return out
+
+    def _limited(self, wire: bytes, host: str, verdict: Limit) -> bytes | None:
+        """A datagram over the rate limit: dropped, or (slip) answered empty and truncated."""
+        self.stats.rate_limited += 1
+        if verdict is Limit.DROP:
+            return None
+        self.stats.slipped += 1
+        limited = parse_query(wire)
+        return self._slip(limited, peer_address(host)) if isinstance(limited, Query) else None
+
+    @staticmethod
+    def _key(
+        query: Query,
+        client: IPAddress,
+        limit: int | None,
+        snapshot: Snapshot,
+        services: Mapping[str, object],
+    ) -> tuple[object, ...]:
+        edns = query.edns
+        ecs = edns.ecs if edns is not None else None
+        shape: tuple[object, ...] | None = None
+        if edns is not None:
+            shape = (edns.do,) if ecs is None else (edns.do, ecs.family, ecs.source, ecs.address)
+        if ecs is not None and ecs.source > 0:
+            located = ecs.network.network_address
+            bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket
+        else:
+            located = client
+            bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
+        geo: int | None = None
+        if query.qname_text in services:
+            loc = snapshot.geo.locate(located)
+            net = loc.network
+            # A GeoIP network narrower than the client bucket splits it: key by the address.
+            if net is not None and net.prefixlen > (24 if net.version == 4 else 56):
+                geo = int(located)
+        return (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo)
+
+    def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:
+        if reject.drop:
+            self.stats.dropped += 1
+            return None
+        question = None
+        if reject.qname is not None:
+            question = reject.qname + struct.pack("!HH", reject.qtype, reject.qclass)
+        opt = OptOut(reject.edns.do, None) if reject.edns is not None else None
+        wire = response(
+            reject.id or 0,
+            reject.flags,
+            reject.rcode,
+            authoritative=False,
+            question=question,
+            opt=opt,
+            limit=512 if udp else None,
+        )
+        snapshot = self.runtime.store.current
+        name = "-"
+        if reject.qname is not None:
+            name = name_to_text(reject.qname)[:255]
+        self.runtime.count(
+            zone_record(
+                channel="dns",
+                name=name,
+                client_network=str(client_network(client, None)),
+                ecs=None,
+                query_type=qtype_name(reject.qtype) if reject.qname else None,
+                response=rcode_name(reject.rcode),
+                outcome="malformed" if reject.rcode == 1 else "rejected",
+                answer=(reject.reason[:200],),
+                versions=snapshot.versions,
+            )
+        )
+        self.stats.queries["udp" if udp else "tcp", "-", rcode_name(reject.rcode)] += 1
+        return wire
+
+    def _slip(self, query: Query, client: IPAddress) -> bytes:
+        edns = query.edns
+        opt = OptOut(edns.do, None) if edns is not None else None
+        question = query.qname + struct.pack("!HH", query.qtype, query.qclass)
+        wire = response(
+            query.id, query.flags, 0, authoritative=True, question=question, opt=opt, limit=0
+        )  # limit 0: always cut to the question (TC)
+        snapshot = self.runtime.store.current
+        self.runtime.count(
+            zone_record(
+                channel="dns",
+                name=query.qname_text,
+                client_network=str(client_network(client, None)),
+                ecs=None,
+                query_type=qtype_name(query.qtype),
+                response="NOERROR+TC",
+                outcome="rate-limited",
+                answer=(),
+                versions=snapshot.versions,
+            )
+        )
+        self.stats.queries["udp", qtype_name(query.qtype), "NOERROR+TC"] += 1
+        self.stats.truncated += 1
+        return wire
+
+
+_ADDRESSES: dict[str, IPAddress] = {}
+_NETWORK_KEYS: dict[str, tuple[int, int]] = {}
+_MEMO_LIMIT = 100_000
+
+
+def peer_address(host: str) -> IPAddress:
+    """A sender's address from the host string its socket gives (memoised; zone id dropped)."""
+    addr = _ADDRESSES.get(host)
+    if addr is None:
+        if len(_ADDRESSES) > _MEMO_LIMIT:
+            _ADDRESSES.clear()
+        addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
+    return addr
+
+
+def _network_key(host: str) -> tuple[int, int]:
+    """The rate limiter's key (the /24 or /56) of a sender, memoised by its host string."""
+    key = _NETWORK_KEYS.get(host)
+    if key is None:
+        if len(_NETWORK_KEYS) > _MEMO_LIMIT:
+            _NETWORK_KEYS.clear()
+        key = _NETWORK_KEYS[host] = network_key(peer_address(host))
+    return key
