@@ -21,6 +21,7 @@ import httpx
 import yaml
 
 from gtm.decision.topology import Topology
+from gtm.demo.ports import free_port
 
 MODEL = "llama-3-8b"
 
@@ -42,7 +43,7 @@ class Fleet:
             url = urlsplit(str(region.base_url))
             if url.hostname != "127.0.0.1" or url.port is None:
                 continue
-            sim = f"127.0.0.1:{sim_port_base + i + 1}"
+            sim = f"127.0.0.1:{free_port(sim_port_base + i + 1)}"
             config = self.directory / f"{region.id}.yaml"
             config.write_text(
                 yaml.safe_dump(
@@ -100,6 +101,13 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         pending = dict(self.balancers)
         while pending:
+            # A process that exited (its port taken since it was chosen, say) is an error, not
+            # a wait: another balancer answering on that port must not pass for ours.
+            ended = sorted(n for n, p in self.processes.items() if p.poll() is not None)
+            if ended:
+                raise RuntimeError(
+                    f"fleet processes exited: {', '.join(ended)} (logs in {self.directory})"
+                )
             for region, base in list(pending.items()):
                 try:
                     if httpx.get(f"{base}/gtm/capacity", timeout=1).status_code == 200:

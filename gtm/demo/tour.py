@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from ipaddress import ip_address, ip_network
 from pathlib import Path
@@ -35,6 +34,7 @@ from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology
 from gtm.demo.local_fleet import Fleet
+from gtm.demo.ports import free_port, on_free_ports
 from gtm.fleet import operator, shared_state
 from gtm.logs import configure
 from gtm.node import Node, run_node
@@ -162,26 +162,20 @@ async def main(once: bool) -> None:
     await live(settings, once)
 
 
-def free_port(preferred: int) -> int:
-    for port in (preferred, 0):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
-            try:
-                udp.bind(("127.0.0.1", port))
-                tcp.bind(("127.0.0.1", udp.getsockname()[1]))
-            except OSError:
-                continue
-            return int(udp.getsockname()[1])
-    raise OSError("no free port for the demo DNS listener")
-
-
 SECRET = "demo-report-secret"  # shared by the demo's balancers and GTM; never a real secret
 
 
 async def live(settings: Settings, once: bool) -> None:
-    topology = load_topology(settings.config)
     heading("Live: a regional balancer and a simulated A100 per region, on loopback")
-    fleet = Fleet(Path(os.environ.get("GTM_DEMO_VAR", "var")) / "demo-fleet", SECRET)
+    var = Path(os.environ.get("GTM_DEMO_VAR", "var"))
+    config, moved = on_free_ports(settings.config, var / "demo-topology.yaml")
+    for region, (old, new) in moved.items():
+        print(f"port {old} ({region}'s balancer) is taken: using {new}")
+    settings = settings.model_copy(update={"config": config})
+    topology = load_topology(config)
+    fleet = Fleet(var / "demo-fleet", SECRET)
     dns_port, http_port = free_port(5353), free_port(8080)
+    print(f"GTM listens on 127.0.0.1:{dns_port} (DNS, UDP and TCP), 127.0.0.1:{http_port} (HTTP)")
     try:
         # Balancers push their reports to the front (/v1/capacity) and GTM probes them too.
         fleet.start(topology, gtm_urls=(f"http://127.0.0.1:{http_port}",))
