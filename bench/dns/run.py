@@ -159,11 +159,18 @@ class Server:
     metrics_port: int | None = None
     cpus: str = SERVER_CPU
     push_port: int | None = None  # GTM's HTTP front, where capacity reports are pushed
+    cwd: Path = ROOT  # GTM's checkout: `python -m gtm` imports the gtm package found there
     pid: int = 0  # set while it runs
 
 
 def gtm_server(
-    work: Path, geoip: Path, name: str = "gtm", *, workers: int = 1, rate_limit: float = 0
+    work: Path,
+    geoip: Path,
+    name: str = "gtm",
+    *,
+    workers: int = 1,
+    rate_limit: float = 0,
+    root: Path = ROOT,
 ) -> Server:
     port, metrics, front = free_port(), free_port(), free_port()
     data = work / name
@@ -173,8 +180,8 @@ def gtm_server(
         "GTM_SPOOL_DIR": str(data / "spool"),
         "GTM_LOG_LEVEL": "warning",
         "GTM_PROBES": "false",  # no balancers in this benchmark: regions stay as configured
-        "GTM_CONFIG": str(ROOT / "examples/demo.yaml"),
-        "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
+        "GTM_CONFIG": str(root / "examples/demo.yaml"),
+        "GTM_POLICIES": json.dumps([str(root / "policies")]),
         "GTM_DNS_RATE_LIMIT": str(rate_limit),
         "GTM_REPORT_SECRET": REPORT_SECRET.decode(),
     }
@@ -201,6 +208,7 @@ def gtm_server(
         metrics,
         cpus=f"0-{workers - 1}" if workers > 1 else SERVER_CPU,
         push_port=front,
+        cwd=root,
     )
 
 
@@ -304,7 +312,7 @@ def running(server: Server) -> Iterator[None]:
         env=server.env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        cwd=ROOT,
+        cwd=server.cwd,
     )
     try:
         deadline = time.monotonic() + 30
@@ -632,6 +640,10 @@ def report(results: Results, notes: dict[str, str], args: argparse.Namespace) ->
                 f"{p99_ratio(results.probed, name, set_name):>11} "
                 f"{ratio(name, 'powerdns-geoip', set_name):>8}  {notes[name]}"
             )
+    if "gtm-baseline" in peaks and "gtm" in peaks:
+        for set_name in peaks["gtm"]:
+            same_run = ratio("gtm", "gtm-baseline", set_name)
+            print(f"gtm / gtm-baseline ({args.baseline}), {set_name}, per round: {same_run}")
     for name, probed_sets in results.probed.items():
         for set_name, rounds in probed_sets.items():
             if any(x[3] for x in rounds):
@@ -670,6 +682,12 @@ def main() -> None:
         help="signed capacity reports pushed to each GTM a second, regions in turn (the demo's "
         "six balancers push about six); each is a new snapshot; 0 for none",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="add gtm-baseline: GTM from another checkout (e.g. a git worktree of an older "
+        "commit), interleaved with this one",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if shutil.which("dnsperf") is None:
@@ -700,6 +718,8 @@ def main() -> None:
             # drop nearly all of it. This one is never reached; the check still runs on
             # every datagram.
             candidates.append(gtm_server(work, geoip, "gtm-rrl", rate_limit=1e9))
+        if args.baseline is not None:
+            candidates.append(gtm_server(work, geoip, "gtm-baseline", root=args.baseline))
         if args.workers > 1:
             name = f"gtm-{args.workers}w"
             candidates.append(gtm_server(work, geoip, name, workers=args.workers))

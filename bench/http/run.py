@@ -1,7 +1,7 @@
 """HTTP front benchmark: GTM's redirect against nginx + geoip2 and a bare ASGI ceiling.
 
     python bench/http/run.py [--rounds 5] [--paced-rounds 3] [--seconds 5] [--connections 32]
-                             [--workers 2] [--diagnose] [--reports-per-s 6]
+                             [--workers 2] [--diagnose] [--reports-per-s 6] [--baseline DIR]
 
 In one run, with the variants interleaved over rounds (the machine is shared and noisy, so only
 ratios measured side by side mean anything):
@@ -272,11 +272,14 @@ def start_gtm(
     workers: int = 1,
     tag: str = "gtm",
     uncounted: bool = False,
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
+    """GTM's front from the checkout at ``root`` (``python -m gtm`` run there imports its own
+    ``gtm`` package first): this one, or a baseline checkout to compare with."""
     env = {
         **os.environ,
-        "GTM_CONFIG": str(ROOT / "examples" / "demo.yaml"),
-        "GTM_POLICIES": json.dumps([str(ROOT / "policies")]),
+        "GTM_CONFIG": str(root / "examples" / "demo.yaml"),
+        "GTM_POLICIES": json.dumps([str(root / "policies")]),
         "GTM_DATABASE_URL": f"sqlite:///{tmp / (tag + '.sqlite3')}",
         "GTM_SPOOL_DIR": str(tmp / (tag + "-spool")),
         "GTM_NODE_ID": f"bench-{tag}",
@@ -292,7 +295,7 @@ def start_gtm(
         cmd = [sys.executable, str(HERE / "front_uncounted.py"), f"127.0.0.1:{port}"]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    return subprocess.Popen([*pin(core), *cmd], cwd=ROOT, env=env)
+    return subprocess.Popen([*pin(core), *cmd], cwd=root, env=env)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -363,6 +366,12 @@ def main() -> int:
         "as regional balancers cause in production: about one a second per region)",
     )
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run the front of another checkout (e.g. a git worktree of an older commit) "
+        "as gtm-baseline, interleaved with this one: a change's effect in one run",
+    )
+    parser.add_argument(
         "--diagnose",
         action="store_true",
         help="also run the front without audit counting (front_uncounted.py), to split costs",
@@ -393,6 +402,10 @@ def main() -> int:
             port = free_port()
             variants.append(Variant("gtm", port, start_gtm(tmp, port, server_core), args.clients))
             variants.append(Variant(f"gtm-{args.few_clients}", port, None, args.few_clients))
+            if args.baseline is not None:
+                port = free_port()
+                proc = start_gtm(tmp, port, server_core, tag="baseline", root=args.baseline)
+                variants.append(Variant("gtm-baseline", port, proc, args.clients))
             if args.diagnose:
                 port = free_port()
                 proc = start_gtm(tmp, port, server_core, tag="uncounted", uncounted=True)
@@ -595,6 +608,9 @@ def report(
         if "bare-protocol" in by:
             print(f"{name} / bare-protocol (diagnostic): {ratio(name, 'bare-protocol'):.2f}")
         print(f"{name} p99 paced at 80% of its maximum (target <= 5 ms): {p99_paced(name):.2f} ms")
+    if "gtm-baseline" in by:
+        same_run = ratio("gtm", "gtm-baseline")
+        print(f"gtm / gtm-baseline ({args.baseline}), per round: {same_run:.2f}")
     errors = sum(r.errors for r in by["gtm"].results) + sum(r.errors for r in paced["gtm"])
     print(f"gtm non-3xx or socket errors: {errors}")
     verdict = "equal" if served == counted else "DIFFERENT"
