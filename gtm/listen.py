@@ -1,8 +1,14 @@
-"""Listen addresses: ``HOST:PORT`` or ``[V6]:PORT``, with a literal address."""
+"""Listening: addresses (``HOST:PORT`` or ``[V6]:PORT``, a literal address), and uvicorn
+servers embedded in a node's event loop (the HTTP front and the admin API)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Callable, Generator
 from ipaddress import ip_address
+
+import uvicorn
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -20,3 +26,21 @@ def parse_listen(value: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"{value!r}: {host!r} is not an IP address") from None
     return host, int(port)
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers (the node owns the process's signals) and
+    with a hook for "listening"."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_started()

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import httptools
 import structlog
@@ -37,6 +36,7 @@ from gtm.errors import ConfigError, Problem
 from gtm.front.app import FrontApp
 from gtm.front.client_address import parse_peer
 from gtm.front.proxy import Forwarder, ProxyLimits
+from gtm.listen import EmbeddedServer
 from gtm.listen import parse_listen as listen_address
 from gtm.runtime import Runtime
 
@@ -229,24 +229,6 @@ _LINGER_BYTES = 1024 * 1024
 _REASONS = {400: "Bad Request", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers (the caller owns the process's signals)
-    and with a hook for "listening"."""
-
-    def __init__(self, config: uvicorn.Config, on_started: Any) -> None:
-        super().__init__(config)
-        self._on_started = on_started
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self._on_started()
-
-
 class FrontServer:
     """One listening front. ``bind()`` early to learn the port (tests listen on port 0)."""
 
@@ -323,7 +305,7 @@ class FrontServer:
             timeout_keep_alive=self.keep_alive_s,
             timeout_graceful_shutdown=max(1, round(self.graceful_timeout_s)),
         )
-        server = _Server(config, started)
+        server = EmbeddedServer(config, started)
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         stopping = asyncio.ensure_future(stop.wait())
         try:
