@@ -3,7 +3,9 @@
     GTMError
     ├── ConfigError          a topology, policy or settings document is invalid (all reasons)
     ├── GeoIPError           the GeoIP database is missing, unreadable or of the wrong type
-    └── AuditError           the audit store cannot be reached or its chain does not verify
+    ├── AuditError           the audit store cannot be reached or its chain does not verify
+    └── Untrusted            a published document that must not come into force
+                             (gtm.fleet.signed_documents)
 
 Validation errors carry a list of :class:`Problem` so a caller can print every reason with its
 file and location instead of stopping at the first.

@@ -50,3 +50,13 @@ PROBE_LATENCY = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 PROBE_FAILURES = Counter("gtm_probe_failures", "Region probes that failed", ["region"])
+DOCUMENTS_REFUSED = Counter(
+    "gtm_documents_refused",
+    "Published documents this node refused to put in force (unsigned, bad signature, replayed, "
+    "four-eyes not met, invalid)",
+    ["reason"],
+)
+DOCUMENT_SEQUENCE = Gauge(
+    "gtm_document_sequence",
+    "Activation sequence of the signed documents in force (0: the node's own files)",
+)

@@ -22,6 +22,8 @@ import structlog
 from prometheus_client import start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
+from gtm.admin.server import bind as bind_admin
+from gtm.admin.server import serve_admin
 from gtm.audit import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server
@@ -41,6 +43,7 @@ class Node:
     dns: DnsServer | None = None
     dns_stats: DnsStats = field(default_factory=DnsStats)
     http_task: asyncio.Task[None] | None = None
+    admin_task: asyncio.Task[None] | None = None
 
 
 def tune_for_latency() -> None:
@@ -94,6 +97,18 @@ async def run_node(
             ready_wait.cancel()
             if node.http_task.done():
                 node.http_task.result()  # raises why the front could not start
+        admin_stop = asyncio.Event()
+        if settings.admin_listen:
+            admin_ready = asyncio.Event()
+            node.admin_task = asyncio.create_task(
+                serve_admin(runtime, bind_admin(settings.admin_listen), admin_stop, admin_ready),
+                name="admin-api",
+            )
+            ready_wait = asyncio.create_task(admin_ready.wait())
+            await asyncio.wait([node.admin_task, ready_wait], return_when=asyncio.FIRST_COMPLETED)
+            ready_wait.cancel()
+            if node.admin_task.done():
+                node.admin_task.result()  # raises why the admin API could not start
         if settings.metrics_listen:
             host, port = parse_listen(settings.metrics_listen)
             start_http_server(port, addr=host)  # a daemon thread; scrapes never touch the loop
@@ -101,6 +116,7 @@ async def run_node(
             "gtm.ready",
             dns=[f"{h}:{p}" for h, p in node.dns.bound] if node.dns else [],
             http=settings.http_listen,
+            admin=settings.admin_listen,
         )
         if ready is not None:
             ready.set_result(node)
@@ -110,6 +126,10 @@ async def run_node(
             keeper.cancel()  # and it unfreezes the heap
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+        if node.admin_task is not None:
+            admin_stop.set()
+            with contextlib.suppress(Exception):
+                await node.admin_task
         if node.http_task is not None:
             front_stop.set()  # answers in flight finish, and are counted, before the flush
             with contextlib.suppress(Exception):
@@ -130,6 +150,7 @@ def worker_settings(settings: Settings, index: int) -> Settings:
             # Only the first worker serves metrics on the shared port; each exports its own
             # counters through the default registry of its process.
             "metrics_listen": settings.metrics_listen if index == 0 else None,
+            "admin_listen": settings.admin_listen if index == 0 else None,
             "migrate_on_start": settings.migrate_on_start and index == 0,
         }
     )

@@ -36,6 +36,7 @@ from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.shared_state import Published
+from gtm.fleet.signed_documents import Manifest, Untrusted, load_public_keys, verify
 from gtm.fleet.state_sync import StateSync
 from gtm.settings import Settings
 from regional_lb.capacity_report import CapacityReport
@@ -55,15 +56,21 @@ def load_documents(config: Path, policies: tuple[Path, ...]) -> Documents:
     return Documents(topology, load_policy(policies, topology))
 
 
-def documents_from_published(published: Published) -> Documents:
-    """Documents published through the shared database, validated like files."""
-    source = f"published documents #{published.id}"
-    topology = parse_topology(parse_yaml(published.topology, f"{source}: topology"), source)
+def parse_documents(topology_text: str, policies: Mapping[str, str], source: str) -> Documents:
+    """A topology and its policies given as text, validated like files; :class:`ConfigError`
+    with every problem, each named by ``source`` and its file."""
+    topology = parse_topology(parse_yaml(topology_text, f"{source}: topology"), source)
     policy = parse_policies(
-        [(f"{source}: {name}", text) for name, text in sorted(published.policies.items())],
-        topology,
+        [(f"{source}: {name}", text) for name, text in sorted(policies.items())], topology
     )
     return Documents(topology, policy)
+
+
+def documents_from_published(published: Published) -> Documents:
+    """Documents published through the shared database, validated like files."""
+    return parse_documents(
+        published.topology, published.policies, f"published documents #{published.id}"
+    )
 
 
 def geoip_path(settings: Settings) -> Path:
@@ -116,6 +123,10 @@ class Runtime:
             on_compose=self._apply_composed,
             on_documents=self._apply_documents,
         )
+        # Signed versions (gtm.fleet.signed_documents): the keys trusted, and the sequence of
+        # the version in force (None while the node answers from its own files).
+        self.document_keys = load_public_keys(settings.document_keys)
+        self.document_sequence: int | None = None
         metrics.STATE_SYNC_AGE.set_function(lambda: self.sync.age_s)
         metrics.SNAPSHOT_VERSION.set(1)
 
@@ -252,18 +263,46 @@ class Runtime:
                 )
             metrics.REGION_ADMITTED.labels(region).set(health.admitted)
 
-    def _apply_documents(self, published: Published) -> None:
+    def _apply_documents(self, rows: list[Published]) -> None:
+        """Put in force the newest signed version among ``rows`` (newest first), if any is
+        newer than the one in force; refuse, and say why, every row that does not verify."""
+        trusted: list[tuple[Manifest, Published]] = []
+        for published in rows:
+            try:
+                manifest = verify(
+                    published.topology,
+                    published.policies,
+                    published.manifest,
+                    published.signature,
+                    self.document_keys,
+                    self.document_sequence,
+                )
+            except Untrusted as exc:
+                # Whatever the database says, an unapproved or unsigned version never moves
+                # traffic here (DESIGN.md rule 6): the version in force stays.
+                metrics.DOCUMENTS_REFUSED.labels(exc.reason).inc()
+                log.error(
+                    "documents.refused", id=published.id, reason=exc.reason, detail=exc.detail
+                )
+                continue
+            trusted.append((manifest, published))
+        if not trusted:
+            return
+        manifest, published = max(trusted, key=lambda pair: pair[0].sequence)
         try:
             docs = documents_from_published(published)
         except ConfigError as exc:
-            # The publisher validated them; a node that still cannot (an older version) keeps
-            # what it has and says why, rather than answering from half a configuration.
+            # The admin service validated them; a node that still cannot (an older version)
+            # keeps what it has and says why, rather than answering from half a configuration.
+            metrics.DOCUMENTS_REFUSED.labels("invalid").inc()
             log.error(
                 "documents.rejected",
                 id=published.id,
                 problems=[str(p) for p in exc.problems],
             )
             return
+        self.document_sequence = manifest.sequence
+        metrics.DOCUMENT_SEQUENCE.set(manifest.sequence)
         current = self.store.current
         if (
             docs.topology.fingerprint() == current.topology.fingerprint()
@@ -284,6 +323,10 @@ class Runtime:
         log.info(
             "documents.applied",
             id=published.id,
+            version=manifest.version,
+            sequence=manifest.sequence,
+            author=manifest.author,
+            approvers=list(manifest.approvers),
             actor=published.actor,
             reason=published.reason,
             topology=topology.fingerprint(),

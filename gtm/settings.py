@@ -77,6 +77,19 @@ class Settings(BaseSettings):
     # Shared secret the regional balancers sign capacity reports with; unset accepts unsigned
     # reports, which only a closed test network should do.
     report_secret: SecretStr | None = None
+    # Public keys (PEM, Ed25519) whose signatures on published documents this node trusts:
+    # a published topology or policy comes into force only signed by one of them, with its
+    # approval record (gtm.fleet.signed_documents). None configured: none comes into force.
+    document_keys: tuple[Path, ...] = ()
+    # The admin service's private signing key (PEM, Ed25519, mode 0600): only nodes serving
+    # the admin API need it, to sign activated versions. `gtm admin keygen` makes a pair.
+    document_signing_key: Path | None = None
+    # Approvals a proposal needs, each from a policy-approver other than its author.
+    policy_approvals: int = Field(default=1, ge=1, le=10)
+    # Where the CLI's control-plane commands (gtm proposal ...) find the admin API, and the
+    # bearer token they send (from the environment or a 0600 file, never a flag or YAML).
+    admin_url: str | None = None
+    admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

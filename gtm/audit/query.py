@@ -3,11 +3,13 @@ the row behind a decision id."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.decision_id import mark_of, parse_id
@@ -108,3 +110,61 @@ async def find_decision(engine: AsyncEngine, decision_id: str) -> list[dict[str,
     async with engine.connect() as conn:
         rows = [_as_dict(r) for r in await conn.execute(query)]
     return [r for r in rows if mark_of(r["client_network"], r["name"]) == wanted.mark]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedInput:
+    """The inputs of recorded decisions that decide alike, with how many answers they had."""
+
+    channel: str
+    name: str
+    service: str
+    client_network: str
+    ecs_prefix: str | None
+    residency_classes: tuple[str, ...]
+    tenant: str | None
+    answers: int
+    example: str  # "node#node_seq" of one row that recorded them
+
+
+async def decision_inputs(
+    engine: AsyncEngine, since_us: int, until_us: int | None = None
+) -> list[RecordedInput]:
+    """The distinct decision inputs answered in a time range (rows of configured services),
+    each weighted by its answers: what a replay of that traffic needs."""
+    classes = cast(decisions.c.residency_classes, Text)  # JSON has no equality in PostgreSQL
+    keys = (
+        decisions.c.channel,
+        decisions.c.name,
+        decisions.c.service,
+        decisions.c.client_network,
+        decisions.c.ecs_prefix,
+        classes,
+        decisions.c.tenant,
+    )
+    query = (
+        select(*keys, func.sum(decisions.c.count), func.min(decisions.c.id))
+        .where(decisions.c.last_at_us >= since_us)
+        .where(decisions.c.service.is_not(None), decisions.c.service != "")
+        .group_by(*keys)
+    )
+    if until_us is not None:
+        query = query.where(decisions.c.first_at_us < until_us)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+        first_ids = [r[8] for r in rows]
+        examples: dict[int, str] = {}
+        for start in range(0, len(first_ids), 5000):
+            chunk = first_ids[start : start + 5000]
+            found = await conn.execute(
+                select(decisions.c.id, decisions.c.node, decisions.c.node_seq).where(
+                    decisions.c.id.in_(chunk)
+                )
+            )
+            examples.update({r.id: f"{r.node}#{r.node_seq}" for r in found})
+    return [
+        RecordedInput(
+            r[0], r[1], r[2], r[3], r[4], tuple(json.loads(r[5])), r[6], int(r[7]), examples[r[8]]
+        )
+        for r in rows
+    ]

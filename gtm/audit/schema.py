@@ -143,4 +143,77 @@ documents = Table(
     Column("fingerprint", String(64), nullable=False),
     Column("actor", String(128), nullable=False),
     Column("reason", Text, nullable=False),
+    # The approval record (canonical JSON) and the admin service's Ed25519 signature over it:
+    # nodes apply a row only when both verify (gtm.fleet.signed_documents). Rows without them
+    # (written before the control plane, or straight into the database) are refused.
+    Column("version_id", String(64)),
+    Column("sequence", BigInteger),
+    Column("manifest", Text),
+    Column("signature", String(128)),
+)
+
+# The control plane (gtm.admin): principals, their API tokens, document versions and the
+# proposals that take a version through approval to activation.
+principals = Table(
+    "principals",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("roles", JSON, nullable=False),  # [role, ...]
+    Column("created_at_us", BigInteger, nullable=False),
+    Column("created_by", String(128), nullable=False),
+    Column("disabled", Boolean, nullable=False),
+)
+
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", String(32), primary_key=True),  # the public part of the token
+    Column("principal_id", String(32), nullable=False),
+    Column("secret_hash", String(64), nullable=False),  # SHA-256 of the secret part
+    Column("created_at_us", BigInteger, nullable=False),
+    Column("created_by", String(128), nullable=False),
+    Column("expires_at_us", BigInteger),
+    Column("revoked_at_us", BigInteger),
+    Column("last_used_at_us", BigInteger),
+    Index("ix_api_tokens_principal_id", "principal_id"),
+)
+
+# Content-addressed: id = SHA-256 of the topology and policies (gtm.fleet.signed_documents).
+document_versions = Table(
+    "document_versions",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("topology", Text, nullable=False),
+    Column("policies", JSON, nullable=False),
+    Column("created_at_us", BigInteger, nullable=False),
+    Column("created_by", String(128), nullable=False),
+)
+
+proposals = Table(
+    "proposals",
+    metadata,
+    Column("id", _BigId, primary_key=True, autoincrement=True),
+    Column("version_id", String(64), nullable=False),
+    # draft | proposed | approved | active | superseded | withdrawn
+    Column("state", String(16), nullable=False),
+    Column("author_id", String(32), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("base_version_id", String(64)),  # what was active when it was written (the diff)
+    Column("required_approvals", Integer, nullable=False),
+    Column("created_at_us", BigInteger, nullable=False),
+    Column("updated_at_us", BigInteger, nullable=False),
+    Column("activate_at_us", BigInteger),  # scheduled activation, when asked for
+    Column("activated_at_us", BigInteger),
+    Column("sequence", BigInteger, unique=True),  # the activation serial, once active
+)
+
+approvals = Table(
+    "approvals",
+    metadata,
+    Column("proposal_id", BigInteger, primary_key=True),
+    Column("principal_id", String(32), primary_key=True),
+    Column("version_id", String(64), nullable=False),  # the version the approver reviewed
+    Column("at_us", BigInteger, nullable=False),
+    Column("comment", Text, nullable=False),
 )

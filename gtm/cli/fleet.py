@@ -7,7 +7,6 @@ every node within one sync interval; each change records who made it and why.
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import time
 from typing import Annotated, Any
@@ -17,8 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
-from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
-from gtm.decision.policy import policy_files
+from gtm.cli.common import DbOpt, cli_settings, fail, run_async
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import operator, shared_state
@@ -262,55 +260,6 @@ def region_events(
         change = f"{e.previous} -> {e.state}" if e.state else ""
         who = f" by {e.actor}: {e.reason}" if e.actor else ""
         typer.echo(f"{when} {e.node:<12} {e.region:<14} {e.kind:<9} {change} {e.detail}{who}")
-
-
-@config_app.command("publish")
-def config_publish(
-    why: WhyOpt,
-    config: ConfigOpt = None,
-    policies: PoliciesOpt = None,
-    who: WhoOpt = None,
-    database_url: DbOpt = None,
-) -> None:
-    """Validate the topology and policies and put them in force on every node."""
-    settings = cli_settings(config=config, policies=policies, database_url=database_url)
-    if not why.strip():
-        raise fail(GTMError("say why: --why is required"))
-    try:
-        docs = load_documents(settings.config, settings.policies)
-        topology_text = settings.config.read_text(encoding="utf-8")
-        policy_texts = {
-            p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)
-        }
-    except ConfigError as exc:
-        raise fail(exc) from exc
-    if len(policy_texts) != len(policy_files(settings.policies)):
-        raise fail(GTMError("two policy files share a name; publish needs distinct names"))
-    digest = hashlib.sha256(topology_text.encode())
-    for name, text in sorted(policy_texts.items()):
-        digest.update(name.encode() + b"\0" + text.encode())
-    migrate.upgrade(settings.database_url)
-
-    async def main() -> int:
-        engine = make_async_engine(settings.database_url)
-        try:
-            return await shared_state.publish(
-                engine,
-                topology_text,
-                policy_texts,
-                digest.hexdigest()[:32],
-                _who(who),
-                why,
-                time.time(),
-            )
-        finally:
-            await engine.dispose()
-
-    document_id = run_async(main)
-    typer.echo(
-        f"published #{document_id}: topology {docs.topology.fingerprint()}, "
-        f"policy {docs.policy.version}"
-    )
 
 
 @config_app.command("show")

@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 
 from gtm.audit import migrate, query
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.cli.control import admin_app, proposal_app, token_app
 from gtm.cli.fleet import config_app, region_app
+from gtm.cli.whatif import apply_state
 from gtm.decision.policy import json_schema, load_policy
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
-from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology, normalise_dns_name
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import shared_state
@@ -49,6 +49,9 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
 app.add_typer(region_app, name="region")
 app.add_typer(config_app, name="config")
+app.add_typer(token_app, name="token")
+app.add_typer(admin_app, name="admin")
+app.add_typer(proposal_app, name="proposal")
 
 # -- serve -------------------------------------------------------------------------------------
 
@@ -84,13 +87,8 @@ def serve(
         workers=workers,
         node_id=node_id,
     )
-    missing = ["--admin"] if settings.admin_listen else []
-    if missing:
-        # Said plainly rather than accepted and ignored: these listeners are not built yet.
-        typer.echo(f"error: {', '.join(missing)}: this build has no such listener yet", err=True)
-        raise typer.Exit(2)
     try:
-        listens = [settings.metrics_listen, settings.http_listen]
+        listens = [settings.metrics_listen, settings.http_listen, settings.admin_listen]
         for listen in (*settings.dns_listen, *filter(None, listens)):
             parse_listen(listen)
     except ValueError as exc:
@@ -114,23 +112,6 @@ def serve(
 
 
 # -- explain -----------------------------------------------------------------------------------
-
-
-def _apply_state(snapshot: Snapshot, state_file: Path, now: float) -> Snapshot:
-    """Health and capacity for a what-if: ``{health: {region: down}, capacity: {region:
-    {utilisation: 0.95, can_take_work: true}}}``."""
-    data = yaml.safe_load(state_file.read_text()) or {}
-    health = {r: RegionHealth(HealthState(s), now) for r, s in (data.get("health") or {}).items()}
-    capacity: dict[str, RegionCapacity] = {}
-    for region, report in (data.get("capacity") or {}).items():
-        capacity[region] = next_capacity(
-            None,
-            float(report["utilisation"]),
-            now,
-            bool(report.get("can_take_work", True)),
-            snapshot.topology.routing.spillover,
-        )
-    return snapshot.evolve(now, health=health, capacity=capacity)
 
 
 def _km(value: float | None) -> float | None:
@@ -208,7 +189,7 @@ def explain(
     try:
         snapshot = build_snapshot(settings, now)
         if state is not None:
-            snapshot = _apply_state(snapshot, state, now)
+            snapshot = apply_state(snapshot, state, now)
     except (GTMError, OSError, ValueError, KeyError) as exc:
         if isinstance(exc, GTMError):
             raise fail(exc) from exc

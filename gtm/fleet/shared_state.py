@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, desc, insert, select, update
+import orjson
+from sqlalchemy import RowMapping, delete, desc, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -247,6 +248,12 @@ async def _event(conn: AsyncConnection, event: RegionEvent) -> None:
     await _append(conn, [_event_row(event)])
 
 
+async def record_event(conn: AsyncConnection, event: RegionEvent) -> None:
+    """Chain one event in the caller's transaction: it lands with the change it records, or
+    not at all (the admin service's actions)."""
+    await _event(conn, event)
+
+
 @dataclass(frozen=True, slots=True)
 class Published:
     id: int
@@ -256,30 +263,41 @@ class Published:
     actor: str
     reason: str
     published_at: float
+    manifest: str | None = None  # the signed approval record (gtm.fleet.signed_documents)
+    signature: str | None = None
 
 
 async def publish(
-    engine: AsyncEngine,
+    conn: AsyncConnection,
     topology: str,
     policies: Mapping[str, str],
     fingerprint: str,
     actor: str,
     reason: str,
     now: float,
+    *,
+    manifest: bytes,
+    signature: str,
 ) -> int:
-    async with engine.begin() as conn:
-        result = await conn.execute(
-            insert(documents).returning(documents.c.id),
-            {
-                "published_at_us": _us(now),
-                "topology": topology,
-                "policies": dict(policies),
-                "fingerprint": fingerprint,
-                "actor": actor,
-                "reason": reason,
-            },
-        )
-        return int(result.scalar_one())
+    """Publish a signed version to every node, in the caller's transaction (the admin service
+    activates a proposal and publishes it in one)."""
+    record = orjson.loads(manifest)
+    result = await conn.execute(
+        insert(documents).returning(documents.c.id),
+        {
+            "published_at_us": _us(now),
+            "topology": topology,
+            "policies": dict(policies),
+            "fingerprint": fingerprint,
+            "actor": actor,
+            "reason": reason,
+            "version_id": record["version"],
+            "sequence": record["sequence"],
+            "manifest": manifest.decode(),
+            "signature": signature,
+        },
+    )
+    return int(result.scalar_one())
 
 
 async def newest_document_id(engine: AsyncEngine) -> int | None:
@@ -297,8 +315,22 @@ async def read_published(engine: AsyncEngine, document_id: int) -> Published | N
             .mappings()
             .first()
         )
-    if row is None:
-        return None
+    return None if row is None else _published(row)
+
+
+async def read_published_after(
+    engine: AsyncEngine, after_id: int | None, limit: int = 100
+) -> list[Published]:
+    """Rows published after ``after_id`` (all when None), newest first, at most ``limit``."""
+    query = select(documents).order_by(desc(documents.c.id)).limit(limit)
+    if after_id is not None:
+        query = query.where(documents.c.id > after_id)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).mappings().all()
+    return [_published(row) for row in rows]
+
+
+def _published(row: RowMapping) -> Published:
     return Published(
         row["id"],
         row["fingerprint"],
@@ -307,4 +339,6 @@ async def read_published(engine: AsyncEngine, document_id: int) -> Published | N
         row["actor"],
         row["reason"],
         row["published_at_us"] / 1e6,
+        row["manifest"],
+        row["signature"],
     )

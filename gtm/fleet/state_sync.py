@@ -45,7 +45,7 @@ class StateSync:
         interval_s: float,
         own_observations: Callable[[float], list[Observation]],
         on_compose: Callable[[Composed], None],
-        on_documents: Callable[[Published], None],
+        on_documents: Callable[[list[Published]], None],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
@@ -118,7 +118,7 @@ class StateSync:
         own = self.own_observations(now)
         for observation in own:
             self.book.observe(observation)
-        published: Published | None = None
+        published: list[Published] = []
         try:
             async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
                 await shared_state.write_observations(self.engine, own)
@@ -127,7 +127,9 @@ class StateSync:
                 overrides = await shared_state.read_overrides(self.engine)
                 newest = await shared_state.newest_document_id(self.engine)
                 if newest is not None and newest != self.document_id:
-                    published = await shared_state.read_published(self.engine, newest)
+                    published = await shared_state.read_published_after(
+                        self.engine, self.document_id
+                    )
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             self.failures += 1
             if self._down_since is None:
@@ -141,8 +143,10 @@ class StateSync:
         self.last_ok = now
         self.book.replace_peers(peers)
         self.book.set_overrides(overrides)
-        if published is not None:
-            self.document_id = published.id
+        if published:
+            # Every row since the last look is offered: the newest one may be refused (not
+            # signed, a replay) while an earlier one of them is the version to put in force.
+            self.document_id = published[0].id
             self.on_documents(published)
         self.recompose(now)
         return True

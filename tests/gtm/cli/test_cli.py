@@ -129,15 +129,15 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
         if proc.stderr is not None:
             proc.stderr.close()
     # serve migrated the database: the audit commands work on it.
-    assert run(["db", "current"], env).stdout.strip() == "current 0003, newest 0003"
+    assert run(["db", "current"], env).stdout.strip() == "current 0004, newest 0004"
     verify = run(["audit", "verify"], env)
     assert verify.returncode == 0
     assert "0 decision row(s) and 0 region event(s) checked" in verify.stdout
 
 
-def test_serve_refuses_listeners_it_does_not_have(env: dict[str, str]) -> None:
-    out = run(["serve", "--admin", "127.0.0.1:8080"], env)
-    assert out.returncode == 2 and "--admin" in out.stderr
+def test_serve_refuses_bad_listen_addresses(env: dict[str, str]) -> None:
+    out = run(["serve", "--admin", "localhost:8080"], env)
+    assert out.returncode == 2 and "is not an IP address" in out.stderr
     bad = run(["serve", "--dns", "localhost:53x"], env)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
 
@@ -186,7 +186,9 @@ def test_region_controls_record_who_and_why(env: dict[str, str]) -> None:
     assert forced.stdout.strip() == "eu-central: forced down"
     unknown = run(["region", "drain", "atlantis", "--why", "x"], env)
     assert unknown.returncode == 2 and "no region 'atlantis'" in unknown.stderr
-    status = json.loads(run(["region", "status", "--json"], env).stdout)
+    shown = run(["region", "status", "--json"], env)
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
     by_region = {row["region"]: row for row in status}
     assert by_region["eu-west"]["state"] == "draining"
     assert by_region["eu-west"]["override_by"] == "ops: maintenance"
@@ -197,12 +199,18 @@ def test_region_controls_record_who_and_why(env: dict[str, str]) -> None:
     assert "cleared by ops: done" in events[0] and "set: drained by ops: maintenance" in events[1]
 
 
-def test_config_publish_validates_first(env: dict[str, str], tmp_path: Path) -> None:
-    assert "nothing published" in run(["config", "show"], env).stdout
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("zone: {apex: example.}\n")
-    refused = run(["config", "publish", "--config", str(broken), "--why", "x"], env)
-    assert refused.returncode == 2 and "problem" in refused.stderr
-    published = run(["config", "publish", "--why", "first", "--who", "ops"], env)
-    assert published.returncode == 0 and published.stdout.startswith("published #1")
-    assert "#1 published" in run(["config", "show"], env).stdout
+def test_a_what_if_state_file_gets_every_problem_with_its_path(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    state = tmp_path / "state.yaml"
+    state.write_text("capacity: {eu-central: 0.97}\nhealth: {eu-cental: down, us-east: sideways}\n")
+    args = ["explain", "--client", "8.8.8.8", "--name", "chat.gtm.example", "--state", str(state)]
+    out = run(args, env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "3 problem(s)" in out.stderr
+    assert "capacity.eu-central: Input should be a valid dictionary" in out.stderr
+    assert "health.eu-cental: no region 'eu-cental' in the topology" in out.stderr
+    assert "health.us-east: Input should be 'up'" in out.stderr
+    state.write_text("health: {eu-central: down}\ncapacity: {eu-west: {utilisation: 0.5}}\n")
+    ok = run(args, env)
+    assert ok.returncode == 0, ok.stderr

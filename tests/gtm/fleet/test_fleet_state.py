@@ -13,10 +13,14 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
+from gtm.admin import lifecycle, principals
+from gtm.admin.permissions import Role
+from gtm.admin.signer import PRIVATE_NAME, PUBLIC_NAME, generate, load_signer
 from gtm.audit.schema import region_events
 from gtm.decision.snapshot import HealthState
 from gtm.fleet import operator, shared_state
 from gtm.fleet.region_state import Force, Observation
+from gtm.fleet.signed_documents import Manifest, content_digest
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
@@ -52,6 +56,8 @@ async def balancers(tmp_path: Path) -> AsyncIterator[tuple[Path, dict[str, FakeB
 
 
 def node_settings(tmp_path: Path, config: Path, url: str, node: str, **extra: Any) -> Settings:
+    if not (tmp_path / "keys" / PRIVATE_NAME).exists():
+        generate(tmp_path / "keys")  # the pair the tests' admin service signs with
     return Settings(
         config=config,
         policies=(POLICIES,),
@@ -63,6 +69,7 @@ def node_settings(tmp_path: Path, config: Path, url: str, node: str, **extra: An
         health_rise=2,
         health_fall=3,
         report_secret=SECRET,
+        document_keys=(tmp_path / "keys" / PUBLIC_NAME,),
         state_sync_interval_s=SYNC_S,
         health_observation_max_age_s=1.0,
         audit_flush_interval_s=0.2,
@@ -186,27 +193,53 @@ async def test_operator_controls_reach_every_node_within_two_seconds(nodes: list
     assert any(d == "lapsed" for _, _, d in operator_events)
 
 
-async def test_published_documents_are_in_force_on_every_node_within_two_seconds(
-    nodes: list[Runtime], balancers: tuple[Path, dict[str, FakeBalancer]]
+async def test_an_approved_version_is_in_force_on_every_node_within_two_seconds(
+    nodes: list[Runtime], balancers: tuple[Path, dict[str, FakeBalancer]], tmp_path: Path
 ) -> None:
     config, _ = balancers
     data = yaml.safe_load(config.read_text())
     data["routing"]["degraded_ttl"] = 7
     policies = {p.name: p.read_text() for p in sorted(POLICIES.glob("*.yaml"))}
+    topology = yaml.safe_dump(data)
     before = [n.store.current.topology.fingerprint() for n in nodes]
-    await shared_state.publish(
-        nodes[0].engine, yaml.safe_dump(data), policies, "f" * 32, "ops", "shorter TTL", time.time()
-    )
+    key = load_signer(tmp_path / "keys" / PRIVATE_NAME)
+    engine, now = nodes[0].engine, time.time()
+    async with engine.begin() as conn:
+        alice = await principals.create(
+            conn, "alice", [Role.POLICY_AUTHOR], created_by="t", now=now, node="t"
+        )
+        bob = await principals.create(
+            conn, "bob", [Role.POLICY_APPROVER], created_by="t", now=now, node="t"
+        )
+        p = await lifecycle.create(
+            conn, alice, topology, policies, "shorter TTL", required_approvals=1, now=now, node="t"
+        )
+        await lifecycle.submit(conn, p.id, alice, now=now, node="t")
+        await lifecycle.approve(conn, p.id, bob, p.version, "", now=now, node="t")
+    started = time.monotonic()
+    async with engine.begin() as conn:
+        await lifecycle.activate(conn, p.id, bob, key, now=time.time(), node="t")
     for n in nodes:
-        took = await until(lambda n=n: n.store.current.topology.routing.degraded_ttl == 7, 2)  # type: ignore[misc]
-        assert took < 2
+        await until(lambda n=n: n.store.current.topology.routing.degraded_ttl == 7, 2)  # type: ignore[misc]
+    assert time.monotonic() - started < 2
     assert [n.store.current.topology.fingerprint() for n in nodes] != before
-    # A broken document is refused by every node, which keeps what it has.
-    await shared_state.publish(
-        nodes[0].engine, "zone: [", policies, "e" * 32, "ops", "typo", time.time()
+    assert all(n.document_sequence == 1 for n in nodes)
+    # A broken document, even one signed with the real key (an admin-service bug), is refused
+    # by every node, which keeps what it has.
+    broken = "zone: ["
+    manifest, signature = key.sign(
+        Manifest(
+            content_digest(broken, policies), 2, p.id, "alice", ("bob",), 1, now, "bob", "", ""
+        )
     )
+    async with engine.begin() as conn:
+        await shared_state.publish(
+            conn, broken, policies, "e" * 32, "ops", "typo", time.time(),
+            manifest=manifest, signature=signature,
+        )  # fmt: skip
     await asyncio.sleep(3 * SYNC_S)
     assert all(n.store.current.topology.routing.degraded_ttl == 7 for n in nodes)
+    assert all(n.document_sequence == 1 for n in nodes)
 
 
 async def test_a_node_that_loses_the_database_keeps_answering_and_catches_up(

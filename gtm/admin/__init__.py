@@ -1,0 +1,20 @@
+"""The control plane: the admin API for compliance teams and operators.
+
+``app``          the FastAPI app and its error shape
+``routes/``      one router per resource: ``identity`` (principals, tokens, events),
+                 ``documents`` (versions, proposals, approvals, activation, diff)
+``auth``         a bearer token to a principal, a principal to an allowed operation
+``permissions``  the roles and the one role x operation table routes and tests read
+``principals``   principals and API tokens in the shared database
+``tokens``       what a token looks like and what is kept of it (a hash)
+``lifecycle``    document versions and proposals: draft, propose, four-eyes approval, activation
+``signer``       the Ed25519 key that signs activated versions (a 0600 file, not the database)
+``diff``         a YAML-aware diff between versions
+``events``       admin actions in the hash-chained event log
+``server``       the admin listener inside a node's event loop
+
+It serves people, not traffic: it may import ``gtm.decision``, ``gtm.fleet``, ``gtm.audit`` and
+``gtm.runtime`` (to validate documents as nodes will), never the answering listeners
+(``gtm.geodns``, ``gtm.front``). A new admin endpoint is a route in ``routes/`` with an entry in
+``permissions.OPERATIONS``.
+"""

@@ -1,0 +1,84 @@
+"""The admin API (FastAPI): policies, versions, approvals, principals and tokens, events.
+
+Served on its own listener (``gtm serve --admin HOST:PORT``), never on the DNS or HTTP
+answering path; any node with database access can serve it, the database is the state. Errors
+have one shape: ``{"error": <stable code>, "message": <text>, "problems": [...]}``, with every
+validation problem and its path in ``problems``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
+from gtm.admin.lifecycle import LifecycleError
+from gtm.admin.permissions import OPERATIONS
+from gtm.admin.routes import documents, identity
+
+
+def _error(status: int, code: str, message: str, problems: list[dict[str, Any]]) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(
+        {"error": code, "message": message, "problems": problems},
+        status_code=status,
+        headers=headers,
+    )
+
+
+def create_app(ctx: AdminContext) -> FastAPI:
+    app = FastAPI(
+        title="GTM admin API",
+        version="1",
+        description="Residency policies and their approval, principals and tokens, the event log.",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.admin = ctx
+    app.include_router(identity.router)
+    app.include_router(documents.router)
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.operation_id not in OPERATIONS:
+            raise RuntimeError(
+                f"{route.path}: operation {route.operation_id!r} is not in the permission table"
+            )
+
+    @app.get("/livez", include_in_schema=False)
+    async def livez() -> dict[str, str]:
+        return {"status": "live"}
+
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
+        return _error(401, "unauthenticated", "a valid bearer token is required", [])
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(request: Request, exc: Forbidden) -> JSONResponse:
+        return _error(403, "forbidden", exc.message, [])
+
+    @app.exception_handler(LifecycleError)
+    async def lifecycle_error(request: Request, exc: LifecycleError) -> JSONResponse:
+        problems = [
+            {"source": p.source, "location": p.location, "message": p.message} for p in exc.problems
+        ]
+        return _error(exc.status, exc.code, exc.message, problems)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            {
+                "source": "request",
+                "location": ".".join(str(x) for x in e.get("loc", ())),
+                "message": str(e.get("msg", "")),
+            }
+            for e in exc.errors()
+        ]
+        return _error(422, "invalid_request", "the request does not validate", problems)
+
+    return app
+
+
+__all__ = ["create_app"]

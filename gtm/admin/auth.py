@@ -1,0 +1,96 @@
+"""The one place a request becomes a principal, and a principal an allowed operation.
+
+``Authorization: Bearer <token>``: an API token (:mod:`gtm.admin.tokens`) checked against the
+database. No token, or one that does not authenticate: 401. Authenticated without a role the
+operation allows (:data:`gtm.admin.permissions.OPERATIONS`): 403, and a ``denied`` event in the
+chained log, so refused attempts are evidence too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm.admin import events
+from gtm.admin.permissions import OPERATIONS, allowed
+from gtm.admin.principals import Principal, authenticate
+from gtm.admin.signer import Signer
+from gtm.decision.snapshot import Snapshot
+
+
+@dataclass
+class AdminContext:
+    """What every route reads: the shared database, this node's name, the signing key (None
+    on a node that may not activate) and the clock."""
+
+    engine: AsyncEngine
+    node: str
+    required_approvals: int
+    signer: Signer | None = None
+    clock: Callable[[], float] = field(default=time.time)
+    # The documents nodes answer from while no version has been activated: this node's own
+    # files (topology text, policy file name -> text), what a first proposal is diffed against.
+    files: tuple[str, Mapping[str, str]] | None = None
+    # The snapshot this node answers from (impact analysis replays against it).
+    snapshot: Callable[[], Snapshot] | None = None
+
+
+class Unauthenticated(Exception):
+    pass
+
+
+class Forbidden(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def context(request: Request) -> AdminContext:
+    ctx: AdminContext = request.app.state.admin
+    return ctx
+
+
+Ctx = Annotated[AdminContext, Depends(context)]
+
+
+async def current_principal(request: Request, ctx: Ctx) -> Principal:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated()
+    principal = await authenticate(ctx.engine, token.strip(), ctx.clock())
+    if principal is None:
+        raise Unauthenticated()
+    return principal
+
+
+def require(operation: str) -> Callable[..., Awaitable[Principal]]:
+    """A dependency: the caller's principal, when one of its roles allows ``operation``."""
+    if operation not in OPERATIONS:
+        raise KeyError(f"operation {operation!r} has no entry in gtm.admin.permissions")
+
+    async def dependency(
+        ctx: Ctx, principal: Annotated[Principal, Depends(current_principal)]
+    ) -> Principal:
+        if not allowed(operation, principal.roles):
+            async with ctx.engine.begin() as conn:
+                await events.record(
+                    conn,
+                    "denied",
+                    f"{operation}: roles {', '.join(sorted(principal.roles)) or 'none'}",
+                    actor=principal.name,
+                    now=ctx.clock(),
+                    node=ctx.node,
+                )
+            raise Forbidden(f"{principal.name} may not {operation.replace('_', ' ')}")
+        return principal
+
+    return dependency
+
+
+__all__ = ["AdminContext", "Ctx", "Forbidden", "Unauthenticated", "current_principal", "require"]

@@ -1,0 +1,501 @@
+"""Document versions and the proposals that take them into force, with four-eyes approval.
+
+A version is a topology and its policies, content-addressed (its id is their SHA-256,
+:func:`gtm.fleet.signed_documents.content_digest`). A proposal carries one version through::
+
+    draft -> proposed -> approved -> active -> superseded
+       \\________\\___________\\-> withdrawn
+
+Its author writes and edits it (an edit takes it back to draft and drops every approval) and
+submits it; a principal holding ``policy-approver`` who is *not* its author approves the version
+they reviewed (naming another version is a conflict: someone changed it since); with the
+configured number of approvals it is approved, and an approver activates it: the admin service
+signs the approval record and publishes the version in the same transaction, with the next
+activation sequence. Rollback is a new proposal of an earlier version, under the same rule.
+Every step is an event in the hash-chained log (:mod:`gtm.admin.events`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gtm.admin import events
+from gtm.admin.diff import FileDiff, diff_documents
+from gtm.admin.principals import Principal
+from gtm.admin.signer import Signer
+from gtm.audit.schema import approvals, document_versions, principals, proposals
+from gtm.errors import ConfigError, GTMError, Problem
+from gtm.fleet import shared_state
+from gtm.fleet.signed_documents import Manifest, content_digest
+from gtm.runtime import parse_documents
+
+DRAFT, PROPOSED, APPROVED, ACTIVE = "draft", "proposed", "approved", "active"
+SUPERSEDED, WITHDRAWN = "superseded", "withdrawn"
+
+
+class LifecycleError(GTMError):
+    """A step that cannot be taken: ``status`` is its HTTP status, ``code`` a stable name."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, problems: list[Problem] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.problems = problems or []
+
+
+class NotFound(LifecycleError):
+    status, code = 404, "not_found"
+
+
+class Refused(LifecycleError):
+    status, code = 403, "forbidden"
+
+
+class Conflict(LifecycleError):
+    status, code = 409, "conflict"
+
+
+class Invalid(LifecycleError):
+    status, code = 422, "invalid_documents"
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    approver: str
+    version: str
+    at: float
+    comment: str
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    id: int
+    version: str
+    state: str
+    author: str
+    author_id: str
+    reason: str
+    base_version: str | None
+    required_approvals: int
+    approvals: tuple[Approval, ...]
+    created_at: float
+    updated_at: float
+    activated_at: float | None
+    sequence: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    id: str
+    topology: str
+    policies: Mapping[str, str]
+    created_at: float
+    created_by: str
+
+
+def _us(t: float) -> int:
+    return round(t * 1e6)
+
+
+def _s(us: int | None) -> float | None:
+    return None if us is None else us / 1e6
+
+
+def validate(topology: str, policies: Mapping[str, str]) -> None:
+    """:class:`Invalid` with every problem and its path, as ``gtm policy validate`` gives them."""
+    try:
+        parse_documents(topology, policies, "proposed documents")
+    except ConfigError as exc:
+        raise Invalid("the documents do not validate", exc.problems) from None
+
+
+async def _store_version(
+    conn: AsyncConnection, topology: str, policies: Mapping[str, str], by: str, now: float
+) -> str:
+    version = content_digest(topology, policies)
+    exists = (
+        await conn.execute(select(document_versions.c.id).where(document_versions.c.id == version))
+    ).first()
+    if exists is None:
+        await conn.execute(
+            insert(document_versions),
+            {
+                "id": version,
+                "topology": topology,
+                "policies": dict(policies),
+                "created_at_us": _us(now),
+                "created_by": by,
+            },
+        )
+    return version
+
+
+async def active_version(conn: AsyncConnection) -> str | None:
+    return (
+        await conn.execute(select(proposals.c.version_id).where(proposals.c.state == ACTIVE))
+    ).scalar_one_or_none()
+
+
+async def get_version(conn: AsyncConnection, version: str) -> Version:
+    row = (
+        await conn.execute(select(document_versions).where(document_versions.c.id == version))
+    ).first()
+    if row is None:
+        raise NotFound(f"no version {version}")
+    return Version(row.id, row.topology, row.policies, row.created_at_us / 1e6, row.created_by)
+
+
+async def get(conn: AsyncConnection, proposal_id: int, *, lock: bool = False) -> Proposal:
+    query = (
+        select(proposals, principals.c.name)
+        .join(principals, principals.c.id == proposals.c.author_id)
+        .where(proposals.c.id == proposal_id)
+    )
+    if lock:
+        query = query.with_for_update(of=proposals)
+    row = (await conn.execute(query)).first()
+    if row is None:
+        raise NotFound(f"no proposal {proposal_id}")
+    given = (
+        await conn.execute(
+            select(approvals, principals.c.name)
+            .join(principals, principals.c.id == approvals.c.principal_id)
+            .where(approvals.c.proposal_id == proposal_id)
+            .order_by(approvals.c.at_us)
+        )
+    ).all()
+    return _proposal(
+        row, tuple(Approval(a.name, a.version_id, a.at_us / 1e6, a.comment) for a in given)
+    )
+
+
+def _proposal(row: Any, given: tuple[Approval, ...]) -> Proposal:
+    return Proposal(
+        row.id,
+        row.version_id,
+        row.state,
+        row.name,
+        row.author_id,
+        row.reason,
+        row.base_version_id,
+        row.required_approvals,
+        given,
+        row.created_at_us / 1e6,
+        row.updated_at_us / 1e6,
+        _s(row.activated_at_us),
+        row.sequence,
+    )
+
+
+async def list_all(conn: AsyncConnection, state: str | None = None) -> list[Proposal]:
+    query = select(proposals.c.id).order_by(proposals.c.id.desc()).limit(200)
+    if state is not None:
+        query = query.where(proposals.c.state == state)
+    ids = (await conn.execute(query)).scalars().all()
+    return [await get(conn, i) for i in ids]
+
+
+async def create(
+    conn: AsyncConnection,
+    author: Principal,
+    topology: str,
+    policies: Mapping[str, str],
+    reason: str,
+    *,
+    required_approvals: int,
+    now: float,
+    node: str,
+) -> Proposal:
+    validate(topology, policies)
+    version = await _store_version(conn, topology, policies, author.name, now)
+    result = await conn.execute(
+        insert(proposals).returning(proposals.c.id),
+        {
+            "version_id": version,
+            "state": DRAFT,
+            "author_id": author.id,
+            "reason": reason,
+            "base_version_id": await active_version(conn),
+            "required_approvals": required_approvals,
+            "created_at_us": _us(now),
+            "updated_at_us": _us(now),
+        },
+    )
+    proposal_id = int(result.scalar_one())
+    await events.record(
+        conn,
+        "proposal",
+        f"#{proposal_id} drafted: version {version[:12]}",
+        actor=author.name,
+        now=now,
+        node=node,
+        reason=reason,
+    )
+    return await get(conn, proposal_id)
+
+
+def _own(proposal: Proposal, principal: Principal, what: str) -> None:
+    if proposal.author_id != principal.id:
+        raise Refused(f"only the author of proposal #{proposal.id} may {what} it")
+
+
+async def update_content(
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    topology: str,
+    policies: Mapping[str, str],
+    *,
+    now: float,
+    node: str,
+) -> Proposal:
+    proposal = await get(conn, proposal_id, lock=True)
+    _own(proposal, principal, "edit")
+    if proposal.state not in (DRAFT, PROPOSED):
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}; only drafts are edited")
+    validate(topology, policies)
+    version = await _store_version(conn, topology, policies, principal.name, now)
+    # A changed version voids every approval given to the previous one.
+    await conn.execute(delete(approvals).where(approvals.c.proposal_id == proposal_id))
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id)
+        .values(version_id=version, state=DRAFT, updated_at_us=_us(now))
+    )
+    await events.record(
+        conn,
+        "proposal",
+        f"#{proposal_id} edited: version {version[:12]}, approvals cleared",
+        actor=principal.name,
+        now=now,
+        node=node,
+    )
+    return await get(conn, proposal_id)
+
+
+async def submit(
+    conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
+) -> Proposal:
+    proposal = await get(conn, proposal_id, lock=True)
+    _own(proposal, principal, "submit")
+    if proposal.state != DRAFT:
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not a draft")
+    await _set_state(conn, proposal_id, PROPOSED, now)
+    await events.record(
+        conn, "proposal", f"#{proposal_id} proposed", actor=principal.name, now=now, node=node
+    )
+    return await get(conn, proposal_id)
+
+
+async def withdraw(
+    conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
+) -> Proposal:
+    proposal = await get(conn, proposal_id, lock=True)
+    _own(proposal, principal, "withdraw")
+    if proposal.state not in (DRAFT, PROPOSED, APPROVED):
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}")
+    await _set_state(conn, proposal_id, WITHDRAWN, now)
+    await events.record(
+        conn, "proposal", f"#{proposal_id} withdrawn", actor=principal.name, now=now, node=node
+    )
+    return await get(conn, proposal_id)
+
+
+async def approve(
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    version: str,
+    comment: str,
+    *,
+    now: float,
+    node: str,
+) -> Proposal:
+    proposal = await get(conn, proposal_id, lock=True)
+    if proposal.author_id == principal.id:
+        # Four-eyes: whatever roles the author holds, and with whichever of its tokens.
+        await events.record(
+            conn,
+            "denied",
+            f"#{proposal_id}: its author may not approve it",
+            actor=principal.name,
+            now=now,
+            node=node,
+        )
+        raise Refused(f"the author of proposal #{proposal_id} may not approve it")
+    if proposal.state != PROPOSED:
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not proposed")
+    if version != proposal.version:
+        raise Conflict(
+            f"proposal #{proposal_id} is now version {proposal.version}, not the {version} "
+            "reviewed: read it again"
+        )
+    if any(a.approver == principal.name for a in proposal.approvals):
+        raise Conflict(f"{principal.name} already approved proposal #{proposal_id}")
+    await conn.execute(
+        insert(approvals),
+        {
+            "proposal_id": proposal_id,
+            "principal_id": principal.id,
+            "version_id": version,
+            "at_us": _us(now),
+            "comment": comment,
+        },
+    )
+    given = len(proposal.approvals) + 1
+    if given >= proposal.required_approvals:
+        await _set_state(conn, proposal_id, APPROVED, now)
+    await events.record(
+        conn,
+        "approval",
+        f"#{proposal_id} approved ({given} of {proposal.required_approvals}), "
+        f"version {version[:12]}",
+        actor=principal.name,
+        now=now,
+        node=node,
+        reason=comment or None,
+    )
+    return await get(conn, proposal_id)
+
+
+async def activate(
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    signer: Signer,
+    *,
+    now: float,
+    node: str,
+) -> Proposal:
+    """Sign the approval record and publish the version, superseding the active one."""
+    proposal = await get(conn, proposal_id, lock=True)
+    if proposal.state != APPROVED:
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not approved")
+    # The record is checked again here, not trusted from the state column: a row someone
+    # marked "approved" in the database has no approvals behind it and is refused.
+    valid = [
+        a
+        for a in proposal.approvals
+        if a.version == proposal.version and a.approver != proposal.author
+    ]
+    if len(valid) < proposal.required_approvals:
+        await events.record(
+            conn,
+            "denied",
+            f"#{proposal_id}: activation refused, {len(valid)} valid approval(s) of "
+            f"{proposal.required_approvals}",
+            actor=principal.name,
+            now=now,
+            node=node,
+        )
+        raise Conflict(
+            f"proposal #{proposal_id} has {len(valid)} valid approval(s) of "
+            f"{proposal.required_approvals}"
+        )
+    version = await get_version(conn, proposal.version)
+    sequence = (
+        int(
+            (
+                await conn.execute(select(func.coalesce(func.max(proposals.c.sequence), 0)))
+            ).scalar_one()
+        )
+        + 1
+    )
+    manifest, signature = signer.sign(
+        Manifest(
+            version=proposal.version,
+            sequence=sequence,
+            proposal=proposal_id,
+            author=proposal.author,
+            approvers=tuple(a.approver for a in valid),
+            required=proposal.required_approvals,
+            activated_at=now,
+            actor=principal.name,
+            reason=proposal.reason,
+            key=signer.key_id,
+        )
+    )
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.state == ACTIVE)
+        .values(state=SUPERSEDED, updated_at_us=_us(now))
+    )
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id)
+        .values(state=ACTIVE, activated_at_us=_us(now), updated_at_us=_us(now), sequence=sequence)
+    )
+    await shared_state.publish(
+        conn,
+        version.topology,
+        version.policies,
+        proposal.version,
+        principal.name,
+        proposal.reason,
+        now,
+        manifest=manifest,
+        signature=signature,
+    )
+    await events.record(
+        conn,
+        "activation",
+        f"#{proposal_id} active: version {proposal.version[:12]}, sequence {sequence}, "
+        f"approved by {', '.join(a.approver for a in valid)}",
+        actor=principal.name,
+        now=now,
+        node=node,
+        reason=proposal.reason,
+    )
+    return await get(conn, proposal_id)
+
+
+async def diff(
+    conn: AsyncConnection,
+    proposal_id: int,
+    files: tuple[str, Mapping[str, str]] | None = None,
+) -> tuple[str | None, list[FileDiff]]:
+    """The proposal's version against the active one, or against ``files`` (the nodes' own
+    documents) while none is: (active version id, file diffs)."""
+    proposal = await get(conn, proposal_id)
+    active = await active_version(conn)
+    before = files
+    if active is not None:
+        old = await get_version(conn, active)
+        before = (old.topology, old.policies)
+    new = await get_version(conn, proposal.version)
+    return active, diff_documents(before, (new.topology, new.policies))
+
+
+async def _set_state(conn: AsyncConnection, proposal_id: int, state: str, now: float) -> None:
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id)
+        .values(state=state, updated_at_us=_us(now))
+    )
+
+
+__all__ = [
+    "Approval",
+    "Conflict",
+    "Invalid",
+    "LifecycleError",
+    "NotFound",
+    "Proposal",
+    "Refused",
+    "Version",
+    "activate",
+    "approve",
+    "create",
+    "diff",
+    "submit",
+    "update_content",
+    "validate",
+    "withdraw",
+]

@@ -1,0 +1,61 @@
+"""Who may do what: the roles and the one table of operations the routes and the tests read.
+
+Every admin endpoint names its operation (its OpenAPI ``operationId``) and is allowed to the
+roles listed here and to no one else; a route without an entry cannot be served (the app
+refuses to build) and the role matrix test fails. Roles do not nest: ``admin`` manages
+principals and tokens, and approves nothing unless it also holds ``policy-approver``. Four-eyes
+is not a role: the author of a proposal can never approve it, whatever roles it holds
+(:mod:`gtm.admin.lifecycle`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    VIEWER = "viewer"  # read the fleet, versions and proposals
+    AUDITOR = "auditor"  # read and export the audit and the event log
+    POLICY_AUTHOR = "policy-author"  # write drafts, propose, withdraw their own
+    POLICY_APPROVER = "policy-approver"  # approve others' proposals, activate approved ones
+    OPERATOR = "operator"  # region controls
+    ADMIN = "admin"  # principals and tokens
+
+
+_ALL = frozenset(Role)
+_READERS = frozenset(
+    {Role.VIEWER, Role.AUDITOR, Role.POLICY_AUTHOR, Role.POLICY_APPROVER, Role.OPERATOR}
+)
+_AUTHOR = frozenset({Role.POLICY_AUTHOR})
+_APPROVER = frozenset({Role.POLICY_APPROVER})
+_ADMIN = frozenset({Role.ADMIN})
+
+# operationId -> the roles allowed.
+OPERATIONS: dict[str, frozenset[Role]] = {
+    "whoami": _ALL,
+    "list_principals": _ADMIN,
+    "create_principal": _ADMIN,
+    "create_token": _ADMIN,
+    "revoke_token": _ADMIN,
+    "list_tokens": _ADMIN,
+    "list_events": _READERS | _ADMIN,
+    "get_active_version": _READERS,
+    "get_version": _READERS,
+    "list_proposals": _READERS,
+    "get_proposal": _READERS,
+    "get_proposal_diff": _READERS,
+    "get_proposal_impact": _READERS,
+    "create_proposal": _AUTHOR,
+    "update_proposal": _AUTHOR,
+    "submit_proposal": _AUTHOR,
+    "withdraw_proposal": _AUTHOR,
+    "approve_proposal": _APPROVER,
+    "activate_proposal": _APPROVER,
+}
+
+
+def allowed(operation: str, roles: frozenset[Role]) -> bool:
+    return bool(OPERATIONS[operation] & roles)
+
+
+__all__ = ["OPERATIONS", "Role", "allowed"]

@@ -1,0 +1,378 @@
+"""Document versions and proposals: draft, propose, approve (four-eyes), activate, diff."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import IntegrityError
+
+from gtm.admin import impact, lifecycle
+from gtm.admin.auth import Ctx, require
+from gtm.admin.lifecycle import Conflict, NotFound, Proposal
+from gtm.admin.principals import Principal
+from gtm.audit import query
+from gtm.runtime import parse_documents
+
+router = APIRouter(prefix="/v1")
+
+
+class DocumentsIn(BaseModel):
+    topology: str = Field(description="the topology document, YAML text")
+    policies: dict[str, str] = Field(description="policy file name -> YAML text")
+
+
+class NewProposal(DocumentsIn):
+    reason: str = Field(min_length=1, description="why: recorded with every step")
+
+
+class ApprovalIn(BaseModel):
+    version: str = Field(description="the version id the approver reviewed")
+    comment: str = ""
+
+
+class ApprovalOut(BaseModel):
+    approver: str
+    version: str
+    at: float
+    comment: str
+
+
+class ProposalOut(BaseModel):
+    id: int
+    version: str
+    state: str
+    author: str
+    reason: str
+    base_version: str | None
+    required_approvals: int
+    approvals: list[ApprovalOut]
+    created_at: float
+    updated_at: float
+    activated_at: float | None
+    sequence: int | None
+
+
+class VersionOut(BaseModel):
+    id: str
+    topology: str
+    policies: dict[str, str]
+    created_at: float
+    created_by: str
+
+
+class FileDiffOut(BaseModel):
+    file: str
+    status: str
+    diff: str
+
+
+class ImpactIn(BaseModel):
+    since_s: float = Field(default=86400.0, gt=0, le=90 * 86400, description="replay window")
+
+
+class ChangeOut(BaseModel):
+    example: str
+    name: str
+    client_network: str
+    residency_classes: list[str]
+    tenant: str | None
+    answers: int
+    before: str
+    after: str
+    left_jurisdiction: bool
+
+
+class ImpactOut(BaseModel):
+    proposal: int
+    version: str
+    since: float
+    until: float
+    inputs: int
+    answers: int
+    moved: int
+    newly_refused: int
+    newly_answered: int
+    left_jurisdiction: int
+    skipped: int
+    by_service: dict[str, dict[str, int]]
+    by_class: dict[str, dict[str, int]]
+    by_move: dict[str, int]
+    examples: list[ChangeOut]
+    seconds: float
+
+
+class DiffOut(BaseModel):
+    proposal: int
+    version: str
+    active_version: str | None
+    files: list[FileDiffOut]
+
+
+def _out(p: Proposal) -> ProposalOut:
+    return ProposalOut(
+        id=p.id,
+        version=p.version,
+        state=p.state,
+        author=p.author,
+        reason=p.reason,
+        base_version=p.base_version,
+        required_approvals=p.required_approvals,
+        approvals=[ApprovalOut(**asdict(a)) for a in p.approvals],
+        created_at=p.created_at,
+        updated_at=p.updated_at,
+        activated_at=p.activated_at,
+        sequence=p.sequence,
+    )
+
+
+@router.get("/versions/active", operation_id="get_active_version", response_model=VersionOut)
+async def get_active_version(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("get_active_version"))]
+) -> VersionOut:
+    async with ctx.engine.connect() as conn:
+        active = await lifecycle.active_version(conn)
+        if active is None:
+            raise NotFound("no version has been activated: nodes use their configured files")
+        v = await lifecycle.get_version(conn, active)
+    return VersionOut(
+        id=v.id,
+        topology=v.topology,
+        policies=dict(v.policies),
+        created_at=v.created_at,
+        created_by=v.created_by,
+    )
+
+
+@router.get("/versions/{version_id}", operation_id="get_version", response_model=VersionOut)
+async def get_version(
+    version_id: str, ctx: Ctx, _: Annotated[Principal, Depends(require("get_version"))]
+) -> VersionOut:
+    async with ctx.engine.connect() as conn:
+        v = await lifecycle.get_version(conn, version_id)
+    return VersionOut(
+        id=v.id,
+        topology=v.topology,
+        policies=dict(v.policies),
+        created_at=v.created_at,
+        created_by=v.created_by,
+    )
+
+
+@router.get("/proposals", operation_id="list_proposals", response_model=list[ProposalOut])
+async def list_proposals(
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("list_proposals"))],
+    state: Annotated[str | None, Query()] = None,
+) -> list[ProposalOut]:
+    async with ctx.engine.connect() as conn:
+        return [_out(p) for p in await lifecycle.list_all(conn, state)]
+
+
+@router.post(
+    "/proposals", operation_id="create_proposal", response_model=ProposalOut, status_code=201
+)
+async def create_proposal(
+    body: NewProposal,
+    ctx: Ctx,
+    author: Annotated[Principal, Depends(require("create_proposal"))],
+) -> ProposalOut:
+    async with ctx.engine.begin() as conn:
+        proposal = await lifecycle.create(
+            conn,
+            author,
+            body.topology,
+            body.policies,
+            body.reason,
+            required_approvals=ctx.required_approvals,
+            now=ctx.clock(),
+            node=ctx.node,
+        )
+    return _out(proposal)
+
+
+@router.get("/proposals/{proposal_id}", operation_id="get_proposal", response_model=ProposalOut)
+async def get_proposal(
+    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal"))]
+) -> ProposalOut:
+    async with ctx.engine.connect() as conn:
+        return _out(await lifecycle.get(conn, proposal_id))
+
+
+@router.put("/proposals/{proposal_id}", operation_id="update_proposal", response_model=ProposalOut)
+async def update_proposal(
+    proposal_id: int,
+    body: DocumentsIn,
+    ctx: Ctx,
+    author: Annotated[Principal, Depends(require("update_proposal"))],
+) -> ProposalOut:
+    async with ctx.engine.begin() as conn:
+        proposal = await lifecycle.update_content(
+            conn, proposal_id, author, body.topology, body.policies, now=ctx.clock(), node=ctx.node
+        )
+    return _out(proposal)
+
+
+@router.get(
+    "/proposals/{proposal_id}/diff", operation_id="get_proposal_diff", response_model=DiffOut
+)
+async def get_proposal_diff(
+    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal_diff"))]
+) -> DiffOut:
+    async with ctx.engine.connect() as conn:
+        proposal = await lifecycle.get(conn, proposal_id)
+        active, files = await lifecycle.diff(conn, proposal_id, ctx.files)
+    return DiffOut(
+        proposal=proposal_id,
+        version=proposal.version,
+        active_version=active,
+        files=[FileDiffOut(file=f.file, status=f.status, diff=f.diff) for f in files],
+    )
+
+
+@router.post(
+    "/proposals/{proposal_id}/submit", operation_id="submit_proposal", response_model=ProposalOut
+)
+async def submit_proposal(
+    proposal_id: int,
+    ctx: Ctx,
+    author: Annotated[Principal, Depends(require("submit_proposal"))],
+) -> ProposalOut:
+    async with ctx.engine.begin() as conn:
+        return _out(
+            await lifecycle.submit(conn, proposal_id, author, now=ctx.clock(), node=ctx.node)
+        )
+
+
+@router.post(
+    "/proposals/{proposal_id}/withdraw",
+    operation_id="withdraw_proposal",
+    response_model=ProposalOut,
+)
+async def withdraw_proposal(
+    proposal_id: int,
+    ctx: Ctx,
+    author: Annotated[Principal, Depends(require("withdraw_proposal"))],
+) -> ProposalOut:
+    async with ctx.engine.begin() as conn:
+        return _out(
+            await lifecycle.withdraw(conn, proposal_id, author, now=ctx.clock(), node=ctx.node)
+        )
+
+
+@router.post(
+    "/proposals/{proposal_id}/approve", operation_id="approve_proposal", response_model=ProposalOut
+)
+async def approve_proposal(
+    proposal_id: int,
+    body: ApprovalIn,
+    ctx: Ctx,
+    approver: Annotated[Principal, Depends(require("approve_proposal"))],
+) -> ProposalOut:
+    # A refusal is recorded as an event even though the approval itself is not made: the
+    # transaction commits the event and the error is raised after it.
+    refusal: lifecycle.LifecycleError | None = None
+    proposal: Proposal | None = None
+    async with ctx.engine.begin() as conn:
+        try:
+            proposal = await lifecycle.approve(
+                conn,
+                proposal_id,
+                approver,
+                body.version,
+                body.comment,
+                now=ctx.clock(),
+                node=ctx.node,
+            )
+        except lifecycle.Refused as exc:
+            refusal = exc
+    if refusal is not None:
+        raise refusal
+    assert proposal is not None
+    return _out(proposal)
+
+
+@router.post(
+    "/proposals/{proposal_id}/activate",
+    operation_id="activate_proposal",
+    response_model=ProposalOut,
+)
+async def activate_proposal(
+    proposal_id: int,
+    ctx: Ctx,
+    approver: Annotated[Principal, Depends(require("activate_proposal"))],
+) -> ProposalOut:
+    if ctx.signer is None:
+        raise Conflict(
+            "this node has no document signing key (GTM_DOCUMENT_SIGNING_KEY): it cannot "
+            "activate; use a node that has one"
+        )
+    refusal: lifecycle.LifecycleError | None = None
+    proposal: Proposal | None = None
+    try:
+        async with ctx.engine.begin() as conn:
+            try:
+                proposal = await lifecycle.activate(
+                    conn, proposal_id, approver, ctx.signer, now=ctx.clock(), node=ctx.node
+                )
+            except lifecycle.Conflict as exc:
+                refusal = exc
+    except IntegrityError:
+        # Two activations at once took the same sequence number: one of them lost.
+        raise Conflict("another activation happened at the same time; try again") from None
+    if refusal is not None:
+        raise refusal
+    assert proposal is not None
+    return _out(proposal)
+
+
+@router.post(
+    "/proposals/{proposal_id}/impact",
+    operation_id="get_proposal_impact",
+    response_model=ImpactOut,
+)
+async def get_proposal_impact(
+    proposal_id: int,
+    body: ImpactIn,
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("get_proposal_impact"))],
+) -> ImpactOut:
+    """Replay the last ``since_s`` of recorded traffic under the proposal and under what is in
+    force on this node: which answers would move, fail closed, or leave their jurisdiction."""
+    if ctx.snapshot is None:
+        raise Conflict("this admin service has no snapshot to replay against")
+    until = ctx.clock()
+    since = until - body.since_s
+    async with ctx.engine.connect() as conn:
+        proposal = await lifecycle.get(conn, proposal_id)
+        version = await lifecycle.get_version(conn, proposal.version)
+    started = time.perf_counter()
+    inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
+    before = ctx.snapshot()
+    docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
+    after = before.evolve(until, topology=docs.topology, policy=docs.policy)
+    # A replay of a day's traffic takes seconds of CPU: off the event loop, which the node's
+    # answering listeners share (DESIGN.md rule 3).
+    report = await asyncio.to_thread(impact.analyse, inputs, before, after, until)
+    return ImpactOut(
+        proposal=proposal_id,
+        version=proposal.version,
+        since=since,
+        until=until,
+        inputs=report.inputs,
+        answers=report.answers,
+        moved=report.moved,
+        newly_refused=report.newly_refused,
+        newly_answered=report.newly_answered,
+        left_jurisdiction=report.left_jurisdiction,
+        skipped=report.skipped,
+        by_service={k: dict(v) for k, v in report.by_service.items()},
+        by_class={k: dict(v) for k, v in report.by_class.items()},
+        by_move=dict(report.by_move),
+        examples=[ChangeOut(**asdict(c)) for c in report.examples],
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,158 @@
+"""Principals, API tokens, who is asking, and the event log."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Response
+from pydantic import BaseModel, Field
+
+from gtm.admin import principals
+from gtm.admin.auth import Ctx, require
+from gtm.admin.lifecycle import Conflict, Invalid, NotFound
+from gtm.admin.permissions import Role
+from gtm.admin.principals import Principal
+from gtm.admin.tokens import parse_duration
+from gtm.errors import Problem
+from gtm.fleet import shared_state
+
+router = APIRouter(prefix="/v1")
+
+
+class PrincipalOut(BaseModel):
+    id: str
+    name: str
+    roles: list[Role]
+    disabled: bool = False
+
+
+class NewPrincipal(BaseModel):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")
+    roles: list[Role] = Field(min_length=1)
+
+
+class NewTokenIn(BaseModel):
+    expires_in: str | None = Field(default=None, description="90d, 12h, 30m; none: no expiry")
+
+
+class TokenOut(BaseModel):
+    id: str
+    principal: str
+    token: str = Field(description="shown once; only its hash is kept")
+    expires_at: float | None
+
+
+class TokenInfoOut(BaseModel):
+    id: str
+    principal: str
+    created_at: float
+    created_by: str
+    expires_at: float | None
+    revoked_at: float | None
+    last_used_at: float | None
+
+
+class EventOut(BaseModel):
+    at: float
+    node: str
+    region: str
+    kind: str
+    state: str | None
+    previous: str | None
+    detail: str
+    actor: str | None
+    reason: str | None
+
+
+def _out(p: Principal) -> PrincipalOut:
+    return PrincipalOut(id=p.id, name=p.name, roles=sorted(p.roles), disabled=p.disabled)
+
+
+@router.get("/whoami", operation_id="whoami", response_model=PrincipalOut)
+async def whoami(principal: Annotated[Principal, Depends(require("whoami"))]) -> PrincipalOut:
+    return _out(principal)
+
+
+@router.get("/principals", operation_id="list_principals", response_model=list[PrincipalOut])
+async def list_principals(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("list_principals"))]
+) -> list[PrincipalOut]:
+    async with ctx.engine.connect() as conn:
+        return [_out(p) for p in await principals.list_all(conn)]
+
+
+@router.post(
+    "/principals", operation_id="create_principal", response_model=PrincipalOut, status_code=201
+)
+async def create_principal(
+    body: NewPrincipal,
+    ctx: Ctx,
+    admin: Annotated[Principal, Depends(require("create_principal"))],
+) -> PrincipalOut:
+    async with ctx.engine.begin() as conn:
+        try:
+            created = await principals.create(
+                conn, body.name, body.roles, created_by=admin.name, now=ctx.clock(), node=ctx.node
+            )
+        except principals.NameTaken:
+            raise Conflict(f"a principal named {body.name!r} exists") from None
+    return _out(created)
+
+
+@router.post(
+    "/principals/{name}/tokens",
+    operation_id="create_token",
+    response_model=TokenOut,
+    status_code=201,
+)
+async def create_token(
+    name: str,
+    body: NewTokenIn,
+    ctx: Ctx,
+    admin: Annotated[Principal, Depends(require("create_token"))],
+) -> TokenOut:
+    now = ctx.clock()
+    try:
+        expires = None if body.expires_in is None else now + parse_duration(body.expires_in)
+    except ValueError as exc:
+        raise Invalid(str(exc), [Problem("request", "body.expires_in", str(exc))]) from None
+    async with ctx.engine.begin() as conn:
+        principal = await principals.by_name(conn, name)
+        if principal is None:
+            raise NotFound(f"no principal named {name!r}")
+        token = await principals.issue_token(
+            conn, principal, created_by=admin.name, now=now, expires_at=expires, node=ctx.node
+        )
+    return TokenOut(id=token.id, principal=name, token=token.text, expires_at=expires)
+
+
+@router.get("/tokens", operation_id="list_tokens", response_model=list[TokenInfoOut])
+async def list_tokens(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("list_tokens"))]
+) -> list[TokenInfoOut]:
+    async with ctx.engine.connect() as conn:
+        return [TokenInfoOut(**asdict(t)) for t in await principals.list_tokens(conn)]
+
+
+@router.delete("/tokens/{token_id}", operation_id="revoke_token", status_code=204)
+async def revoke_token(
+    token_id: str, ctx: Ctx, admin: Annotated[Principal, Depends(require("revoke_token"))]
+) -> Response:
+    async with ctx.engine.begin() as conn:
+        if not await principals.revoke(
+            conn, token_id, actor=admin.name, now=ctx.clock(), node=ctx.node
+        ):
+            raise NotFound(f"no live token {token_id}")
+    return Response(status_code=204)
+
+
+@router.get("/events", operation_id="list_events", response_model=list[EventOut])
+async def list_events(
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("list_events"))],
+    region: Annotated[str | None, Query(description="'-' for admin actions")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[EventOut]:
+    rows = await shared_state.read_events(ctx.engine, region, limit)
+    return [EventOut(**asdict(e)) for e in rows]

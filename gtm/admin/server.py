@@ -1,0 +1,108 @@
+"""The admin listener: uvicorn serving :func:`gtm.admin.app.create_app` in the node's loop.
+
+Its own socket and its own server, apart from the answering listeners: a slow admin request
+never holds up a DNS answer or a redirect, and the admin API can be bound to an internal address
+while the answering listeners face the internet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import structlog
+import uvicorn
+
+from gtm.admin.app import create_app
+from gtm.admin.auth import AdminContext
+from gtm.admin.signer import load_signer
+from gtm.decision.policy import policy_files
+from gtm.errors import ConfigError, Problem
+from gtm.listen import EmbeddedServer, parse_listen
+from gtm.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+
+def context_for(runtime: Runtime) -> AdminContext:
+    settings = runtime.settings
+    signer = (
+        None
+        if settings.document_signing_key is None
+        else load_signer(settings.document_signing_key)
+    )
+    files = (
+        settings.config.read_text(encoding="utf-8"),
+        {p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)},
+    )
+    return AdminContext(
+        runtime.engine,
+        settings.node_id,
+        settings.policy_approvals,
+        signer,
+        files=files,
+        snapshot=lambda: runtime.store.current,
+    )
+
+
+def bind(listen: str) -> socket.socket:
+    host, port = parse_listen(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            [Problem("GTM_ADMIN_LISTEN", "", f"cannot listen on {host}:{port}: {exc}")]
+        ) from exc
+    return sock
+
+
+async def serve_admin(
+    runtime: Runtime,
+    sock: socket.socket,
+    stop: asyncio.Event,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Serve the admin API on ``sock`` until ``stop`` is set."""
+    app = create_app(context_for(runtime))
+    host, port = sock.getsockname()[:2]
+
+    def started() -> None:
+        log.info("admin.listening", url=f"http://{host}:{port}")
+        if ready is not None:
+            ready.set()
+
+    config = uvicorn.Config(
+        app,
+        loop="none",
+        lifespan="off",
+        ws="none",
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=5,
+    )
+    server = EmbeddedServer(config, started)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+    finally:
+        stopping.cancel()
+        if not serving.done():
+            server.should_exit = server.force_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+        sock.close()
+
+
+__all__ = ["bind", "context_for", "serve_admin"]

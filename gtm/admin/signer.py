@@ -1,0 +1,79 @@
+"""The admin service's signing key: Ed25519, in a file of mode 0600, never in the database.
+
+``gtm admin keygen DIR`` makes a pair: ``document-signing.key`` (private, 0600) for the nodes that
+serve the admin API (``GTM_DOCUMENT_SIGNING_KEY``), ``document-signing.pub`` for every node
+(``GTM_DOCUMENT_KEYS``). Someone holding the database password but not this file cannot make a
+version every node accepts (:mod:`gtm.fleet.signed_documents`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gtm.errors import ConfigError, Problem
+from gtm.fleet.signed_documents import Manifest, key_id
+
+PRIVATE_NAME = "document-signing.key"
+PUBLIC_NAME = "document-signing.pub"
+
+
+class Signer:
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+        self.key_id = key_id(key.public_key())
+
+    def sign(self, manifest: Manifest) -> tuple[bytes, str]:
+        """The manifest's canonical bytes (naming this key) and the hex signature over them."""
+        body = replace(manifest, key=self.key_id).canonical()
+        return body, self._key.sign(body).hex()
+
+
+def load_signer(path: Path) -> Signer:
+    """The signing key in ``path``; :class:`ConfigError` when it is unreadable, not Ed25519,
+    or readable by anyone but its owner."""
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([Problem(str(path), "", f"cannot read the signing key: {exc}")]) from None
+    if mode & 0o077:
+        raise ConfigError(
+            [Problem(str(path), "", f"mode {mode & 0o777:o}: a signing key must be 0600")]
+        )
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([Problem(str(path), "", f"not a PEM private key: {exc}")]) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ConfigError([Problem(str(path), "", "not an Ed25519 private key")])
+    return Signer(key)
+
+
+def generate(directory: Path) -> tuple[Path, Path]:
+    """A new key pair in ``directory``; refuses to overwrite an existing private key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    private, public = directory / PRIVATE_NAME, directory / PUBLIC_NAME
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    # O_EXCL: never replace a key nodes already trust; 0600 from the first byte.
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(pem)
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+__all__ = ["PRIVATE_NAME", "PUBLIC_NAME", "Signer", "generate", "load_signer"]

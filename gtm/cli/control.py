@@ -1,0 +1,294 @@
+"""The control plane from the command line.
+
+``gtm token create|revoke`` and ``gtm admin keygen|openapi`` run on a node with database access
+(``token create`` is how the first principal comes to exist: the only path that needs no token,
+and it is recorded as an event). ``gtm proposal ...`` is a client of the admin API
+(``GTM_ADMIN_URL``, ``GTM_ADMIN_TOKEN``): the principal is the token's, never a flag.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from gtm.admin import principals, signer
+from gtm.admin.app import create_app
+from gtm.admin.auth import AdminContext
+from gtm.admin.permissions import Role
+from gtm.admin.tokens import parse_duration
+from gtm.audit import migrate
+from gtm.audit.database import make_async_engine
+from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.decision.policy import policy_files
+from gtm.errors import ConfigError, GTMError
+from gtm.runtime import load_documents
+
+token_app = typer.Typer(help="API tokens of the admin API.", no_args_is_help=True)
+admin_app = typer.Typer(help="The admin service: signing keys, OpenAPI.", no_args_is_help=True)
+proposal_app = typer.Typer(
+    help="Policy and topology changes through the admin API (four-eyes).", no_args_is_help=True
+)
+
+
+# -- tokens (database access) ------------------------------------------------------------------
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option("--name", help="the principal")],
+    role: Annotated[list[Role], typer.Option("--role", help="a role (repeatable)")],
+    expires: Annotated[str | None, typer.Option("--expires", help="e.g. 90d; none: never")] = None,
+    database_url: DbOpt = None,
+) -> None:
+    """Create principal NAME with its roles (or, if it exists with them, a new token for it)
+    and print the token once."""
+    settings = cli_settings(database_url=database_url)
+    try:
+        lifetime = None if expires is None else parse_duration(expires)
+    except ValueError as exc:
+        raise fail(GTMError(str(exc))) from exc
+    migrate.upgrade(settings.database_url)
+    # Who ran it, as the operating system says: there is no token yet to say it.
+    actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
+
+    async def main() -> str:
+        engine = make_async_engine(settings.database_url)
+        now = time.time()
+        try:
+            async with engine.begin() as conn:
+                principal = await principals.by_name(conn, name)
+                if principal is None:
+                    principal = await principals.create(
+                        conn, name, role, created_by=actor, now=now, node=settings.node_id
+                    )
+                elif principal.roles != frozenset(role):
+                    raise GTMError(
+                        f"{name} exists with roles {', '.join(sorted(principal.roles))}; "
+                        "roles are not changed here"
+                    )
+                token = await principals.issue_token(
+                    conn,
+                    principal,
+                    created_by=actor,
+                    now=now,
+                    expires_at=None if lifetime is None else now + lifetime,
+                    node=settings.node_id,
+                )
+            return token.text
+        finally:
+            await engine.dispose()
+
+    try:
+        text = run_async(main)
+    except GTMError as exc:
+        raise fail(exc) from exc
+    typer.echo(text)
+    typer.echo("(shown once: only its hash is kept)", err=True)
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
+    """Revoke token TOKEN_ID (the 16 hex digits after ``gtm_``)."""
+    settings = cli_settings(database_url=database_url)
+    migrate.upgrade(settings.database_url)
+    actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
+
+    async def main() -> bool:
+        engine = make_async_engine(settings.database_url)
+        try:
+            async with engine.begin() as conn:
+                return await principals.revoke(
+                    conn, token_id, actor=actor, now=time.time(), node=settings.node_id
+                )
+        finally:
+            await engine.dispose()
+
+    if not run_async(main):
+        raise fail(GTMError(f"no live token {token_id}"))
+    typer.echo(f"revoked {token_id}")
+
+
+# -- the admin service -------------------------------------------------------------------------
+
+
+@admin_app.command("keygen")
+def admin_keygen(directory: Path) -> None:
+    """Make the document signing key pair in DIRECTORY (the private key 0600)."""
+    try:
+        private, public = signer.generate(directory)
+    except FileExistsError as exc:
+        raise fail(GTMError(f"{exc.filename} exists: a key nodes trust is never replaced")) from exc
+    typer.echo(f"private key: {private} (GTM_DOCUMENT_SIGNING_KEY on admin nodes)")
+    typer.echo(f"public key:  {public} (GTM_DOCUMENT_KEYS on every node)")
+
+
+def openapi_document() -> dict[str, Any]:
+    """The admin API's OpenAPI document (no database is touched to build it)."""
+    app = create_app(AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1))
+    return app.openapi()
+
+
+@admin_app.command("openapi")
+def admin_openapi() -> None:
+    """Print the admin API's OpenAPI document (checked in as gtm/admin/openapi.json)."""
+    typer.echo(json.dumps(openapi_document(), indent=2, sort_keys=True))
+
+
+# -- proposals (admin API client) --------------------------------------------------------------
+
+
+def _client() -> httpx.Client:
+    settings = cli_settings()
+    if not settings.admin_url or settings.admin_token is None:
+        raise fail(GTMError("set GTM_ADMIN_URL and GTM_ADMIN_TOKEN (the admin API and a token)"))
+    return httpx.Client(
+        base_url=settings.admin_url,
+        headers={"authorization": f"Bearer {settings.admin_token.get_secret_value()}"},
+        timeout=30,
+    )
+
+
+def _call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    with _client() as client:
+        try:
+            response = client.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise fail(GTMError(f"admin API unreachable: {exc}")) from exc
+    if response.status_code >= 400:
+        try:
+            error = response.json()
+        except ValueError:
+            error = {"error": str(response.status_code), "message": response.text}
+        typer.echo(f"error: {response.status_code} {error.get('error')}: {error.get('message')}")
+        for problem in error.get("problems", []):
+            typer.echo(f"  {problem['source']}: {problem['location']}: {problem['message']}")
+        raise typer.Exit(1 if response.status_code in (403, 409) else 2)
+    return response.json() if response.content else None
+
+
+def _show(p: dict[str, Any]) -> None:
+    approvals = ", ".join(a["approver"] for a in p["approvals"]) or "none"
+    typer.echo(
+        f"#{p['id']} {p['state']} by {p['author']}: {p['reason']}\n"
+        f"  version {p['version']}\n"
+        f"  approvals ({len(p['approvals'])} of {p['required_approvals']}): {approvals}"
+        + (
+            f"\n  active since {p['activated_at']:.0f}, sequence {p['sequence']}"
+            if p["sequence"]
+            else ""
+        )
+    )
+
+
+@proposal_app.command("create")
+def proposal_create(
+    why: Annotated[str, typer.Option("--why", help="the reason, recorded with every step")],
+    config: ConfigOpt = None,
+    policies: PoliciesOpt = None,
+    submit: Annotated[bool, typer.Option(help="propose it at once")] = True,
+) -> None:
+    """Draft the topology and policy files as a new version (validated here and again by the
+    admin service), and propose it for approval."""
+    settings = cli_settings(config=config, policies=policies)
+    try:
+        load_documents(settings.config, settings.policies)
+        files = policy_files(settings.policies)
+        texts = {p.name: p.read_text(encoding="utf-8") for p in files}
+    except ConfigError as exc:
+        raise fail(exc) from exc
+    if len(texts) != len(files):
+        raise fail(GTMError("two policy files share a name; a version needs distinct names"))
+    body = {
+        "topology": settings.config.read_text(encoding="utf-8"),
+        "policies": texts,
+        "reason": why,
+    }
+    proposal = _call("POST", "/v1/proposals", body)
+    if submit:
+        proposal = _call("POST", f"/v1/proposals/{proposal['id']}/submit")
+    _show(proposal)
+
+
+@proposal_app.command("list")
+def proposal_list(state: Annotated[str | None, typer.Option("--state")] = None) -> None:
+    """Proposals, newest first."""
+    for p in _call("GET", "/v1/proposals" + (f"?state={state}" if state else "")):
+        typer.echo(
+            f"#{p['id']:<5} {p['state']:<10} {p['version'][:12]} {p['author']}: {p['reason']}"
+        )
+
+
+@proposal_app.command("show")
+def proposal_show(proposal_id: int) -> None:
+    """One proposal, and its diff against the active version."""
+    _show(_call("GET", f"/v1/proposals/{proposal_id}"))
+    diff = _call("GET", f"/v1/proposals/{proposal_id}/diff")
+    if not diff["files"]:
+        typer.echo("  no change from the active version")
+    for f in diff["files"]:
+        typer.echo(f["diff"], nl=False)
+
+
+@proposal_app.command("approve")
+def proposal_approve(
+    proposal_id: int,
+    version: Annotated[str, typer.Option("--version", help="the version id you reviewed")],
+    comment: Annotated[str, typer.Option("--comment")] = "",
+) -> None:
+    """Approve a proposal you did not write, naming the version you reviewed."""
+    _show(
+        _call(
+            "POST",
+            f"/v1/proposals/{proposal_id}/approve",
+            {"version": version, "comment": comment},
+        )
+    )
+
+
+@proposal_app.command("activate")
+def proposal_activate(proposal_id: int) -> None:
+    """Sign and publish an approved proposal: in force on every node at their next sync."""
+    _show(_call("POST", f"/v1/proposals/{proposal_id}/activate"))
+
+
+@proposal_app.command("withdraw")
+def proposal_withdraw(proposal_id: int) -> None:
+    """Withdraw your own proposal."""
+    _show(_call("POST", f"/v1/proposals/{proposal_id}/withdraw"))
+
+
+@proposal_app.command("impact")
+def proposal_impact(
+    proposal_id: int,
+    since: Annotated[str, typer.Option("--since", help="replay window, e.g. 24h")] = "24h",
+) -> None:
+    """Replay recorded traffic under the proposal: answers that would move, fail closed, or
+    leave their jurisdiction (those first), per service, class and region."""
+    try:
+        window = parse_duration(since)
+    except ValueError as exc:
+        raise fail(GTMError(str(exc))) from exc
+    r = _call("POST", f"/v1/proposals/{proposal_id}/impact", {"since_s": window})
+    typer.echo(
+        f"#{proposal_id}: {r['answers']:,} answers ({r['inputs']:,} distinct inputs) of the last "
+        f"{since} replayed in {r['seconds']:.1f} s\n"
+        f"  would move region:         {r['moved']:,}\n"
+        f"  would newly fail closed:   {r['newly_refused']:,}\n"
+        f"  would newly be answered:   {r['newly_answered']:,}\n"
+        f"  LEAVE THEIR JURISDICTION:  {r['left_jurisdiction']:,}"
+    )
+    for move, n in sorted(r["by_move"].items(), key=lambda kv: -kv[1]):
+        typer.echo(f"  {move:<32} {n:>12,}")
+    for c in r["examples"]:
+        flag = "!" if c["left_jurisdiction"] else " "
+        typer.echo(
+            f" {flag} {c['example']:<24} {c['name']:<28} {c['client_network']:<18} "
+            f"{c['before']} -> {c['after']} ({c['answers']:,})"
+        )

@@ -1,0 +1,114 @@
+"""A node with the admin API on a loopback socket, a signing key pair, and principals made the
+way the first one is made in production (directly in the database, as ``gtm token create``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gtm.admin import principals, signer
+from gtm.admin.permissions import Role
+from gtm.admin.server import bind, serve_admin
+from gtm.runtime import Runtime
+from gtm.settings import Settings
+from tests.conftest import DEMO, POLICIES
+
+
+@dataclass
+class Admin:
+    url: str
+    runtime: Runtime
+    keys: Path  # the key pair's directory
+
+    async def token(self, name: str, *roles: Role) -> str:
+        """A principal NAME with ROLES (made once) and a new token for it."""
+        async with self.runtime.engine.begin() as conn:
+            principal = await principals.by_name(conn, name)
+            if principal is None:
+                principal = await principals.create(
+                    conn, name, roles, created_by="test", now=time.time(), node="test"
+                )
+            token = await principals.issue_token(
+                conn, principal, created_by="test", now=time.time(), expires_at=None, node="test"
+            )
+        return token.text
+
+    def client(self, token: str | None) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=20)
+
+
+def documents(edit: Callable[[str, str], str] | None = None) -> dict[str, Any]:
+    """The demo topology and policies as an API body; ``edit(file name, text)`` changes them."""
+    texts = {p.name: p.read_text() for p in sorted(POLICIES.glob("*.yaml"))}
+    if edit is not None:
+        texts = {name: edit(name, text) for name, text in texts.items()}
+    return {"topology": DEMO.read_text(), "policies": texts}
+
+
+def loosen_eu(name: str, text: str) -> str:
+    """The change a compliance team must never make alone: EU personal data allowed in the US."""
+    if name == "eu-personal.yaml":
+        return text.replace("jurisdictions: [EU]", "jurisdictions: [EU, US]")
+    return text
+
+
+AdminFactory = Callable[..., contextlib.AbstractAsyncContextManager[Admin]]
+
+
+@pytest.fixture
+def start_admin(tmp_path: Path, geoip_path: Path) -> AdminFactory:
+    @contextlib.asynccontextmanager
+    async def start(
+        *,
+        approvals: int = 1,
+        signing: bool = True,
+        trusted_keys: Iterable[Path] | None = None,
+        database_url: str | None = None,
+    ) -> AsyncIterator[Admin]:
+        keys = tmp_path / "keys"
+        if not (keys / signer.PRIVATE_NAME).exists():
+            signer.generate(keys)
+        settings = Settings(
+            config=DEMO,
+            policies=(POLICIES,),
+            geoip_path=geoip_path,
+            database_url=database_url or f"sqlite:///{tmp_path / 'gtm.sqlite3'}",
+            spool_dir=tmp_path / "spool",
+            node_id="admin-test",
+            probes=False,
+            audit_flush_interval_s=0.05,
+            state_sync_interval_s=0.1,
+            policy_approvals=approvals,
+            document_keys=tuple(
+                trusted_keys if trusted_keys is not None else [keys / signer.PUBLIC_NAME]
+            ),
+            document_signing_key=(keys / signer.PRIVATE_NAME) if signing else None,
+        )
+        runtime = Runtime(settings)
+        await runtime.start()
+        sock = bind("127.0.0.1:0")
+        port = sock.getsockname()[1]
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve_admin(runtime, sock, stop, ready))
+        await asyncio.wait(
+            [task, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED
+        )
+        if task.done():
+            task.result()
+        try:
+            yield Admin(f"http://127.0.0.1:{port}", runtime, keys)
+        finally:
+            stop.set()
+            await task
+            await runtime.stop()
+
+    return start

@@ -1,0 +1,118 @@
+"""The control plane from the command line: the signing key, the first token, and proposals
+made and approved through the admin API as two different people."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gtm.admin import principals
+from gtm.admin.permissions import Role
+from gtm.admin.signer import PRIVATE_NAME, load_signer
+from gtm.audit.database import make_async_engine
+from gtm.errors import ConfigError
+from gtm.fleet import shared_state
+from tests.conftest import DEMO, ROOT
+from tests.gtm.admin.conftest import AdminFactory
+
+GTM = [sys.executable, "-m", "gtm"]
+
+
+def gtm(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GTM, *args],
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads(tmp_path: Path) -> None:
+    out = gtm(["admin", "keygen", str(tmp_path / "keys")])
+    assert out.returncode == 0, out.stderr
+    private = tmp_path / "keys" / PRIVATE_NAME
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    again = gtm(["admin", "keygen", str(tmp_path / "keys")])
+    assert again.returncode == 2 and "never replaced" in again.stderr
+    load_signer(private)  # loads
+    private.chmod(0o644)
+    with pytest.raises(ConfigError, match="must be 0600"):
+        load_signer(private)
+
+
+async def test_the_first_token_is_made_on_the_node_and_recorded(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'g.sqlite3'}"
+    out = await asyncio.to_thread(
+        gtm,
+        ["token", "create", "--name", "root", "--role", "admin", "--expires", "90d"],
+        GTM_DATABASE_URL=url,
+    )
+    assert out.returncode == 0, out.stderr
+    token = out.stdout.strip()
+    assert token.startswith("gtm_") and "shown once" in out.stderr
+    engine = make_async_engine(url)
+    try:
+        principal = await principals.authenticate(engine, token, 0)
+        assert principal is not None and principal.roles == {Role.ADMIN}
+        events = await shared_state.read_events(engine, "-", 10)
+        assert any(e.kind == "token" and (e.actor or "").startswith("local:") for e in events)
+        assert any(e.kind == "principal" for e in events)
+    finally:
+        await engine.dispose()
+    # The same name with other roles is refused rather than changed.
+    other = await asyncio.to_thread(
+        gtm, ["token", "create", "--name", "root", "--role", "viewer"], GTM_DATABASE_URL=url
+    )
+    assert other.returncode == 2 and "roles are not changed here" in other.stderr
+
+
+async def test_a_proposal_through_the_cli_needs_a_second_person(
+    start_admin: AdminFactory, tmp_path: Path
+) -> None:
+    async with start_admin() as admin:
+        alice = await admin.token("alice", Role.POLICY_AUTHOR)
+        bob = await admin.token("bob", Role.POLICY_APPROVER)
+        policies = tmp_path / "policies"
+        policies.mkdir()
+        for p in (ROOT / "policies").glob("*.yaml"):
+            text = p.read_text()
+            if p.name == "eu-personal.yaml":
+                text = text.replace("jurisdictions: [EU]", "jurisdictions: [EU, US]")
+            (policies / p.name).write_text(text)
+        as_alice = {"GTM_ADMIN_URL": admin.url, "GTM_ADMIN_TOKEN": alice}
+        as_bob = {"GTM_ADMIN_URL": admin.url, "GTM_ADMIN_TOKEN": bob}
+        made = await asyncio.to_thread(
+            gtm,
+            ["proposal", "create", "--why", "US clients", "--config", str(DEMO),
+             "--policies", str(policies)],
+            **as_alice,
+        )  # fmt: skip
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert made.stdout.startswith("#1 proposed by alice: US clients")
+        version = made.stdout.split("version ")[1].split()[0]
+        shown = await asyncio.to_thread(gtm, ["proposal", "show", "1"], **as_bob)
+        assert "+    - US" in shown.stdout
+        impact = await asyncio.to_thread(
+            gtm, ["proposal", "impact", "1", "--since", "1h"], **as_bob
+        )
+        assert impact.returncode == 0 and "LEAVE THEIR JURISDICTION" in impact.stdout
+        own = await asyncio.to_thread(
+            gtm, ["proposal", "approve", "1", "--version", version], **as_alice
+        )
+        assert own.returncode == 1 and "403" in own.stdout
+        approved = await asyncio.to_thread(
+            gtm, ["proposal", "approve", "1", "--version", version], **as_bob
+        )
+        assert approved.returncode == 0 and "#1 approved" in approved.stdout
+        active = await asyncio.to_thread(gtm, ["proposal", "activate", "1"], **as_bob)
+        assert active.returncode == 0 and "sequence 1" in active.stdout
+        unset = await asyncio.to_thread(gtm, ["proposal", "list"], GTM_ADMIN_URL="")
+        assert unset.returncode == 2 and "GTM_ADMIN_TOKEN" in unset.stderr
