@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.lifecycle import LifecycleError
 from gtm.admin.permissions import OPERATIONS
-from gtm.admin.routes import documents, identity
+from gtm.admin.routes import documents, identity, regions
 
 
 def _error(status: int, code: str, message: str, problems: list[dict[str, Any]]) -> JSONResponse:
@@ -41,6 +41,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     app.state.admin = ctx
     app.include_router(identity.router)
     app.include_router(documents.router)
+    app.include_router(regions.router)
     for route in app.routes:
         if isinstance(route, APIRoute) and route.operation_id not in OPERATIONS:
             raise RuntimeError(

@@ -29,6 +29,7 @@ _READERS = frozenset(
 _AUTHOR = frozenset({Role.POLICY_AUTHOR})
 _APPROVER = frozenset({Role.POLICY_APPROVER})
 _ADMIN = frozenset({Role.ADMIN})
+_OPERATOR = frozenset({Role.OPERATOR})
 
 # operationId -> the roles allowed.
 OPERATIONS: dict[str, frozenset[Role]] = {
@@ -51,6 +52,12 @@ OPERATIONS: dict[str, frozenset[Role]] = {
     "withdraw_proposal": _AUTHOR,
     "approve_proposal": _APPROVER,
     "activate_proposal": _APPROVER,
+    "list_regions": _READERS | _ADMIN,
+    "drain_region": _OPERATOR,
+    "undrain_region": _OPERATOR,
+    "weight_region": _OPERATOR,
+    "force_region": _OPERATOR,
+    "clear_region": _OPERATOR,
 }
 
 

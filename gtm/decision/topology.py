@@ -201,6 +201,17 @@ class Routing(_Strict):
     unknown_location: tuple[float, float] | None = None
 
 
+class Safety(_Strict):
+    """Rules operator controls must keep (Route 53 ARC-style safety rules): a change that breaks
+    one is refused unless an admin overrides it with a reason (:mod:`gtm.fleet.safety`)."""
+
+    # Regions out of service at once (drained, forced down, weight 0, or down), at most;
+    # unset: half of the regions.
+    max_regions_out: int | None = Field(default=None, ge=0)
+    # Every residency class the policy restricts keeps at least one allowed region in service.
+    keep_every_class_served: bool = True
+
+
 class Tenant(_Strict):
     """A customer, recognised on HTTP by an API-key prefix or a tenant header."""
 
@@ -216,6 +227,7 @@ class Topology(_Strict):
     services: tuple[Service, ...] = Field(min_length=1)
     routing: Routing = Routing()
     tenants: tuple[Tenant, ...] = ()
+    safety: Safety = Safety()
 
     _regions_by_id: dict[str, Region] = PrivateAttr(default_factory=dict)
     _by_name: dict[str, Service] = PrivateAttr(default_factory=dict)

@@ -2,13 +2,14 @@
 
 Changes go to the shared database (``region_overrides``, one row per region, and an event in
 ``region_events`` in the same transaction); every node picks them up on its next state sync
-(:mod:`gtm.fleet.state_sync`, half a second by default). The CLI calls these now; the admin API will
-call the same functions.
+(:mod:`gtm.fleet.state_sync`, half a second by default). The CLI and the admin API call the
+same functions; the admin API guards them with the safety rules (:mod:`gtm.fleet.safety`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -38,8 +39,8 @@ class Unchanged:
 UNCHANGED = Unchanged()
 
 
-async def amend(
-    engine: AsyncEngine,
+def amended(
+    existing: Override | None,
     region: str,
     *,
     actor: str,
@@ -51,13 +52,12 @@ async def amend(
     force_for_s: float | None = None,
     expires_for_s: float | None = None,
 ) -> Override | None:
-    """Change part of a region's override, keeping the parts still in force; returns what is
-    in force afterwards (None: no override left, the row and its history say so)."""
+    """What a region's override becomes when part of it changes, keeping the parts still in
+    force (None: nothing left). Pure; ValueError for a change that cannot be made."""
     if not reason.strip():
         raise ValueError("say why: --why is required")
     if isinstance(force, Force) and force_for_s is None:
         raise ValueError("a forced state needs an expiry (--for)")
-    existing = {o.region: o for o in await shared_state.read_overrides(engine)}.get(region)
     base = existing.effective(now) if existing is not None else None
     if base is None:
         base = Override(region)
@@ -81,6 +81,52 @@ async def amend(
     if new.force is None:
         new = replace(new, force_until=None)
     if not new.drain and new.weight is None and new.force is None:
+        return None
+    return new
+
+
+# Called with the overrides before and after a change, before it is written; raises to refuse.
+Guard = Callable[[Mapping[str, Override], Mapping[str, Override]], None]
+
+
+async def amend(
+    engine: AsyncEngine,
+    region: str,
+    *,
+    actor: str,
+    reason: str,
+    now: float,
+    drain: bool | Unchanged = UNCHANGED,
+    weight: float | Unchanged | None = UNCHANGED,
+    force: Force | Unchanged | None = UNCHANGED,
+    force_for_s: float | None = None,
+    expires_for_s: float | None = None,
+    guard: Guard | None = None,
+) -> Override | None:
+    """Change part of a region's override, keeping the parts still in force; returns what is
+    in force afterwards (None: no override left, the row and its history say so). ``guard``
+    sees the change first (the admin API's safety rules)."""
+    before = {o.region: o for o in await shared_state.read_overrides(engine)}
+    new = amended(
+        before.get(region),
+        region,
+        actor=actor,
+        reason=reason,
+        now=now,
+        drain=drain,
+        weight=weight,
+        force=force,
+        force_for_s=force_for_s,
+        expires_for_s=expires_for_s,
+    )
+    if guard is not None:
+        after = dict(before)
+        if new is None:
+            after.pop(region, None)
+        else:
+            after[region] = new
+        guard(before, after)
+    if new is None:
         await shared_state.clear_override(engine, region, actor, reason, OPERATOR_NODE, now)
         return None
     await shared_state.put_override(engine, new, OPERATOR_NODE)

@@ -19,6 +19,7 @@ PLACEHOLDERS = {
     "proposal_id": "999999",
     "token_id": "0" * 16,
     "version_id": "0" * 64,
+    "region": "nowhere",
 }
 
 

@@ -1,0 +1,205 @@
+"""Regions: their state as this node holds it, and operator controls guarded by safety rules.
+
+A control that would break a safety rule of the topology (:mod:`gtm.fleet.safety`) is refused
+with 409 and every rule it breaks; ``override_safety`` makes it anyway, only for a principal
+that also holds ``admin``, and the override is an event of its own with the rules it broke.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+
+from gtm.admin import events
+from gtm.admin.auth import AdminContext, Ctx, Forbidden, require
+from gtm.admin.lifecycle import Conflict, Invalid, NotFound
+from gtm.admin.permissions import Role
+from gtm.admin.principals import Principal
+from gtm.errors import Problem
+from gtm.fleet import operator, safety, shared_state
+from gtm.fleet.operator import parse_duration
+from gtm.fleet.region_state import Force, Override
+
+router = APIRouter(prefix="/v1")
+
+
+class RegionOut(BaseModel):
+    region: str
+    state: str
+    detail: str
+    override: str | None
+    override_by: str | None
+    out_of_service: bool
+
+
+class Change(BaseModel):
+    reason: str = Field(min_length=1)
+    override_safety: bool = Field(
+        default=False, description="make it although it breaks a safety rule (admins only)"
+    )
+
+
+class Timed(Change):
+    for_: str | None = Field(default=None, alias="for", description="lapses after: 90s, 2h, 1d")
+
+
+class WeightIn(Timed):
+    weight: float | None = Field(ge=0, description="0: no traffic; null: back to the default")
+
+
+class ForceIn(Change):
+    state: Literal["up", "down"]
+    for_: str = Field(alias="for", description="a forced state always lapses: 90s, 2h, 1d")
+
+
+class Changed(BaseModel):
+    region: str
+    override: str | None
+    broke_safety_rules: list[str] = []
+
+
+def _seconds(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise Invalid(str(exc), [Problem("request", "body.for", str(exc))]) from None
+
+
+@router.get("/regions", operation_id="list_regions", response_model=list[RegionOut])
+async def list_regions(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("list_regions"))]
+) -> list[RegionOut]:
+    """Each region's state as this node answers with it, and the operator's override."""
+    if ctx.snapshot is None:
+        raise Conflict("this admin service has no snapshot")
+    snapshot, now = ctx.snapshot(), ctx.clock()
+    overrides = {o.region: o for o in await shared_state.read_overrides(ctx.engine)}
+    out = safety.out_of_service(snapshot, overrides, now)
+    rows = []
+    for region in snapshot.regions:
+        health = snapshot.health.get(region)
+        held = overrides.get(region)
+        override = held.effective(now) if held is not None else None
+        rows.append(
+            RegionOut(
+                region=region,
+                state=health.state.value if health is not None else "unknown",
+                detail=health.detail if health is not None else "",
+                override=override.describe() if override else None,
+                override_by=f"{override.actor}: {override.reason}" if override else None,
+                out_of_service=region in out,
+            )
+        )
+    return rows
+
+
+async def _change(
+    ctx: AdminContext, principal: Principal, region: str, body: Change, **change: Any
+) -> Changed:
+    if ctx.snapshot is None:
+        raise Conflict("this admin service has no snapshot")
+    snapshot = ctx.snapshot()
+    if region not in snapshot.regions:
+        raise NotFound(f"no region {region!r}")
+    now = ctx.clock()
+    broke: list[str] = []
+
+    def guard(before: Mapping[str, Override], after: Mapping[str, Override]) -> None:
+        broke.extend(safety.check(snapshot, before, after, now))
+        if broke and not body.override_safety:
+            raise Conflict(
+                "refused by the safety rules: " + "; ".join(broke),
+                [Problem("safety", region, rule) for rule in broke],
+            )
+        if broke and Role.ADMIN not in principal.roles:
+            raise Forbidden("only an admin may override the safety rules")
+
+    try:
+        result = await operator.amend(
+            ctx.engine, region, actor=principal.name, reason=body.reason, now=now, guard=guard,
+            **change,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise Invalid(str(exc), [Problem("request", "body", str(exc))]) from None
+    if broke:
+        async with ctx.engine.begin() as conn:
+            await events.record(
+                conn,
+                "safety",
+                f"{region}: safety rules overridden: {'; '.join(broke)}",
+                actor=principal.name,
+                now=now,
+                node=ctx.node,
+                reason=body.reason,
+            )
+    return Changed(
+        region=region,
+        override=result.describe() if result else None,
+        broke_safety_rules=broke,
+    )
+
+
+@router.post("/regions/{region}/drain", operation_id="drain_region", response_model=Changed)
+async def drain_region(
+    region: str,
+    body: Timed,
+    ctx: Ctx,
+    principal: Annotated[Principal, Depends(require("drain_region"))],
+) -> Changed:
+    """No new clients for REGION (answers move at the nodes' next sync)."""
+    return await _change(
+        ctx, principal, region, body, drain=True, expires_for_s=_seconds(body.for_)
+    )
+
+
+@router.post("/regions/{region}/undrain", operation_id="undrain_region", response_model=Changed)
+async def undrain_region(
+    region: str,
+    body: Change,
+    ctx: Ctx,
+    principal: Annotated[Principal, Depends(require("undrain_region"))],
+) -> Changed:
+    return await _change(ctx, principal, region, body, drain=False)
+
+
+@router.post("/regions/{region}/weight", operation_id="weight_region", response_model=Changed)
+async def weight_region(
+    region: str,
+    body: WeightIn,
+    ctx: Ctx,
+    principal: Annotated[Principal, Depends(require("weight_region"))],
+) -> Changed:
+    return await _change(
+        ctx, principal, region, body, weight=body.weight, expires_for_s=_seconds(body.for_)
+    )
+
+
+@router.post("/regions/{region}/force", operation_id="force_region", response_model=Changed)
+async def force_region(
+    region: str,
+    body: ForceIn,
+    ctx: Ctx,
+    principal: Annotated[Principal, Depends(require("force_region"))],
+) -> Changed:
+    return await _change(
+        ctx, principal, region, body, force=Force(body.state), force_for_s=_seconds(body.for_)
+    )
+
+
+@router.post("/regions/{region}/clear", operation_id="clear_region", response_model=Changed)
+async def clear_region(
+    region: str,
+    body: Change,
+    ctx: Ctx,
+    principal: Annotated[Principal, Depends(require("clear_region"))],
+) -> Changed:
+    """Drop every part of REGION's override."""
+    return await _change(ctx, principal, region, body, drain=False, weight=None, force=None)
+
+
+__all__ = ["router"]
