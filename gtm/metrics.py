@@ -60,3 +60,7 @@ DOCUMENT_SEQUENCE = Gauge(
     "gtm_document_sequence",
     "Activation sequence of the signed documents in force (0: the node's own files)",
 )
+ADMIN_AUTH_FAILURES = Counter(
+    "gtm_admin_auth_failures",
+    "Admin API requests refused for a missing, malformed, unknown, expired or revoked token",
+)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -127,6 +128,10 @@ class Runtime:
         # the version in force (None while the node answers from its own files).
         self.document_keys = load_public_keys(settings.document_keys)
         self.document_sequence: int | None = None
+        # The sequence in force when this node last ran, kept on its own disk: after a restart
+        # no older version comes into force, whatever rows the database holds then.
+        self._sequence_file = settings.spool_dir / "documents-in-force"
+        self._sequence_floor = _read_sequence(self._sequence_file)
         metrics.STATE_SYNC_AGE.set_function(lambda: self.sync.age_s)
         metrics.SNAPSHOT_VERSION.set(1)
 
@@ -263,9 +268,16 @@ class Runtime:
                 )
             metrics.REGION_ADMITTED.labels(region).set(health.admitted)
 
+    def _must_exceed(self) -> int | None:
+        """The sequence a published version must be above: the one in force, or, until one is,
+        one below what this node had before it restarted (that version may come back)."""
+        if self.document_sequence is not None:
+            return self.document_sequence
+        return None if self._sequence_floor is None else self._sequence_floor - 1
+
     def _apply_documents(self, rows: list[Published]) -> None:
-        """Put in force the newest signed version among ``rows`` (newest first), if any is
-        newer than the one in force; refuse, and say why, every row that does not verify."""
+        """Put in force the signed version with the highest sequence among ``rows``, if it is
+        above the one in force; refuse, and say why, every row that does not verify."""
         trusted: list[tuple[Manifest, Published]] = []
         for published in rows:
             try:
@@ -275,7 +287,8 @@ class Runtime:
                     published.manifest,
                     published.signature,
                     self.document_keys,
-                    self.document_sequence,
+                    self._must_exceed(),
+                    self.settings.policy_approvals,
                 )
             except Untrusted as exc:
                 # Whatever the database says, an unapproved or unsigned version never moves
@@ -302,6 +315,7 @@ class Runtime:
             )
             return
         self.document_sequence = manifest.sequence
+        _write_sequence(self._sequence_file, manifest.sequence)
         metrics.DOCUMENT_SEQUENCE.set(manifest.sequence)
         current = self.store.current
         if (
@@ -327,8 +341,8 @@ class Runtime:
             sequence=manifest.sequence,
             author=manifest.author,
             approvers=list(manifest.approvers),
-            actor=published.actor,
-            reason=published.reason,
+            actor=manifest.actor,
+            reason=manifest.reason,
             topology=topology.fingerprint(),
             policy=docs.policy.version,
         )
@@ -358,6 +372,24 @@ class Runtime:
                 await self.reload_geoip()
             except Exception:  # the poller must outlive any single bad read
                 log.exception("geoip.poll_failed")
+
+
+def _read_sequence(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_sequence(path: Path, sequence: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{sequence}\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
 
 
 def _routing_view(health: Mapping[str, RegionHealth]) -> dict[str, tuple[HealthState, float]]:

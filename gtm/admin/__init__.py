@@ -2,11 +2,13 @@
 
 ``app``          the FastAPI app and its error shape
 ``routes/``      one router per resource: ``identity`` (principals, tokens, events),
-                 ``documents`` (versions, proposals, approvals, activation, diff)
+                 ``documents`` (versions, proposals, approvals, activation, diff, impact),
+                 ``regions`` (state and operator controls under the safety rules)
 ``auth``         a bearer token to a principal, a principal to an allowed operation
 ``permissions``  the roles and the one role x operation table routes and tests read
 ``principals``   principals and API tokens in the shared database
 ``tokens``       what a token looks like and what is kept of it (a hash)
+``seals``        the admin service's signature on principal, token, proposal and approval rows
 ``lifecycle``    document versions and proposals: draft, propose, four-eyes approval, activation
 ``signer``       the Ed25519 key that signs activated versions (a 0600 file, not the database)
 ``diff``         a YAML-aware diff between versions

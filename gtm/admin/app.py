@@ -19,6 +19,7 @@ from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.lifecycle import LifecycleError
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import documents, identity, regions
+from gtm.admin.seals import CannotSeal
 
 
 def _error(status: int, code: str, message: str, problems: list[dict[str, Any]]) -> JSONResponse:
@@ -59,6 +60,10 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.exception_handler(Forbidden)
     async def forbidden(request: Request, exc: Forbidden) -> JSONResponse:
         return _error(403, "forbidden", exc.message, [])
+
+    @app.exception_handler(CannotSeal)
+    async def cannot_seal(request: Request, exc: CannotSeal) -> JSONResponse:
+        return _error(409, "cannot_seal", str(exc), [])
 
     @app.exception_handler(LifecycleError)
     async def lifecycle_error(request: Request, exc: LifecycleError) -> JSONResponse:

@@ -19,8 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gtm.admin import events
 from gtm.admin.permissions import OPERATIONS, allowed
 from gtm.admin.principals import Principal, authenticate
+from gtm.admin.seals import Sealer
 from gtm.admin.signer import Signer
 from gtm.decision.snapshot import Snapshot
+from gtm.metrics import ADMIN_AUTH_FAILURES
 
 
 @dataclass
@@ -31,6 +33,7 @@ class AdminContext:
     engine: AsyncEngine
     node: str
     required_approvals: int
+    sealer: Sealer
     signer: Signer | None = None
     clock: Callable[[], float] = field(default=time.time)
     # The documents nodes answer from while no version has been activated: this node's own
@@ -61,10 +64,13 @@ Ctx = Annotated[AdminContext, Depends(context)]
 async def current_principal(request: Request, ctx: Ctx) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated()
-    principal = await authenticate(ctx.engine, token.strip(), ctx.clock())
+    principal = None
+    if scheme.lower() == "bearer" and token.strip():
+        principal = await authenticate(ctx.engine, token.strip(), ctx.clock(), ctx.sealer)
     if principal is None:
+        # Counted, not written to the event log: an unauthenticated caller must not be able
+        # to make the service write to the database.
+        ADMIN_AUTH_FAILURES.inc()
         raise Unauthenticated()
     return principal
 

@@ -24,7 +24,8 @@ from gtm.decision.model import Channel, Decision, DecisionRequest, Outcome
 from gtm.decision.routing import decide
 from gtm.decision.snapshot import Snapshot
 
-_REFUSED = (Outcome.FAIL_CLOSED, Outcome.DENIED)
+# Outcomes that answer no client: a refusal, or a name the documents no longer serve.
+_REFUSED = (Outcome.FAIL_CLOSED, Outcome.DENIED, Outcome.NO_SERVICE)
 _EXAMPLES = 20
 
 
@@ -46,14 +47,13 @@ class Impact:
     inputs: int = 0
     answers: int = 0
     moved: int = 0  # answers whose region would change
-    newly_refused: int = 0  # answered before, refused (fail closed, denied) after
+    newly_refused: int = 0  # answered before, refused after (fail closed, denied, no service)
     newly_answered: int = 0  # refused before, answered after
     left_jurisdiction: int = 0  # answered in a region of another jurisdiction than before
     by_service: dict[str, Counter[str]] = field(default_factory=dict)
     by_class: dict[str, Counter[str]] = field(default_factory=dict)
     by_move: Counter[str] = field(default_factory=Counter)  # "eu-west -> us-east": answers
     examples: list[Change] = field(default_factory=list)
-    skipped: int = 0  # inputs that cannot be replayed (a service the draft does not have)
 
 
 def _request(inp: RecordedInput) -> DecisionRequest:
@@ -96,20 +96,17 @@ def analyse(
         impact.answers += inp.answers
         request = _request(inp)
         was = decide(request, before, now)
-        if inp.service not in after.services:
-            impact.skipped += 1
-            continue
-        will = decide(request, after, now)
+        will = decide(request, after, now)  # a service the draft drops: NO_SERVICE
         old, new = _where(was), _where(will)
         if old == new:
             continue
         n = inp.answers
         refused_before, refused_after = was.outcome in _REFUSED, will.outcome in _REFUSED
-        left = (
-            will.region is not None
-            and was.region is not None
-            and not home.get(will.region, frozenset()) & home.get(was.region, frozenset())
-        )
+        # Another jurisdiction: both regions belong to some, and to no common one (a region in
+        # none is not claimed to have left anything).
+        was_home = home.get(was.region or "", frozenset())
+        will_home = home.get(will.region or "", frozenset())
+        left = bool(was_home) and bool(will_home) and not was_home & will_home
         moved = was.region is not None and will.region is not None
         impact.moved += n if moved else 0
         impact.newly_refused += n if refused_after and not refused_before else 0

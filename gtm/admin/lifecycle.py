@@ -22,11 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import events
+from gtm.admin import principals as identities
 from gtm.admin.diff import FileDiff, diff_documents
+from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
+from gtm.admin.seals import Sealer, approval_fields, proposal_fields
 from gtm.admin.signer import Signer
 from gtm.audit.schema import approvals, document_versions, principals, proposals
 from gtm.errors import ConfigError, GTMError, Problem
@@ -64,6 +68,13 @@ class Conflict(LifecycleError):
 
 class Invalid(LifecycleError):
     status, code = 422, "invalid_documents"
+
+
+class Tampered(LifecycleError):
+    """A stored version whose content no longer hashes to its id: written to behind the admin
+    service's back. Nothing is shown, diffed or activated from it."""
+
+    status, code = 409, "tampered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,22 +135,34 @@ async def _store_version(
         await conn.execute(select(document_versions.c.id).where(document_versions.c.id == version))
     ).first()
     if exists is None:
-        await conn.execute(
-            insert(document_versions),
-            {
-                "id": version,
-                "topology": topology,
-                "policies": dict(policies),
-                "created_at_us": _us(now),
-                "created_by": by,
-            },
-        )
+        try:
+            async with conn.begin_nested():  # the same content proposed twice at once
+                await conn.execute(
+                    insert(document_versions),
+                    {
+                        "id": version,
+                        "topology": topology,
+                        "policies": dict(policies),
+                        "created_at_us": _us(now),
+                        "created_by": by,
+                    },
+                )
+        except IntegrityError:
+            pass
+    await get_version(conn, version)  # what is stored under the id is that content
     return version
 
 
 async def active_version(conn: AsyncConnection) -> str | None:
+    """The version of the newest activation (a second "active" row, written outside the admin
+    service, does not confuse it)."""
     return (
-        await conn.execute(select(proposals.c.version_id).where(proposals.c.state == ACTIVE))
+        await conn.execute(
+            select(proposals.c.version_id)
+            .where(proposals.c.state == ACTIVE)
+            .order_by(proposals.c.sequence.desc())
+            .limit(1)
+        )
     ).scalar_one_or_none()
 
 
@@ -149,6 +172,10 @@ async def get_version(conn: AsyncConnection, version: str) -> Version:
     ).first()
     if row is None:
         raise NotFound(f"no version {version}")
+    if content_digest(row.topology, row.policies) != row.id:
+        raise Tampered(
+            f"version {version} was altered in the database: its content no longer hashes to its id"
+        )
     return Version(row.id, row.topology, row.policies, row.created_at_us / 1e6, row.created_by)
 
 
@@ -212,6 +239,7 @@ async def create(
     required_approvals: int,
     now: float,
     node: str,
+    sealer: Sealer,
 ) -> Proposal:
     validate(topology, policies)
     version = await _store_version(conn, topology, policies, author.name, now)
@@ -229,6 +257,11 @@ async def create(
         },
     )
     proposal_id = int(result.scalar_one())
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id)
+        .values(seal=sealer.seal("proposal", proposal_fields(proposal_id, author.id)))
+    )
     await events.record(
         conn,
         "proposal",
@@ -239,6 +272,16 @@ async def create(
         reason=reason,
     )
     return await get(conn, proposal_id)
+
+
+async def _check_author(conn: AsyncConnection, proposal: Proposal, sealer: Sealer) -> None:
+    """The proposal's author is the one the admin service recorded: a row whose author was
+    rewritten in the database (to make an approver "someone else") is refused."""
+    seal = (
+        await conn.execute(select(proposals.c.seal).where(proposals.c.id == proposal.id))
+    ).scalar_one_or_none()
+    if not sealer.verifies("proposal", proposal_fields(proposal.id, proposal.author_id), seal):
+        raise Tampered(f"proposal #{proposal.id}'s record was altered in the database")
 
 
 def _own(proposal: Proposal, principal: Principal, what: str) -> None:
@@ -317,8 +360,10 @@ async def approve(
     *,
     now: float,
     node: str,
+    sealer: Sealer,
 ) -> Proposal:
     proposal = await get(conn, proposal_id, lock=True)
+    await _check_author(conn, proposal, sealer)
     if proposal.author_id == principal.id:
         # Four-eyes: whatever roles the author holds, and with whichever of its tokens.
         await events.record(
@@ -339,17 +384,30 @@ async def approve(
         )
     if any(a.approver == principal.name for a in proposal.approvals):
         raise Conflict(f"{principal.name} already approved proposal #{proposal_id}")
+    at_us = _us(now)
     await conn.execute(
         insert(approvals),
         {
             "proposal_id": proposal_id,
             "principal_id": principal.id,
             "version_id": version,
-            "at_us": _us(now),
+            "at_us": at_us,
             "comment": comment,
+            "seal": sealer.seal(
+                "approval", approval_fields(proposal_id, principal.id, version, at_us)
+            ),
         },
     )
-    given = len(proposal.approvals) + 1
+    # Counted after the insert, in the transaction: two approvals at once both see both.
+    given = int(
+        (
+            await conn.execute(
+                select(func.count()).where(
+                    approvals.c.proposal_id == proposal_id, approvals.c.version_id == version
+                )
+            )
+        ).scalar_one()
+    )
     if given >= proposal.required_approvals:
         await _set_state(conn, proposal_id, APPROVED, now)
     await events.record(
@@ -373,32 +431,30 @@ async def activate(
     *,
     now: float,
     node: str,
+    sealer: Sealer,
+    min_approvals: int = 1,
 ) -> Proposal:
-    """Sign the approval record and publish the version, superseding the active one."""
+    """Sign the approval record and publish the version, superseding the active one.
+    ``min_approvals``: the service's configured number, which a row cannot lower."""
     proposal = await get(conn, proposal_id, lock=True)
+    required = max(proposal.required_approvals, min_approvals)
     if proposal.state != APPROVED:
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not approved")
-    # The record is checked again here, not trusted from the state column: a row someone
-    # marked "approved" in the database has no approvals behind it and is refused.
-    valid = [
-        a
-        for a in proposal.approvals
-        if a.version == proposal.version and a.approver != proposal.author
-    ]
-    if len(valid) < proposal.required_approvals:
+    await _check_author(conn, proposal, sealer)
+    # The record is checked again here, not trusted from the state column or the approvals
+    # table: only approvals the admin service sealed, of this version, by a sealed principal
+    # who holds policy-approver now, is not disabled and is not the author, count.
+    valid = await _valid_approvals(conn, proposal, sealer)
+    if len(valid) < required:
         await events.record(
             conn,
             "denied",
-            f"#{proposal_id}: activation refused, {len(valid)} valid approval(s) of "
-            f"{proposal.required_approvals}",
+            f"#{proposal_id}: activation refused, {len(valid)} valid approval(s) of {required}",
             actor=principal.name,
             now=now,
             node=node,
         )
-        raise Conflict(
-            f"proposal #{proposal_id} has {len(valid)} valid approval(s) of "
-            f"{proposal.required_approvals}"
-        )
+        raise Conflict(f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}")
     version = await get_version(conn, proposal.version)
     sequence = (
         int(
@@ -415,7 +471,7 @@ async def activate(
             proposal=proposal_id,
             author=proposal.author,
             approvers=tuple(a.approver for a in valid),
-            required=proposal.required_approvals,
+            required=required,
             activated_at=now,
             actor=principal.name,
             reason=proposal.reason,
@@ -454,6 +510,29 @@ async def activate(
         reason=proposal.reason,
     )
     return await get(conn, proposal_id)
+
+
+async def _valid_approvals(
+    conn: AsyncConnection, proposal: Proposal, sealer: Sealer
+) -> list[Approval]:
+    rows = (
+        await conn.execute(select(approvals).where(approvals.c.proposal_id == proposal.id))
+    ).all()
+    valid = []
+    for row in rows:
+        fields = approval_fields(row.proposal_id, row.principal_id, row.version_id, row.at_us)
+        if not sealer.verifies("approval", fields, row.seal) or row.version_id != proposal.version:
+            continue
+        approver = await identities.by_id(conn, row.principal_id, sealer)
+        if (
+            approver is None
+            or approver.disabled
+            or approver.id == proposal.author_id
+            or Role.POLICY_APPROVER not in approver.roles
+        ):
+            continue
+        valid.append(Approval(approver.name, row.version_id, row.at_us / 1e6, row.comment))
+    return valid
 
 
 async def diff(

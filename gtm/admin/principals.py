@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.admin import events
 from gtm.admin.permissions import Role
+from gtm.admin.seals import Sealer, principal_fields, token_fields
 from gtm.admin.tokens import NewToken, new_token, parse_token, secret_matches
 from gtm.audit.schema import api_tokens, principals
 
@@ -53,6 +55,14 @@ def _us(t: float) -> int:
     return round(t * 1e6)
 
 
+def _roles(stored: object) -> frozenset[Role]:
+    """Roles as stored; a value that is no role (written outside the service) grants nothing."""
+    known = {r.value for r in Role}
+    if not isinstance(stored, list):
+        return frozenset()
+    return frozenset(Role(r) for r in stored if r in known)
+
+
 async def create(
     conn: AsyncConnection,
     name: str,
@@ -61,8 +71,11 @@ async def create(
     created_by: str,
     now: float,
     node: str,
+    sealer: Sealer,
 ) -> Principal:
     principal = Principal(f"p_{secrets.token_hex(8)}", name, frozenset(roles))
+    role_names = sorted(r.value for r in principal.roles)
+    seal = sealer.seal("principal", principal_fields(principal.id, name, role_names, False))
     try:
         async with conn.begin_nested():
             await conn.execute(
@@ -70,10 +83,11 @@ async def create(
                 {
                     "id": principal.id,
                     "name": name,
-                    "roles": sorted(principal.roles),
+                    "roles": role_names,
                     "created_at_us": _us(now),
                     "created_by": created_by,
                     "disabled": False,
+                    "seal": seal,
                 },
             )
     except IntegrityError:
@@ -97,8 +111,13 @@ async def issue_token(
     now: float,
     expires_at: float | None,
     node: str,
+    sealer: Sealer,
 ) -> NewToken:
     token = new_token()
+    expires_us = None if expires_at is None else _us(expires_at)
+    seal = sealer.seal(
+        "token", token_fields(token.id, principal.id, token.secret_hash, expires_us, False)
+    )
     await conn.execute(
         insert(api_tokens),
         {
@@ -107,7 +126,8 @@ async def issue_token(
             "secret_hash": token.secret_hash,
             "created_at_us": _us(now),
             "created_by": created_by,
-            "expires_at_us": None if expires_at is None else _us(expires_at),
+            "expires_at_us": expires_us,
+            "seal": seal,
         },
     )
     until = "no expiry" if expires_at is None else f"expires at {expires_at:.0f}"
@@ -122,34 +142,51 @@ async def issue_token(
     return token
 
 
-async def by_name(conn: AsyncConnection, name: str) -> Principal | None:
-    row = (await conn.execute(select(principals).where(principals.c.name == name))).first()
-    if row is None:
+def _sealed(row: Any, sealer: Sealer) -> Principal | None:
+    """The principal of a row whose seal verifies; None for any other row."""
+    fields = principal_fields(row.id, row.name, list(row.roles or []), bool(row.disabled))
+    if not sealer.verifies("principal", fields, row.seal):
         return None
-    return Principal(row.id, row.name, frozenset(Role(r) for r in row.roles), row.disabled)
+    return Principal(row.id, row.name, _roles(row.roles), row.disabled)
 
 
-async def authenticate(engine: AsyncEngine, text: str, now: float) -> Principal | None:
+async def by_name(conn: AsyncConnection, name: str, sealer: Sealer) -> Principal | None:
+    row = (await conn.execute(select(principals).where(principals.c.name == name))).first()
+    return None if row is None else _sealed(row, sealer)
+
+
+async def by_id(conn: AsyncConnection, principal_id: str, sealer: Sealer) -> Principal | None:
+    """The principal with this id if its row is sealed (written by the admin service)."""
+    row = (await conn.execute(select(principals).where(principals.c.id == principal_id))).first()
+    return None if row is None else _sealed(row, sealer)
+
+
+async def authenticate(
+    engine: AsyncEngine, text: str, now: float, sealer: Sealer
+) -> Principal | None:
     """The principal a bearer token stands for, or None: malformed, unknown, wrong secret,
-    revoked, expired, or its principal disabled all read the same to the caller."""
+    revoked, expired, its principal disabled, or either row not sealed by the admin service
+    (written straight into the database) all read the same to the caller."""
     parsed = parse_token(text)
     if parsed is None:
         return None
     token_id, secret = parsed
-    query = (
-        select(api_tokens, principals.c.name, principals.c.roles, principals.c.disabled)
-        .join(principals, principals.c.id == api_tokens.c.principal_id)
-        .where(api_tokens.c.id == token_id)
-    )
     async with engine.connect() as conn:
-        row = (await conn.execute(query)).first()
+        row = (await conn.execute(select(api_tokens).where(api_tokens.c.id == token_id))).first()
+        owner = None if row is None else await by_id(conn, row.principal_id, sealer)
     now_us = _us(now)
     if (
         row is None
+        or owner is None
+        or owner.disabled
         or not secret_matches(secret, row.secret_hash)
         or row.revoked_at_us is not None
         or (row.expires_at_us is not None and row.expires_at_us <= now_us)
-        or row.disabled
+        or not sealer.verifies(
+            "token",
+            token_fields(row.id, row.principal_id, row.secret_hash, row.expires_at_us, False),
+            row.seal,
+        )
     ):
         return None
     if row.last_used_at_us is None or now_us - row.last_used_at_us > _LAST_USED_RESOLUTION_US:
@@ -157,27 +194,39 @@ async def authenticate(engine: AsyncEngine, text: str, now: float) -> Principal 
             await conn.execute(
                 update(api_tokens).where(api_tokens.c.id == token_id).values(last_used_at_us=now_us)
             )
-    roles = frozenset(Role(r) for r in row.roles)
-    return Principal(row.principal_id, row.name, roles, token_id=token_id)
+    return Principal(owner.id, owner.name, owner.roles, token_id=token_id)
 
 
 async def revoke(
-    conn: AsyncConnection, token_id: str, *, actor: str, now: float, node: str
+    conn: AsyncConnection, token_id: str, *, actor: str, now: float, node: str, sealer: Sealer
 ) -> bool:
-    result = await conn.execute(
-        update(api_tokens)
-        .where(api_tokens.c.id == token_id, api_tokens.c.revoked_at_us.is_(None))
-        .values(revoked_at_us=_us(now))
-    )
-    if result.rowcount == 0:
+    row = (
+        await conn.execute(
+            select(api_tokens).where(
+                api_tokens.c.id == token_id, api_tokens.c.revoked_at_us.is_(None)
+            )
+        )
+    ).first()
+    if row is None:
         return False
+    # Resealed as revoked: a row set back to "not revoked" no longer verifies.
+    seal = sealer.seal(
+        "token",
+        token_fields(row.id, row.principal_id, row.secret_hash, row.expires_at_us, True),
+    )
+    await conn.execute(
+        update(api_tokens)
+        .where(api_tokens.c.id == token_id)
+        .values(revoked_at_us=_us(now), seal=seal)
+    )
     await events.record(conn, "token", f"revoked token {token_id}", actor=actor, now=now, node=node)
     return True
 
 
-async def list_all(conn: AsyncConnection) -> list[Principal]:
+async def list_all(conn: AsyncConnection, sealer: Sealer) -> list[Principal]:
+    """Every sealed principal (rows without a valid seal are not principals)."""
     rows = (await conn.execute(select(principals).order_by(principals.c.name))).all()
-    return [Principal(r.id, r.name, frozenset(Role(x) for x in r.roles), r.disabled) for r in rows]
+    return [p for p in (_sealed(r, sealer) for r in rows) if p is not None]
 
 
 async def list_tokens(conn: AsyncConnection) -> list[TokenInfo]:

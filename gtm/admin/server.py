@@ -16,6 +16,7 @@ import uvicorn
 
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
+from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
@@ -40,6 +41,7 @@ def context_for(runtime: Runtime) -> AdminContext:
         runtime.engine,
         settings.node_id,
         settings.policy_approvals,
+        Sealer(signer, runtime.document_keys),
         signer,
         files=files,
         snapshot=lambda: runtime.store.current,

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from gtm.errors import ConfigError, Problem
 from gtm.fleet.signed_documents import Manifest, key_id
@@ -26,6 +26,12 @@ class Signer:
     def __init__(self, key: Ed25519PrivateKey) -> None:
         self._key = key
         self.key_id = key_id(key.public_key())
+
+    def public_key(self) -> Ed25519PublicKey:
+        return self._key.public_key()
+
+    def sign_bytes(self, body: bytes) -> str:
+        return self._key.sign(body).hex()
 
     def sign(self, manifest: Manifest) -> tuple[bytes, str]:
         """The manifest's canonical bytes (naming this key) and the hex signature over them."""

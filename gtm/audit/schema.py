@@ -163,6 +163,7 @@ principals = Table(
     Column("created_at_us", BigInteger, nullable=False),
     Column("created_by", String(128), nullable=False),
     Column("disabled", Boolean, nullable=False),
+    Column("seal", String(160)),  # gtm.admin.seals: the admin service's signature on the row
 )
 
 api_tokens = Table(
@@ -176,6 +177,7 @@ api_tokens = Table(
     Column("expires_at_us", BigInteger),
     Column("revoked_at_us", BigInteger),
     Column("last_used_at_us", BigInteger),
+    Column("seal", String(160)),
     Index("ix_api_tokens_principal_id", "principal_id"),
 )
 
@@ -206,6 +208,7 @@ proposals = Table(
     Column("activate_at_us", BigInteger),  # scheduled activation, when asked for
     Column("activated_at_us", BigInteger),
     Column("sequence", BigInteger, unique=True),  # the activation serial, once active
+    Column("seal", String(160)),  # over its id and author
 )
 
 approvals = Table(
@@ -216,4 +219,5 @@ approvals = Table(
     Column("version_id", String(64), nullable=False),  # the version the approver reviewed
     Column("at_us", BigInteger, nullable=False),
     Column("comment", Text, nullable=False),
+    Column("seal", String(160)),
 )

@@ -22,13 +22,17 @@ from gtm.admin import principals, signer
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
 from gtm.admin.permissions import Role
+from gtm.admin.seals import Sealer
+from gtm.admin.signer import load_signer
 from gtm.admin.tokens import parse_duration
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
+from gtm.fleet.signed_documents import load_public_keys
 from gtm.runtime import load_documents
+from gtm.settings import Settings
 
 token_app = typer.Typer(help="API tokens of the admin API.", no_args_is_help=True)
 admin_app = typer.Typer(help="The admin service: signing keys, OpenAPI.", no_args_is_help=True)
@@ -38,6 +42,23 @@ proposal_app = typer.Typer(
 
 
 # -- tokens (database access) ------------------------------------------------------------------
+
+
+def _sealer(settings: Settings) -> Sealer:
+    """Tokens are sealed with the admin service's key: database access alone makes none."""
+    if settings.document_signing_key is None:
+        raise fail(
+            GTMError(
+                "set GTM_DOCUMENT_SIGNING_KEY (the admin service's key): tokens and principals "
+                "are sealed with it, and database access alone makes neither"
+            )
+        )
+    try:
+        signer = load_signer(settings.document_signing_key)
+        keys = load_public_keys(settings.document_keys)
+    except ConfigError as exc:
+        raise fail(exc) from exc
+    return Sealer(signer, keys)
 
 
 @token_app.command("create")
@@ -54,6 +75,7 @@ def token_create(
         lifetime = None if expires is None else parse_duration(expires)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
+    sealer = _sealer(settings)
     migrate.upgrade(settings.database_url)
     # Who ran it, as the operating system says: there is no token yet to say it.
     actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
@@ -63,10 +85,16 @@ def token_create(
         now = time.time()
         try:
             async with engine.begin() as conn:
-                principal = await principals.by_name(conn, name)
+                principal = await principals.by_name(conn, name, sealer)
                 if principal is None:
                     principal = await principals.create(
-                        conn, name, role, created_by=actor, now=now, node=settings.node_id
+                        conn,
+                        name,
+                        role,
+                        created_by=actor,
+                        now=now,
+                        node=settings.node_id,
+                        sealer=sealer,
                     )
                 elif principal.roles != frozenset(role):
                     raise GTMError(
@@ -80,6 +108,7 @@ def token_create(
                     now=now,
                     expires_at=None if lifetime is None else now + lifetime,
                     node=settings.node_id,
+                    sealer=sealer,
                 )
             return token.text
         finally:
@@ -97,6 +126,7 @@ def token_create(
 def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
     """Revoke token TOKEN_ID (the 16 hex digits after ``gtm_``)."""
     settings = cli_settings(database_url=database_url)
+    sealer = _sealer(settings)
     migrate.upgrade(settings.database_url)
     actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
 
@@ -105,7 +135,12 @@ def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
         try:
             async with engine.begin() as conn:
                 return await principals.revoke(
-                    conn, token_id, actor=actor, now=time.time(), node=settings.node_id
+                    conn,
+                    token_id,
+                    actor=actor,
+                    now=time.time(),
+                    node=settings.node_id,
+                    sealer=sealer,
                 )
         finally:
             await engine.dispose()
@@ -131,7 +166,8 @@ def admin_keygen(directory: Path) -> None:
 
 def openapi_document() -> dict[str, Any]:
     """The admin API's OpenAPI document (no database is touched to build it)."""
-    app = create_app(AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1))
+    context = AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1, Sealer(None, {}))
+    app = create_app(context)
     return app.openapi()
 
 

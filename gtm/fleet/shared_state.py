@@ -321,8 +321,14 @@ async def read_published(engine: AsyncEngine, document_id: int) -> Published | N
 async def read_published_after(
     engine: AsyncEngine, after_id: int | None, limit: int = 100
 ) -> list[Published]:
-    """Rows published after ``after_id`` (all when None), newest first, at most ``limit``."""
-    query = select(documents).order_by(desc(documents.c.id)).limit(limit)
+    """Rows published after ``after_id`` (all when None), highest claimed sequence first, at
+    most ``limit``: rows copied in bulk cannot push the newest activation out of view (the
+    claim is only an order; each row's signed record is what is checked)."""
+    query = (
+        select(documents)
+        .order_by(desc(documents.c.sequence).nulls_last(), desc(documents.c.id))
+        .limit(limit)
+    )
     if after_id is not None:
         query = query.where(documents.c.id > after_id)
     async with engine.connect() as conn:

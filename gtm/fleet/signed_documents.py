@@ -107,11 +107,13 @@ def verify(
     signature_hex: str | None,
     keys: Mapping[str, Ed25519PublicKey],
     in_force: int | None,
+    min_approvals: int = 1,
 ) -> Manifest:
     """The manifest of a published row that may come into force; :class:`Untrusted` otherwise.
 
-    ``keys``: the trusted public keys by id; ``in_force``: the sequence of the signed version
-    this node has in force (None: only its own files so far).
+    ``keys``: the trusted public keys by id; ``in_force``: the sequence a new version must be
+    above (the one in force, or what the node last had before it restarted; None: nothing yet);
+    ``min_approvals``: the node's own configured minimum, whatever the record says.
     """
     if not manifest_text or not signature_hex:
         raise Untrusted("unsigned", "no approval record or signature")
@@ -131,8 +133,9 @@ def verify(
     approvers = set(manifest.approvers)
     if len(approvers) != len(manifest.approvers) or manifest.author in approvers:
         raise Untrusted("four_eyes", "approvers must be distinct and none of them the author")
-    if manifest.required < 1 or len(approvers) < manifest.required:
-        raise Untrusted("four_eyes", f"{len(approvers)} approval(s) of {manifest.required}")
+    required = max(1, manifest.required, min_approvals)
+    if len(approvers) < required:
+        raise Untrusted("four_eyes", f"{len(approvers)} approval(s) of {required}")
     if in_force is not None and manifest.sequence <= in_force:
         raise Untrusted("replayed", f"sequence {manifest.sequence} is not after {in_force}")
     return manifest

@@ -146,7 +146,7 @@ class StateSync:
         if published:
             # Every row since the last look is offered: the newest one may be refused (not
             # signed, a replay) while an earlier one of them is the version to put in force.
-            self.document_id = published[0].id
+            self.document_id = max(p.id for p in published)
             self.on_documents(published)
         self.recompose(now)
         return True

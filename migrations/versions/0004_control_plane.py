@@ -33,6 +33,7 @@ def upgrade() -> None:
         sa.Column("created_at_us", sa.BigInteger, nullable=False),
         sa.Column("created_by", sa.String(128), nullable=False),
         sa.Column("disabled", sa.Boolean, nullable=False),
+        sa.Column("seal", sa.String(160)),
         sa.PrimaryKeyConstraint("id", name="pk_principals"),
         sa.UniqueConstraint("name", name="uq_principals_name"),
     )
@@ -46,6 +47,7 @@ def upgrade() -> None:
         sa.Column("expires_at_us", sa.BigInteger),
         sa.Column("revoked_at_us", sa.BigInteger),
         sa.Column("last_used_at_us", sa.BigInteger),
+        sa.Column("seal", sa.String(160)),
         sa.PrimaryKeyConstraint("id", name="pk_api_tokens"),
     )
     op.create_index("ix_api_tokens_principal_id", "api_tokens", ["principal_id"])
@@ -72,6 +74,7 @@ def upgrade() -> None:
         sa.Column("activate_at_us", sa.BigInteger),
         sa.Column("activated_at_us", sa.BigInteger),
         sa.Column("sequence", sa.BigInteger),
+        sa.Column("seal", sa.String(160)),
         sa.PrimaryKeyConstraint("id", name="pk_proposals"),
         sa.UniqueConstraint("sequence", name="uq_proposals_sequence"),
     )
@@ -82,6 +85,7 @@ def upgrade() -> None:
         sa.Column("version_id", sa.String(64), nullable=False),
         sa.Column("at_us", sa.BigInteger, nullable=False),
         sa.Column("comment", sa.Text, nullable=False),
+        sa.Column("seal", sa.String(160)),
         sa.PrimaryKeyConstraint("proposal_id", "principal_id", name="pk_approvals"),
     )
 

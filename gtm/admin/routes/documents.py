@@ -16,6 +16,7 @@ from gtm.admin.auth import Ctx, require
 from gtm.admin.lifecycle import Conflict, NotFound, Proposal
 from gtm.admin.principals import Principal
 from gtm.audit import query
+from gtm.errors import ConfigError
 from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
@@ -72,7 +73,7 @@ class FileDiffOut(BaseModel):
 
 
 class ImpactIn(BaseModel):
-    since_s: float = Field(default=86400.0, gt=0, le=90 * 86400, description="replay window")
+    since_s: float = Field(default=86400.0, gt=0, le=7 * 86400, description="replay window")
 
 
 class ChangeOut(BaseModel):
@@ -98,7 +99,6 @@ class ImpactOut(BaseModel):
     newly_refused: int
     newly_answered: int
     left_jurisdiction: int
-    skipped: int
     by_service: dict[str, dict[str, int]]
     by_class: dict[str, dict[str, int]]
     by_move: dict[str, int]
@@ -191,6 +191,7 @@ async def create_proposal(
             required_approvals=ctx.required_approvals,
             now=ctx.clock(),
             node=ctx.node,
+            sealer=ctx.sealer,
         )
     return _out(proposal)
 
@@ -287,6 +288,7 @@ async def approve_proposal(
                 body.comment,
                 now=ctx.clock(),
                 node=ctx.node,
+                sealer=ctx.sealer,
             )
         except lifecycle.Refused as exc:
             refusal = exc
@@ -317,7 +319,14 @@ async def activate_proposal(
         async with ctx.engine.begin() as conn:
             try:
                 proposal = await lifecycle.activate(
-                    conn, proposal_id, approver, ctx.signer, now=ctx.clock(), node=ctx.node
+                    conn,
+                    proposal_id,
+                    approver,
+                    ctx.signer,
+                    now=ctx.clock(),
+                    node=ctx.node,
+                    sealer=ctx.sealer,
+                    min_approvals=ctx.required_approvals,
                 )
             except lifecycle.Conflict as exc:
                 refusal = exc
@@ -353,7 +362,12 @@ async def get_proposal_impact(
     started = time.perf_counter()
     inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
     before = ctx.snapshot()
-    docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
+    try:
+        docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
+    except ConfigError as exc:  # stored before a change of the schema, say
+        raise lifecycle.Invalid(
+            "the proposal's documents no longer validate", exc.problems
+        ) from None
     after = before.evolve(until, topology=docs.topology, policy=docs.policy)
     # A replay of a day's traffic takes seconds of CPU: off the event loop, which the node's
     # answering listeners share (DESIGN.md rule 3).
@@ -369,7 +383,6 @@ async def get_proposal_impact(
         newly_refused=report.newly_refused,
         newly_answered=report.newly_answered,
         left_jurisdiction=report.left_jurisdiction,
-        skipped=report.skipped,
         by_service={k: dict(v) for k, v in report.by_service.items()},
         by_class={k: dict(v) for k, v in report.by_class.items()},
         by_move=dict(report.by_move),

@@ -79,7 +79,7 @@ async def list_principals(
     ctx: Ctx, _: Annotated[Principal, Depends(require("list_principals"))]
 ) -> list[PrincipalOut]:
     async with ctx.engine.connect() as conn:
-        return [_out(p) for p in await principals.list_all(conn)]
+        return [_out(p) for p in await principals.list_all(conn, ctx.sealer)]
 
 
 @router.post(
@@ -93,7 +93,13 @@ async def create_principal(
     async with ctx.engine.begin() as conn:
         try:
             created = await principals.create(
-                conn, body.name, body.roles, created_by=admin.name, now=ctx.clock(), node=ctx.node
+                conn,
+                body.name,
+                body.roles,
+                created_by=admin.name,
+                now=ctx.clock(),
+                node=ctx.node,
+                sealer=ctx.sealer,
             )
         except principals.NameTaken:
             raise Conflict(f"a principal named {body.name!r} exists") from None
@@ -118,11 +124,17 @@ async def create_token(
     except ValueError as exc:
         raise Invalid(str(exc), [Problem("request", "body.expires_in", str(exc))]) from None
     async with ctx.engine.begin() as conn:
-        principal = await principals.by_name(conn, name)
+        principal = await principals.by_name(conn, name, ctx.sealer)
         if principal is None:
             raise NotFound(f"no principal named {name!r}")
         token = await principals.issue_token(
-            conn, principal, created_by=admin.name, now=now, expires_at=expires, node=ctx.node
+            conn,
+            principal,
+            created_by=admin.name,
+            now=now,
+            expires_at=expires,
+            node=ctx.node,
+            sealer=ctx.sealer,
         )
     return TokenOut(id=token.id, principal=name, token=token.text, expires_at=expires)
 
@@ -141,7 +153,7 @@ async def revoke_token(
 ) -> Response:
     async with ctx.engine.begin() as conn:
         if not await principals.revoke(
-            conn, token_id, actor=admin.name, now=ctx.clock(), node=ctx.node
+            conn, token_id, actor=admin.name, now=ctx.clock(), node=ctx.node, sealer=ctx.sealer
         ):
             raise NotFound(f"no live token {token_id}")
     return Response(status_code=204)

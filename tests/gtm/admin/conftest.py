@@ -16,6 +16,7 @@ import pytest
 
 from gtm.admin import principals, signer
 from gtm.admin.permissions import Role
+from gtm.admin.seals import Sealer
 from gtm.admin.server import bind, serve_admin
 from gtm.runtime import Runtime
 from gtm.settings import Settings
@@ -28,17 +29,24 @@ class Admin:
     runtime: Runtime
     keys: Path  # the key pair's directory
 
+    @property
+    def sealer(self) -> Sealer:
+        return Sealer(signer.load_signer(self.keys / signer.PRIVATE_NAME), {})
+
     async def token(self, name: str, *roles: Role) -> str:
         """A principal NAME with ROLES (made once) and a new token for it."""
+        sealer = self.sealer
         async with self.runtime.engine.begin() as conn:
-            principal = await principals.by_name(conn, name)
+            principal = await principals.by_name(conn, name, sealer)
             if principal is None:
                 principal = await principals.create(
-                    conn, name, roles, created_by="test", now=time.time(), node="test"
-                )
+                    conn, name, roles, created_by="test", now=time.time(), node="test",
+                    sealer=sealer,
+                )  # fmt: skip
             token = await principals.issue_token(
-                conn, principal, created_by="test", now=time.time(), expires_at=None, node="test"
-            )
+                conn, principal, created_by="test", now=time.time(), expires_at=None,
+                node="test", sealer=sealer,
+            )  # fmt: skip
         return token.text
 
     def client(self, token: str | None) -> httpx.AsyncClient:

@@ -14,7 +14,8 @@ import pytest
 
 from gtm.admin import principals
 from gtm.admin.permissions import Role
-from gtm.admin.signer import PRIVATE_NAME, load_signer
+from gtm.admin.seals import Sealer
+from gtm.admin.signer import PRIVATE_NAME, generate, load_signer
 from gtm.audit.database import make_async_engine
 from gtm.errors import ConfigError
 from gtm.fleet import shared_state
@@ -50,17 +51,22 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(tmp_path: Path) -> Non
 
 async def test_the_first_token_is_made_on_the_node_and_recorded(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'g.sqlite3'}"
+    args = ["token", "create", "--name", "root", "--role", "admin", "--expires", "90d"]
+    # Database access alone makes no token: it takes the admin service's key.
+    keyless = await asyncio.to_thread(gtm, args, GTM_DATABASE_URL=url)
+    assert keyless.returncode == 2 and "GTM_DOCUMENT_SIGNING_KEY" in keyless.stderr
+    private, _ = generate(tmp_path / "keys")
     out = await asyncio.to_thread(
-        gtm,
-        ["token", "create", "--name", "root", "--role", "admin", "--expires", "90d"],
-        GTM_DATABASE_URL=url,
+        gtm, args, GTM_DATABASE_URL=url, GTM_DOCUMENT_SIGNING_KEY=str(private)
     )
     assert out.returncode == 0, out.stderr
     token = out.stdout.strip()
     assert token.startswith("gtm_") and "shown once" in out.stderr
     engine = make_async_engine(url)
     try:
-        principal = await principals.authenticate(engine, token, 0)
+        principal = await principals.authenticate(
+            engine, token, 0, Sealer(load_signer(private), {})
+        )
         assert principal is not None and principal.roles == {Role.ADMIN}
         events = await shared_state.read_events(engine, "-", 10)
         assert any(e.kind == "token" and (e.actor or "").startswith("local:") for e in events)
@@ -69,7 +75,10 @@ async def test_the_first_token_is_made_on_the_node_and_recorded(tmp_path: Path) 
         await engine.dispose()
     # The same name with other roles is refused rather than changed.
     other = await asyncio.to_thread(
-        gtm, ["token", "create", "--name", "root", "--role", "viewer"], GTM_DATABASE_URL=url
+        gtm,
+        ["token", "create", "--name", "root", "--role", "viewer"],
+        GTM_DATABASE_URL=url,
+        GTM_DOCUMENT_SIGNING_KEY=str(private),
     )
     assert other.returncode == 2 and "roles are not changed here" in other.stderr
 

@@ -15,7 +15,6 @@ from prometheus_client import REGISTRY
 from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm.admin import lifecycle
 from gtm.admin.permissions import Role
 from gtm.admin.signer import PRIVATE_NAME, generate, load_signer
 from gtm.audit.schema import documents, proposals
@@ -279,17 +278,14 @@ async def test_required_approvals_are_distinct_people(start_admin: AdminFactory)
         assert eu_answer(admin.runtime) == "us-east"
 
 
-async def test_a_node_without_the_signing_key_cannot_activate(start_admin: AdminFactory) -> None:
+async def test_a_node_without_the_signing_key_reads_but_writes_nothing(
+    start_admin: AdminFactory,
+) -> None:
     async with start_admin(signing=False) as admin:
+        # Tokens sealed by the admin service verify here with the public key alone.
         alice = await admin.token("alice", Role.POLICY_AUTHOR)
-        bob = await admin.token("bob", Role.POLICY_APPROVER)
-        async with admin.client(alice) as a, admin.client(bob) as b:
-            p = (
-                await a.post("/v1/proposals", json={**demo_documents(loosen_eu), "reason": "x"})
-            ).json()
-            await a.post(f"/v1/proposals/{p['id']}/submit")
-            await b.post(f"/v1/proposals/{p['id']}/approve", json={"version": p["version"]})
-            r = await b.post(f"/v1/proposals/{p['id']}/activate")
-            assert r.status_code == 409 and "signing key" in r.json()["message"]
-        async with admin.runtime.engine.connect() as conn:
-            assert (await lifecycle.get(conn, p["id"])).state == "approved"
+        async with admin.client(alice) as a:
+            assert (await a.get("/v1/whoami")).json()["name"] == "alice"
+            r = await a.post("/v1/proposals", json=loose_proposal())
+            assert r.status_code == 409 and r.json()["error"] == "cannot_seal"
+            assert (await a.get("/v1/proposals")).json() == []

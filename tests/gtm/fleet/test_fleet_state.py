@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 
 from gtm.admin import lifecycle, principals
 from gtm.admin.permissions import Role
+from gtm.admin.seals import Sealer
 from gtm.admin.signer import PRIVATE_NAME, PUBLIC_NAME, generate, load_signer
 from gtm.audit.schema import region_events
 from gtm.decision.snapshot import HealthState
@@ -203,22 +204,24 @@ async def test_an_approved_version_is_in_force_on_every_node_within_two_seconds(
     topology = yaml.safe_dump(data)
     before = [n.store.current.topology.fingerprint() for n in nodes]
     key = load_signer(tmp_path / "keys" / PRIVATE_NAME)
+    seal = Sealer(key, {})
     engine, now = nodes[0].engine, time.time()
     async with engine.begin() as conn:
         alice = await principals.create(
-            conn, "alice", [Role.POLICY_AUTHOR], created_by="t", now=now, node="t"
+            conn, "alice", [Role.POLICY_AUTHOR], created_by="t", now=now, node="t", sealer=seal
         )
         bob = await principals.create(
-            conn, "bob", [Role.POLICY_APPROVER], created_by="t", now=now, node="t"
+            conn, "bob", [Role.POLICY_APPROVER], created_by="t", now=now, node="t", sealer=seal
         )
         p = await lifecycle.create(
-            conn, alice, topology, policies, "shorter TTL", required_approvals=1, now=now, node="t"
-        )
+            conn, alice, topology, policies, "shorter TTL",
+            required_approvals=1, now=now, node="t", sealer=seal,
+        )  # fmt: skip
         await lifecycle.submit(conn, p.id, alice, now=now, node="t")
-        await lifecycle.approve(conn, p.id, bob, p.version, "", now=now, node="t")
+        await lifecycle.approve(conn, p.id, bob, p.version, "", now=now, node="t", sealer=seal)
     started = time.monotonic()
     async with engine.begin() as conn:
-        await lifecycle.activate(conn, p.id, bob, key, now=time.time(), node="t")
+        await lifecycle.activate(conn, p.id, bob, key, now=time.time(), node="t", sealer=seal)
     for n in nodes:
         await until(lambda n=n: n.store.current.topology.routing.degraded_ttl == 7, 2)  # type: ignore[misc]
     assert time.monotonic() - started < 2
