@@ -36,7 +36,7 @@ from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
-from gtm.fleet.shared_state import Published
+from gtm.fleet.shared_state import NodeStatus, Published
 from gtm.fleet.signed_documents import Manifest, Untrusted, load_public_keys, verify
 from gtm.fleet.state_sync import StateSync
 from gtm.settings import Settings
@@ -123,6 +123,7 @@ class Runtime:
             own_observations=self._own_observations,
             on_compose=self._apply_composed,
             on_documents=self._apply_documents,
+            own_status=self._own_status,
         )
         # Signed versions (gtm.fleet.signed_documents): the keys trusted, and the sequence of
         # the version in force (None while the node answers from its own files).
@@ -267,6 +268,25 @@ class Runtime:
                     1.0 if health.state is state else 0.0
                 )
             metrics.REGION_ADMITTED.labels(region).set(health.admitted)
+
+    def _own_status(self, now: float) -> NodeStatus:
+        current = self.store.current
+        versions = current.versions
+        return NodeStatus(
+            self.settings.node_id,
+            self.settings.observer_id or self.settings.node_id,
+            now,
+            self.document_sequence,
+            versions.snapshot,
+            versions.topology,
+            versions.policy,
+            {
+                region: current.health[region].state.value
+                if region in current.health
+                else "unknown"
+                for region in current.regions
+            },
+        )
 
     def _must_exceed(self) -> int | None:
         """The sequence a published version must be above: the one in force, or, until one is,

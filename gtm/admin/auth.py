@@ -41,6 +41,8 @@ class AdminContext:
     files: tuple[str, Mapping[str, str]] | None = None
     # The snapshot this node answers from (impact analysis replays against it).
     snapshot: Callable[[], Snapshot] | None = None
+    # A node is live while its last status report is younger than this.
+    live_within_s: float = 5.0
 
 
 class Unauthenticated(Exception):

@@ -53,6 +53,8 @@ OPERATIONS: dict[str, frozenset[Role]] = {
     "approve_proposal": _APPROVER,
     "activate_proposal": _APPROVER,
     "list_regions": _READERS | _ADMIN,
+    "list_nodes": _READERS | _ADMIN,
+    "get_proposal_rollout": _READERS,
     "drain_region": _OPERATOR,
     "undrain_region": _OPERATOR,
     "weight_region": _OPERATOR,

@@ -45,6 +45,7 @@ def context_for(runtime: Runtime) -> AdminContext:
         signer,
         files=files,
         snapshot=lambda: runtime.store.current,
+        live_within_s=max(5.0, 4 * settings.state_sync_interval_s),
     )
 
 

@@ -152,6 +152,21 @@ documents = Table(
     Column("signature", String(128)),
 )
 
+# What each node has in force, written at every state sync: an activation is in force
+# everywhere when every live node reports its sequence; region state as the serving nodes hold it.
+node_status = Table(
+    "node_status",
+    metadata,
+    Column("node", String(64), primary_key=True),
+    Column("observer", String(64), nullable=False),
+    Column("updated_at_us", BigInteger, nullable=False),
+    Column("document_sequence", BigInteger),
+    Column("snapshot_version", BigInteger, nullable=False),
+    Column("topology_version", String(32), nullable=False),
+    Column("policy_version", String(32), nullable=False),
+    Column("regions", JSON, nullable=False),  # {region: state in force}
+)
+
 # The control plane (gtm.admin): principals, their API tokens, document versions and the
 # proposals that take a version through approval to activation.
 principals = Table(

@@ -289,9 +289,29 @@ def proposal_approve(
 
 
 @proposal_app.command("activate")
-def proposal_activate(proposal_id: int) -> None:
-    """Sign and publish an approved proposal: in force on every node at their next sync."""
+def proposal_activate(
+    proposal_id: int,
+    wait: Annotated[str, typer.Option("--wait", help="how long to wait for every node")] = "10s",
+) -> None:
+    """Sign and publish an approved proposal, then wait until every live node reports it in
+    force (exit 1, naming the nodes that have not, if they do not within --wait)."""
+    try:
+        window = parse_duration(wait)
+    except ValueError as exc:
+        raise fail(GTMError(str(exc))) from exc
     _show(_call("POST", f"/v1/proposals/{proposal_id}/activate"))
+    deadline = time.monotonic() + window
+    while True:
+        rollout = _call("GET", f"/v1/proposals/{proposal_id}/rollout")
+        if rollout["complete"]:
+            nodes = ", ".join(rollout["acknowledged"])
+            typer.echo(f"  in force on every live node: {nodes}")
+            return
+        if time.monotonic() >= deadline:
+            pending = ", ".join(f"{n} (has {s})" for n, s in rollout["pending"].items())
+            typer.echo(f"  NOT yet in force on: {pending or 'no live node reported'}")
+            raise typer.Exit(1)
+        time.sleep(0.25)
 
 
 @proposal_app.command("withdraw")

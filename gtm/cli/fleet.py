@@ -25,6 +25,8 @@ from gtm.runtime import documents_from_published, load_documents
 from gtm.settings import Settings
 
 region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
+# A node counts as live while its status report is younger than this.
+LIVE_WITHIN_S = 5.0
 config_app = typer.Typer(help="Documents published to every node.", no_args_is_help=True)
 
 WhyOpt = Annotated[str, typer.Option("--why", help="why (recorded with the change)")]
@@ -176,7 +178,8 @@ def region_status(
     database_url: DbOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Each region's state as the fleet's quorum sees it, every node's view, and overrides."""
+    """Each region's state recounted from the fleet's observations, every node's view, the
+    overrides, and the state each live node reports it answers with."""
     settings = cli_settings(database_url=database_url)
     migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
 
@@ -187,6 +190,7 @@ def region_status(
             now = time.time()
             observations = await shared_state.read_observations(engine, 0)
             overrides = await shared_state.read_overrides(engine)
+            live = await shared_state.read_node_status(engine, now - LIVE_WITHIN_S)
         finally:
             await engine.dispose()
         book = RegionBook(
@@ -219,6 +223,9 @@ def region_status(
                         for o in observations
                         if o.region == region.id
                     },
+                    # What each live node answers with now (its own report, with its memory
+                    # of re-admission and the overrides it has synced), beside the recount.
+                    "in_force": {n.node: n.regions.get(region.id, "unknown") for n in live},
                 }
             )
         return rows
@@ -235,7 +242,11 @@ def region_status(
             f"{n}={v['state']}{'' if v['fresh'] else '(stale)'}" for n, v in row["nodes"].items()
         )
         override = f"  [{row['override']} — {row['override_by']}]" if row["override"] else ""
-        typer.echo(f"{row['region']:<16} {row['state']:<9} {nodes or '-'}{override}")
+        serving = " ".join(f"{n}:{s}" for n, s in row["in_force"].items())
+        typer.echo(
+            f"{row['region']:<16} {row['state']:<9} {nodes or '-'}{override}"
+            f"  in force: {serving or 'no live node'}"
+        )
 
 
 @region_app.command("events")

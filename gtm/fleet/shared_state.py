@@ -25,6 +25,7 @@ from gtm.audit.schema import (
     documents,
     event_chain,
     health_observations,
+    node_status,
     region_events,
     region_overrides,
 )
@@ -348,3 +349,61 @@ def _published(row: RowMapping) -> Published:
         row["manifest"],
         row["signature"],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """What one node has in force, as it last reported it."""
+
+    node: str
+    observer: str
+    at: float
+    document_sequence: int | None
+    snapshot_version: int
+    topology_version: str
+    policy_version: str
+    regions: Mapping[str, str]  # region -> state in force
+
+
+async def write_node_status(engine: AsyncEngine, status: NodeStatus) -> None:
+    row = {
+        "node": status.node,
+        "observer": status.observer,
+        "updated_at_us": _us(status.at),
+        "document_sequence": status.document_sequence,
+        "snapshot_version": status.snapshot_version,
+        "topology_version": status.topology_version,
+        "policy_version": status.policy_version,
+        "regions": dict(status.regions),
+    }
+    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(node_status)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["node"], set_={c: stmt.excluded[c] for c in row if c != "node"}
+    )
+    async with engine.begin() as conn:
+        await conn.execute(stmt, row)
+
+
+async def read_node_status(engine: AsyncEngine, newer_than: float) -> list[NodeStatus]:
+    """The nodes that reported since ``newer_than``: the live ones."""
+    query = (
+        select(node_status)
+        .where(node_status.c.updated_at_us >= _us(newer_than))
+        .order_by(node_status.c.node)
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    return [
+        NodeStatus(
+            r.node,
+            r.observer,
+            r.updated_at_us / 1e6,
+            r.document_sequence,
+            r.snapshot_version,
+            r.topology_version,
+            r.policy_version,
+            r.regions,
+        )
+        for r in rows
+    ]

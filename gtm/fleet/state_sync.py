@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.fleet import shared_state
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
-from gtm.fleet.shared_state import Published
+from gtm.fleet.shared_state import NodeStatus, Published
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +46,7 @@ class StateSync:
         own_observations: Callable[[float], list[Observation]],
         on_compose: Callable[[Composed], None],
         on_documents: Callable[[list[Published]], None],
+        own_status: Callable[[float], NodeStatus] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
@@ -54,6 +55,7 @@ class StateSync:
         self.own_observations = own_observations
         self.on_compose = on_compose
         self.on_documents = on_documents
+        self.own_status = own_status
         self._clock = clock
         self.pending: deque[RegionEvent] = deque(maxlen=MAX_PENDING_EVENTS)
         self.dropped_events = 0
@@ -149,6 +151,14 @@ class StateSync:
             self.document_id = max(p.id for p in published)
             self.on_documents(published)
         self.recompose(now)
+        if self.own_status is not None:
+            # After applying: what this node reports is what it now answers with (the admin
+            # service reports an activation done when every live node says so).
+            try:
+                async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+                    await shared_state.write_node_status(self.engine, self.own_status(now))
+            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                log.warning("state_sync.status_not_written", error=f"{type(exc).__name__}")
         return True
 
     async def _flush_events(self) -> None:

@@ -1,5 +1,5 @@
 """The control plane: principals, API tokens, document versions, proposals and approvals; the
-signed approval record on published documents.
+signed approval record on published documents; what each node has in force.
 
 Revision ID: 0004
 Revises: 0003
@@ -25,6 +25,18 @@ def upgrade() -> None:
         batch.add_column(sa.Column("sequence", sa.BigInteger))
         batch.add_column(sa.Column("manifest", sa.Text))
         batch.add_column(sa.Column("signature", sa.String(128)))
+    op.create_table(
+        "node_status",
+        sa.Column("node", sa.String(64)),
+        sa.Column("observer", sa.String(64), nullable=False),
+        sa.Column("updated_at_us", sa.BigInteger, nullable=False),
+        sa.Column("document_sequence", sa.BigInteger),
+        sa.Column("snapshot_version", sa.BigInteger, nullable=False),
+        sa.Column("topology_version", sa.String(32), nullable=False),
+        sa.Column("policy_version", sa.String(32), nullable=False),
+        sa.Column("regions", sa.JSON, nullable=False),
+        sa.PrimaryKeyConstraint("node", name="pk_node_status"),
+    )
     op.create_table(
         "principals",
         sa.Column("id", sa.String(32)),
@@ -97,6 +109,7 @@ def downgrade() -> None:
     op.drop_index("ix_api_tokens_principal_id", table_name="api_tokens")
     op.drop_table("api_tokens")
     op.drop_table("principals")
+    op.drop_table("node_status")
     with op.batch_alter_table("documents") as batch:
         batch.drop_column("signature")
         batch.drop_column("manifest")

@@ -17,6 +17,7 @@ from gtm.admin.lifecycle import Conflict, NotFound, Proposal
 from gtm.admin.principals import Principal
 from gtm.audit import query
 from gtm.errors import ConfigError
+from gtm.fleet import shared_state
 from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
@@ -104,6 +105,14 @@ class ImpactOut(BaseModel):
     by_move: dict[str, int]
     examples: list[ChangeOut]
     seconds: float
+
+
+class RolloutOut(BaseModel):
+    proposal: int
+    sequence: int | None
+    complete: bool = Field(description="every live node has this activation (or a later one)")
+    acknowledged: list[str]
+    pending: dict[str, int | None] = Field(description="node -> the sequence it has in force")
 
 
 class DiffOut(BaseModel):
@@ -388,4 +397,34 @@ async def get_proposal_impact(
         by_move=dict(report.by_move),
         examples=[ChangeOut(**asdict(c)) for c in report.examples],
         seconds=time.perf_counter() - started,
+    )
+
+
+@router.get(
+    "/proposals/{proposal_id}/rollout",
+    operation_id="get_proposal_rollout",
+    response_model=RolloutOut,
+)
+async def get_proposal_rollout(
+    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal_rollout"))]
+) -> RolloutOut:
+    """Whether the activation is in force on every live node, and which have not got it."""
+    async with ctx.engine.connect() as conn:
+        proposal = await lifecycle.get(conn, proposal_id)
+    live = await shared_state.read_node_status(ctx.engine, ctx.clock() - ctx.live_within_s)
+    sequence = proposal.sequence
+    acknowledged = sorted(
+        n.node
+        for n in live
+        if sequence is not None
+        and n.document_sequence is not None
+        and n.document_sequence >= sequence
+    )
+    pending = {n.node: n.document_sequence for n in live if n.node not in acknowledged}
+    return RolloutOut(
+        proposal=proposal_id,
+        sequence=sequence,
+        complete=sequence is not None and bool(live) and not pending,
+        acknowledged=acknowledged,
+        pending=pending,
     )

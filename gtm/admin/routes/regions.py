@@ -28,11 +28,22 @@ router = APIRouter(prefix="/v1")
 
 class RegionOut(BaseModel):
     region: str
-    state: str
+    state: str = Field(description="as this node answers with it")
     detail: str
     override: str | None
     override_by: str | None
     out_of_service: bool
+    nodes: dict[str, str] = Field(description="node -> state as that live node holds it")
+
+
+class NodeOut(BaseModel):
+    node: str
+    observer: str
+    age_s: float
+    document_sequence: int | None
+    snapshot_version: int
+    topology_version: str
+    policy_version: str
 
 
 class Change(BaseModel):
@@ -79,6 +90,7 @@ async def list_regions(
         raise Conflict("this admin service has no snapshot")
     snapshot, now = ctx.snapshot(), ctx.clock()
     overrides = {o.region: o for o in await shared_state.read_overrides(ctx.engine)}
+    live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
     out = safety.out_of_service(snapshot, overrides, now)
     rows = []
     for region in snapshot.regions:
@@ -93,9 +105,31 @@ async def list_regions(
                 override=override.describe() if override else None,
                 override_by=f"{override.actor}: {override.reason}" if override else None,
                 out_of_service=region in out,
+                nodes={n.node: n.regions.get(region, "unknown") for n in live},
             )
         )
     return rows
+
+
+@router.get("/nodes", operation_id="list_nodes", response_model=list[NodeOut])
+async def list_nodes(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("list_nodes"))]
+) -> list[NodeOut]:
+    """The live nodes (reported within the liveness bound) and what each has in force."""
+    now = ctx.clock()
+    live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
+    return [
+        NodeOut(
+            node=n.node,
+            observer=n.observer,
+            age_s=round(now - n.at, 3),
+            document_sequence=n.document_sequence,
+            snapshot_version=n.snapshot_version,
+            topology_version=n.topology_version,
+            policy_version=n.policy_version,
+        )
+        for n in live
+    ]
 
 
 async def _change(

@@ -227,6 +227,14 @@ async def test_an_approved_version_is_in_force_on_every_node_within_two_seconds(
     assert time.monotonic() - started < 2
     assert [n.store.current.topology.fingerprint() for n in nodes] != before
     assert all(n.document_sequence == 1 for n in nodes)
+    # And both say so in the shared database: the rollout the admin API reports is complete.
+    while time.monotonic() - started < 2:
+        live = await shared_state.read_node_status(engine, time.time() - 5)
+        if {s.node: s.document_sequence for s in live} == {"node-a": 1, "node-b": 1}:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"not acknowledged by both nodes within 2 s: {live}")
     # A broken document, even one signed with the real key (an admin-service bug), is refused
     # by every node, which keeps what it has.
     broken = "zone: ["
