@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 
@@ -21,6 +21,9 @@ from gtm.fleet import shared_state
 from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
+
+# Bounded: a larger number is no proposal and must be a 422, not a database overflow.
+ProposalId = Annotated[int, Path(ge=1, le=2**53)]
 
 
 class DocumentsIn(BaseModel):
@@ -207,7 +210,7 @@ async def create_proposal(
 
 @router.get("/proposals/{proposal_id}", operation_id="get_proposal", response_model=ProposalOut)
 async def get_proposal(
-    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal"))]
+    proposal_id: ProposalId, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal"))]
 ) -> ProposalOut:
     async with ctx.engine.connect() as conn:
         return _out(await lifecycle.get(conn, proposal_id))
@@ -215,7 +218,7 @@ async def get_proposal(
 
 @router.put("/proposals/{proposal_id}", operation_id="update_proposal", response_model=ProposalOut)
 async def update_proposal(
-    proposal_id: int,
+    proposal_id: ProposalId,
     body: DocumentsIn,
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("update_proposal"))],
@@ -231,7 +234,9 @@ async def update_proposal(
     "/proposals/{proposal_id}/diff", operation_id="get_proposal_diff", response_model=DiffOut
 )
 async def get_proposal_diff(
-    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal_diff"))]
+    proposal_id: ProposalId,
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("get_proposal_diff"))],
 ) -> DiffOut:
     async with ctx.engine.connect() as conn:
         proposal = await lifecycle.get(conn, proposal_id)
@@ -248,7 +253,7 @@ async def get_proposal_diff(
     "/proposals/{proposal_id}/submit", operation_id="submit_proposal", response_model=ProposalOut
 )
 async def submit_proposal(
-    proposal_id: int,
+    proposal_id: ProposalId,
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("submit_proposal"))],
 ) -> ProposalOut:
@@ -264,7 +269,7 @@ async def submit_proposal(
     response_model=ProposalOut,
 )
 async def withdraw_proposal(
-    proposal_id: int,
+    proposal_id: ProposalId,
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("withdraw_proposal"))],
 ) -> ProposalOut:
@@ -278,7 +283,7 @@ async def withdraw_proposal(
     "/proposals/{proposal_id}/approve", operation_id="approve_proposal", response_model=ProposalOut
 )
 async def approve_proposal(
-    proposal_id: int,
+    proposal_id: ProposalId,
     body: ApprovalIn,
     ctx: Ctx,
     approver: Annotated[Principal, Depends(require("approve_proposal"))],
@@ -313,7 +318,7 @@ async def approve_proposal(
     response_model=ProposalOut,
 )
 async def activate_proposal(
-    proposal_id: int,
+    proposal_id: ProposalId,
     ctx: Ctx,
     approver: Annotated[Principal, Depends(require("activate_proposal"))],
 ) -> ProposalOut:
@@ -354,7 +359,7 @@ async def activate_proposal(
     response_model=ImpactOut,
 )
 async def get_proposal_impact(
-    proposal_id: int,
+    proposal_id: ProposalId,
     body: ImpactIn,
     ctx: Ctx,
     _: Annotated[Principal, Depends(require("get_proposal_impact"))],
@@ -406,7 +411,9 @@ async def get_proposal_impact(
     response_model=RolloutOut,
 )
 async def get_proposal_rollout(
-    proposal_id: int, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal_rollout"))]
+    proposal_id: ProposalId,
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("get_proposal_rollout"))],
 ) -> RolloutOut:
     """Whether the activation is in force on every live node, and which have not got it."""
     async with ctx.engine.connect() as conn:
