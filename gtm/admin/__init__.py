@@ -3,7 +3,8 @@
 ``app``          the FastAPI app and its error shape
 ``routes/``      one router per resource: ``identity`` (principals, tokens, events),
                  ``documents`` (versions, proposals, approvals, activation, diff, impact),
-                 ``regions`` (state and operator controls under the safety rules)
+                 ``regions`` (state and operator controls under the safety rules),
+                 ``audit`` (decision search, export, lookup by id, replay)
 ``auth``         a bearer token to a principal, a principal to an allowed operation
 ``permissions``  the roles and the one role x operation table routes and tests read
 ``principals``   principals and API tokens in the shared database
@@ -12,6 +13,8 @@
 ``lifecycle``    document versions and proposals: draft, propose, four-eyes approval, activation
 ``signer``       the Ed25519 key that signs activated versions (a 0600 file, not the database)
 ``diff``         a YAML-aware diff between versions
+``impact``       recorded traffic replayed under a draft
+``replay``       one recorded decision decided again under the versions it names
 ``events``       admin actions in the hash-chained event log
 ``server``       the admin listener inside a node's event loop
 

@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.lifecycle import LifecycleError
 from gtm.admin.permissions import OPERATIONS
-from gtm.admin.routes import documents, identity, regions
+from gtm.admin.routes import audit, documents, identity, regions
 from gtm.admin.seals import CannotSeal
 
 
@@ -43,6 +43,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     app.include_router(identity.router)
     app.include_router(documents.router)
     app.include_router(regions.router)
+    app.include_router(audit.router)
     for route in app.routes:
         if isinstance(route, APIRoute) and route.operation_id not in OPERATIONS:
             raise RuntimeError(

@@ -30,6 +30,8 @@ _AUTHOR = frozenset({Role.POLICY_AUTHOR})
 _APPROVER = frozenset({Role.POLICY_APPROVER})
 _ADMIN = frozenset({Role.ADMIN})
 _OPERATOR = frozenset({Role.OPERATOR})
+# Decisions name client networks: personal data, read by auditors only.
+_AUDITOR = frozenset({Role.AUDITOR})
 
 # operationId -> the roles allowed.
 OPERATIONS: dict[str, frozenset[Role]] = {
@@ -55,6 +57,10 @@ OPERATIONS: dict[str, frozenset[Role]] = {
     "list_regions": _READERS | _ADMIN,
     "list_nodes": _READERS | _ADMIN,
     "get_proposal_rollout": _READERS,
+    "search_decisions": _AUDITOR,
+    "export_decisions": _AUDITOR,
+    "get_decision": _AUDITOR,
+    "replay_decision": _AUDITOR,
     "drain_region": _OPERATOR,
     "undrain_region": _OPERATOR,
     "weight_region": _OPERATOR,

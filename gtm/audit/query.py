@@ -168,3 +168,70 @@ async def decision_inputs(
         )
         for r in rows
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    """What an audit search narrows to; every field optional, all of them ANDed."""
+
+    since_us: int | None = None
+    until_us: int | None = None
+    service: str | None = None
+    name: str | None = None
+    client_network: str | None = None
+    region: str | None = None
+    outcome: str | None = None
+    residency_class: str | None = None
+    rule: str | None = None
+    node: str | None = None
+
+
+def _where(query: Any, f: Filters) -> Any:
+    c = decisions.c
+    if f.since_us is not None:
+        query = query.where(c.last_at_us >= f.since_us)
+    if f.until_us is not None:
+        query = query.where(c.first_at_us < f.until_us)
+    for column, value in (
+        (c.service, f.service),
+        (c.name, f.name),
+        (c.client_network, f.client_network),
+        (c.region, f.region),
+        (c.outcome, f.outcome),
+        (c.node, f.node),
+    ):
+        if value is not None:
+            query = query.where(column == value)
+    # JSON arrays of names: matched on their text, the same on SQLite and PostgreSQL.
+    if f.residency_class is not None:
+        query = query.where(cast(c.residency_classes, Text).contains(json.dumps(f.residency_class)))
+    if f.rule is not None:
+        query = query.where(cast(c.matched_rules, Text).contains(json.dumps(f.rule)))
+    return query
+
+
+async def search(
+    engine: AsyncEngine, filters: Filters, after_id: int = 0, limit: int = 100
+) -> tuple[list[dict[str, Any]], int | None]:
+    """One page of matching rows in id order, and the cursor of the next page (None: last)."""
+    query = _where(select(decisions), filters).where(decisions.c.id > after_id)
+    query = query.order_by(decisions.c.id).limit(limit + 1)
+    async with engine.connect() as conn:
+        rows = [_as_dict(r) for r in await conn.execute(query)]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (rows[-1]["id"] if more and rows else None)
+
+
+async def export_filtered(
+    engine: AsyncEngine, filters: Filters, batch: int = 5000
+) -> AsyncIterator[dict[str, Any]]:
+    """Every matching row in id order, read in batches (memory stays bounded)."""
+    after = 0
+    while True:
+        rows, _ = await search(engine, filters, after, batch)
+        if not rows:
+            return
+        for row in rows:
+            yield row
+        after = rows[-1]["id"]

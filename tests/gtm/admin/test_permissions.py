@@ -20,6 +20,7 @@ PLACEHOLDERS = {
     "token_id": "0" * 16,
     "version_id": "0" * 64,
     "region": "nowhere",
+    "decision_id": "nowhere~18c0000000~aaaaaaaa~1",
 }
 
 
