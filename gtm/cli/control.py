@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 
 from gtm.admin import principals, signer
@@ -27,6 +26,7 @@ from gtm.admin.signer import load_signer
 from gtm.admin.tokens import parse_duration
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
+from gtm.cli.admin_client import call
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
@@ -180,35 +180,6 @@ def admin_openapi() -> None:
 # -- proposals (admin API client) --------------------------------------------------------------
 
 
-def _client() -> httpx.Client:
-    settings = cli_settings()
-    if not settings.admin_url or settings.admin_token is None:
-        raise fail(GTMError("set GTM_ADMIN_URL and GTM_ADMIN_TOKEN (the admin API and a token)"))
-    return httpx.Client(
-        base_url=settings.admin_url,
-        headers={"authorization": f"Bearer {settings.admin_token.get_secret_value()}"},
-        timeout=30,
-    )
-
-
-def _call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    with _client() as client:
-        try:
-            response = client.request(method, path, json=body)
-        except httpx.HTTPError as exc:
-            raise fail(GTMError(f"admin API unreachable: {exc}")) from exc
-    if response.status_code >= 400:
-        try:
-            error = response.json()
-        except ValueError:
-            error = {"error": str(response.status_code), "message": response.text}
-        typer.echo(f"error: {response.status_code} {error.get('error')}: {error.get('message')}")
-        for problem in error.get("problems", []):
-            typer.echo(f"  {problem['source']}: {problem['location']}: {problem['message']}")
-        raise typer.Exit(1 if response.status_code in (403, 409) else 2)
-    return response.json() if response.content else None
-
-
 def _show(p: dict[str, Any]) -> None:
     approvals = ", ".join(a["approver"] for a in p["approvals"]) or "none"
     typer.echo(
@@ -246,16 +217,16 @@ def proposal_create(
         "policies": texts,
         "reason": why,
     }
-    proposal = _call("POST", "/v1/proposals", body)
+    proposal = call("POST", "/v1/proposals", body)
     if submit:
-        proposal = _call("POST", f"/v1/proposals/{proposal['id']}/submit")
+        proposal = call("POST", f"/v1/proposals/{proposal['id']}/submit")
     _show(proposal)
 
 
 @proposal_app.command("list")
 def proposal_list(state: Annotated[str | None, typer.Option("--state")] = None) -> None:
     """Proposals, newest first."""
-    for p in _call("GET", "/v1/proposals" + (f"?state={state}" if state else "")):
+    for p in call("GET", "/v1/proposals" + (f"?state={state}" if state else "")):
         typer.echo(
             f"#{p['id']:<5} {p['state']:<10} {p['version'][:12]} {p['author']}: {p['reason']}"
         )
@@ -264,8 +235,8 @@ def proposal_list(state: Annotated[str | None, typer.Option("--state")] = None) 
 @proposal_app.command("show")
 def proposal_show(proposal_id: int) -> None:
     """One proposal, and its diff against the active version."""
-    _show(_call("GET", f"/v1/proposals/{proposal_id}"))
-    diff = _call("GET", f"/v1/proposals/{proposal_id}/diff")
+    _show(call("GET", f"/v1/proposals/{proposal_id}"))
+    diff = call("GET", f"/v1/proposals/{proposal_id}/diff")
     if not diff["files"]:
         typer.echo("  no change from the active version")
     for f in diff["files"]:
@@ -280,7 +251,7 @@ def proposal_approve(
 ) -> None:
     """Approve a proposal you did not write, naming the version you reviewed."""
     _show(
-        _call(
+        call(
             "POST",
             f"/v1/proposals/{proposal_id}/approve",
             {"version": version, "comment": comment},
@@ -299,10 +270,10 @@ def proposal_activate(
         window = parse_duration(wait)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
-    _show(_call("POST", f"/v1/proposals/{proposal_id}/activate"))
+    _show(call("POST", f"/v1/proposals/{proposal_id}/activate"))
     deadline = time.monotonic() + window
     while True:
-        rollout = _call("GET", f"/v1/proposals/{proposal_id}/rollout")
+        rollout = call("GET", f"/v1/proposals/{proposal_id}/rollout")
         if rollout["complete"]:
             nodes = ", ".join(rollout["acknowledged"])
             typer.echo(f"  in force on every live node: {nodes}")
@@ -317,7 +288,7 @@ def proposal_activate(
 @proposal_app.command("withdraw")
 def proposal_withdraw(proposal_id: int) -> None:
     """Withdraw your own proposal."""
-    _show(_call("POST", f"/v1/proposals/{proposal_id}/withdraw"))
+    _show(call("POST", f"/v1/proposals/{proposal_id}/withdraw"))
 
 
 @proposal_app.command("impact")
@@ -331,7 +302,7 @@ def proposal_impact(
         window = parse_duration(since)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
-    r = _call("POST", f"/v1/proposals/{proposal_id}/impact", {"since_s": window})
+    r = call("POST", f"/v1/proposals/{proposal_id}/impact", {"since_s": window})
     typer.echo(
         f"#{proposal_id}: {r['answers']:,} answers ({r['inputs']:,} distinct inputs) of the last "
         f"{since} replayed in {r['seconds']:.1f} s\n"

@@ -1,12 +1,12 @@
 """``gtm region ...`` and ``gtm config ...``: operator controls and fleet-wide documents.
 
-Both work on the shared database every node syncs with, so a change made here is in force on
-every node within one sync interval; each change records who made it and why.
+Controls go through the admin API (``GTM_ADMIN_URL``, ``GTM_ADMIN_TOKEN``) as the token's
+principal and under the topology's safety rules; ``status``, ``events`` and ``config show``
+read the shared database every node syncs with.
 """
 
 from __future__ import annotations
 
-import getpass
 import json
 import time
 from typing import Annotated, Any
@@ -16,11 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
+from gtm.cli.admin_client import call
 from gtm.cli.common import DbOpt, cli_settings, fail, run_async
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import operator, shared_state
-from gtm.fleet.region_state import Force, Override, RegionBook, RegionEvent
+from gtm.fleet.region_state import RegionBook, RegionEvent
 from gtm.runtime import documents_from_published, load_documents
 from gtm.settings import Settings
 
@@ -30,25 +31,12 @@ LIVE_WITHIN_S = 5.0
 config_app = typer.Typer(help="Documents published to every node.", no_args_is_help=True)
 
 WhyOpt = Annotated[str, typer.Option("--why", help="why (recorded with the change)")]
-WhoOpt = Annotated[
-    str | None, typer.Option("--who", help="who makes the change [default: the login name]")
+OverrideOpt = Annotated[
+    bool, typer.Option("--override-safety", help="break a safety rule (admins only, recorded)")
 ]
 ForOpt = Annotated[
     str | None, typer.Option("--for", help="lapse after this long: 90s, 15m, 2h, 1d")
 ]
-
-
-def _who(who: str | None) -> str:
-    return who or getpass.getuser()
-
-
-def _duration(text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return operator.parse_duration(text)
-    except ValueError as exc:
-        raise fail(GTMError(str(exc))) from exc
 
 
 async def _topology(engine: AsyncEngine, settings: Settings) -> Topology:
@@ -61,56 +49,27 @@ async def _topology(engine: AsyncEngine, settings: Settings) -> Topology:
     return load_documents(settings.config, settings.policies).topology
 
 
-def _change(database_url: str | None, region: str, change: Any) -> None:
-    settings = cli_settings(database_url=database_url)
-    migrate.upgrade(settings.database_url)
-
-    async def main() -> Override | None:
-        engine = make_async_engine(settings.database_url)
-        try:
-            topology = await _topology(engine, settings)
-            if not topology.has_region(region):
-                known = ", ".join(r.id for r in topology.regions)
-                raise GTMError(f"no region {region!r} (regions: {known})")
-            result: Override | None = await change(engine, time.time())
-            return result
-        finally:
-            await engine.dispose()
-
-    try:
-        now_in_force = run_async(main)
-    except (GTMError, ValueError) as exc:
-        raise fail(exc if isinstance(exc, GTMError) else GTMError(str(exc))) from exc
-    typer.echo(f"{region}: {now_in_force.describe() if now_in_force else 'no override'}")
+def _change(region: str, action: str, body: dict[str, Any]) -> None:
+    """One operator control through the admin API, as the token's principal."""
+    result = call("POST", f"/v1/regions/{region}/{action}", body)
+    typer.echo(f"{region}: {result['override'] or 'no override'}")
+    for rule in result["broke_safety_rules"]:
+        typer.echo(f"  safety rule overridden: {rule}")
 
 
 @region_app.command("drain")
 def region_drain(
-    region: str, why: WhyOpt, who: WhoOpt = None, for_: ForOpt = None, database_url: DbOpt = None
+    region: str, why: WhyOpt, for_: ForOpt = None, override_safety: OverrideOpt = False
 ) -> None:
-    """Stop sending new clients to REGION (DNS and HTTP answers move at once)."""
-    seconds = _duration(for_)
-    _change(
-        database_url,
-        region,
-        lambda engine, now: operator.amend(
-            engine, region, actor=_who(who), reason=why, now=now, drain=True, expires_for_s=seconds
-        ),
-    )
+    """Stop sending new clients to REGION (DNS and HTTP answers move at every node's next
+    sync). Refused when it breaks a safety rule, unless an admin overrides."""
+    _change(region, "drain", {"reason": why, "for": for_, "override_safety": override_safety})
 
 
 @region_app.command("undrain")
-def region_undrain(
-    region: str, why: WhyOpt, who: WhoOpt = None, database_url: DbOpt = None
-) -> None:
+def region_undrain(region: str, why: WhyOpt) -> None:
     """Send clients to REGION again (re-admitted gradually over the readmit window)."""
-    _change(
-        database_url,
-        region,
-        lambda engine, now: operator.amend(
-            engine, region, actor=_who(who), reason=why, now=now, drain=False
-        ),
-    )
+    _change(region, "undrain", {"reason": why})
 
 
 @region_app.command("weight")
@@ -121,22 +80,14 @@ def region_weight(
     ] = None,
     reset: Annotated[bool, typer.Option("--reset", help="back to the topology's weight")] = False,
     why: WhyOpt = "",
-    who: WhoOpt = None,
     for_: ForOpt = None,
-    database_url: DbOpt = None,
+    override_safety: OverrideOpt = False,
 ) -> None:
     """Set REGION's weight in the ranking (distance / weight), replacing the topology's."""
     if (weight is None) != reset:
         raise fail(GTMError("give a weight, or --reset"))
-    seconds = _duration(for_)
-    _change(
-        database_url,
-        region,
-        lambda engine, now: operator.amend(
-            engine, region, actor=_who(who), reason=why, now=now, weight=weight,
-            expires_for_s=seconds,
-        ),
-    )  # fmt: skip
+    body = {"weight": weight, "reason": why, "for": for_, "override_safety": override_safety}
+    _change(region, "weight", body)
 
 
 @region_app.command("force")
@@ -145,32 +96,19 @@ def region_force(
     state: Annotated[str, typer.Argument(help="up, down, or none to end a forced state")],
     why: WhyOpt,
     for_: ForOpt = None,
-    who: WhoOpt = None,
-    database_url: DbOpt = None,
+    override_safety: OverrideOpt = False,
 ) -> None:
     """Force REGION up or down whatever the probes say, for a limited time (--for)."""
     if state not in ("up", "down", "none"):
         raise fail(GTMError(f"state must be up, down or none, not {state!r}"))
-    forced = None if state == "none" else Force(state)
-    seconds = _duration(for_)
-    _change(
-        database_url,
-        region,
-        lambda engine, now: operator.amend(
-            engine, region, actor=_who(who), reason=why, now=now, force=forced,
-            force_for_s=seconds,
-        ),
-    )  # fmt: skip
+    body = {"state": state, "reason": why, "for": for_, "override_safety": override_safety}
+    _change(region, "force", body)
 
 
 @region_app.command("clear")
-def region_clear(region: str, why: WhyOpt, who: WhoOpt = None, database_url: DbOpt = None) -> None:
+def region_clear(region: str, why: WhyOpt) -> None:
     """Remove every override of REGION."""
-
-    async def change(engine: AsyncEngine, now: float) -> None:
-        await operator.clear(engine, region, actor=_who(who), reason=why, now=now)
-
-    _change(database_url, region, change)
+    _change(region, "clear", {"reason": why})
 
 
 @region_app.command("status")

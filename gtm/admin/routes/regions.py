@@ -62,8 +62,10 @@ class WeightIn(Timed):
 
 
 class ForceIn(Change):
-    state: Literal["up", "down"]
-    for_: str = Field(alias="for", description="a forced state always lapses: 90s, 2h, 1d")
+    state: Literal["up", "down", "none"] = Field(description="none ends a forced state")
+    for_: str | None = Field(
+        default=None, alias="for", description="a forced state always lapses: 90s, 2h, 1d"
+    )
 
 
 class Changed(BaseModel):
@@ -220,8 +222,9 @@ async def force_region(
     ctx: Ctx,
     principal: Annotated[Principal, Depends(require("force_region"))],
 ) -> Changed:
+    forced = None if body.state == "none" else Force(body.state)
     return await _change(
-        ctx, principal, region, body, force=Force(body.state), force_for_s=_seconds(body.for_)
+        ctx, principal, region, body, force=forced, force_for_s=_seconds(body.for_)
     )
 
 

@@ -4,6 +4,7 @@ made and approved through the admin API as two different people."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 import subprocess
@@ -116,7 +117,7 @@ async def test_a_proposal_through_the_cli_needs_a_second_person(
         own = await asyncio.to_thread(
             gtm, ["proposal", "approve", "1", "--version", version], **as_alice
         )
-        assert own.returncode == 1 and "403" in own.stdout
+        assert own.returncode == 1 and "403 forbidden" in own.stderr
         approved = await asyncio.to_thread(
             gtm, ["proposal", "approve", "1", "--version", version], **as_bob
         )
@@ -126,3 +127,44 @@ async def test_a_proposal_through_the_cli_needs_a_second_person(
         assert "in force on every live node: admin-test" in active.stdout
         unset = await asyncio.to_thread(gtm, ["proposal", "list"], GTM_ADMIN_URL="")
         assert unset.returncode == 2 and "GTM_ADMIN_TOKEN" in unset.stderr
+
+
+async def test_region_controls_from_the_cli_are_the_tokens_principal(
+    start_admin: AdminFactory,
+) -> None:
+    async with start_admin() as admin:
+        olga = await admin.token("olga", Role.OPERATOR)
+        env = {
+            "GTM_ADMIN_URL": admin.url,
+            "GTM_ADMIN_TOKEN": olga,
+            "GTM_DATABASE_URL": admin.runtime.settings.database_url,
+        }
+
+        async def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return await asyncio.to_thread(gtm, list(args), **env)
+
+        drained = await run("region", "drain", "eu-west", "--why", "maintenance")
+        assert drained.returncode == 0, drained.stderr
+        assert drained.stdout.strip() == "eu-west: drained"
+        # The last EU region: refused by the safety rules (exit 1, every rule said).
+        refused = await run("region", "drain", "eu-central", "--why", "x")
+        assert refused.returncode == 1 and "eu-personal" in refused.stderr
+        no_expiry = await run("region", "force", "us-east", "down", "--why", "x")
+        assert no_expiry.returncode == 2 and "needs an expiry" in no_expiry.stderr
+        forced = await run("region", "force", "us-east", "down", "--why", "bad", "--for", "10m")
+        assert forced.stdout.strip() == "us-east: forced down"
+        unknown = await run("region", "drain", "atlantis", "--why", "x")
+        assert unknown.returncode == 2 and "no region 'atlantis'" in unknown.stderr
+        # Who made the change is the token's principal; there is no flag to say otherwise.
+        claimed = await run("region", "drain", "us-west", "--why", "x", "--who", "someone-else")
+        assert claimed.returncode == 2
+        await admin.runtime.sync.sync_once()  # the node has the drain, and says so
+        status = json.loads((await run("region", "status", "--json")).stdout)
+        by_region = {row["region"]: row for row in status}
+        assert by_region["eu-west"]["override_by"] == "olga: maintenance"
+        assert by_region["eu-west"]["in_force"] == {"admin-test": "draining"}
+        await run("region", "undrain", "eu-west", "--why", "done")
+        lines = (await run("region", "events", "--region", "eu-west")).stdout.splitlines()
+        events = [e for e in lines if " override " in e]  # not the node's own state changes
+        assert "cleared by olga: done" in events[0]
+        assert "set: drained by olga: maintenance" in events[1]

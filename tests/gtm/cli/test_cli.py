@@ -175,30 +175,6 @@ def test_audit_tail_and_export(env: dict[str, str], tmp_path: Path) -> None:
     assert run(["audit", "verify"], env).returncode == 0
 
 
-def test_region_controls_record_who_and_why(env: dict[str, str]) -> None:
-    drained = run(["region", "drain", "eu-west", "--why", "maintenance", "--who", "ops"], env)
-    assert drained.returncode == 0, drained.stderr
-    assert drained.stdout.strip() == "eu-west: drained"
-    assert run(["region", "force", "eu-central", "down", "--why", "x"], env).returncode == 2
-    forced = run(
-        ["region", "force", "eu-central", "down", "--why", "bad GPUs", "--for", "10m"], env
-    )
-    assert forced.stdout.strip() == "eu-central: forced down"
-    unknown = run(["region", "drain", "atlantis", "--why", "x"], env)
-    assert unknown.returncode == 2 and "no region 'atlantis'" in unknown.stderr
-    shown = run(["region", "status", "--json"], env)
-    assert shown.returncode == 0, shown.stderr
-    status = json.loads(shown.stdout)
-    by_region = {row["region"]: row for row in status}
-    assert by_region["eu-west"]["state"] == "draining"
-    assert by_region["eu-west"]["override_by"] == "ops: maintenance"
-    assert by_region["eu-central"]["state"] == "down"
-    assert by_region["us-east"]["override"] is None
-    run(["region", "undrain", "eu-west", "--why", "done", "--who", "ops"], env)
-    events = run(["region", "events", "--region", "eu-west"], env).stdout.splitlines()
-    assert "cleared by ops: done" in events[0] and "set: drained by ops: maintenance" in events[1]
-
-
 def test_a_what_if_state_file_gets_every_problem_with_its_path(
     env: dict[str, str], tmp_path: Path
 ) -> None:
