@@ -115,6 +115,7 @@ class Runtime:
             quorum=settings.health_quorum,
             max_age_s=settings.health_observation_max_age_s,
             readmit_window_s=topology.routing.readmit_window_s,
+            members=frozenset(settings.health_members),
         )
         self.sync = StateSync(
             self.engine,

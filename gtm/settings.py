@@ -11,7 +11,7 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gtm.decision.documents import problems_from_validation
@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     # Several nodes on one database: a region's state needs this many fresh observations
     # agreeing (fewer when fewer nodes are alive: a node alone decides by itself).
     health_quorum: int = Field(default=1, ge=1)
+    # The fleet's configured observers (observer ids, or node ids): when given, only their
+    # observations count and a region's state needs a majority of them (or health_quorum, if
+    # higher), whoever is alive; empty: every node that reports, the quorum shrinking to those.
+    health_members: tuple[str, ...] = ()
     # A node's observation counts while it is younger than this.
     health_observation_max_age_s: float = Field(default=3.0, gt=0)
     # How often a node exchanges observations, overrides and published documents with the
@@ -92,6 +96,15 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _quorum_reachable(self) -> Settings:
+        if self.health_members and self.health_quorum > len(self.health_members):
+            raise ValueError(
+                f"health_quorum {self.health_quorum} can never be reached by the "
+                f"{len(self.health_members)} health_members"
+            )
+        return self
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -136,6 +136,7 @@ def region_status(
             tuple(r.id for r in topology.regions),
             quorum=settings.health_quorum,
             max_age_s=settings.health_observation_max_age_s,
+            members=frozenset(settings.health_members),
         )
         book.replace_peers(observations)
         book.set_overrides(overrides)

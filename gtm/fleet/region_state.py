@@ -100,22 +100,29 @@ def agree(
     max_age_s: float,
     quorum: int,
     previous: HealthState,
+    members: frozenset[str] = frozenset(),
 ) -> HealthState:
     """The state a quorum of fresh observations agrees on; otherwise the previous one.
 
-    The quorum shrinks to the number of fresh observers, so a node left alone decides by itself
-    (its peers' rows age out when they die or lose the database). A state needs at least that
-    many votes and more votes than any other; a tie keeps the previous state when it is one of
-    the tied, else takes the most cautious.
+    Without configured ``members`` the quorum shrinks to the number of fresh observers, so a
+    node left alone decides by itself (its peers' rows age out when they die or lose the
+    database). With ``members`` (the fleet's configured observers), only their votes count and
+    a state needs a majority of the membership (or ``quorum``, if higher) whoever is alive: a
+    restarting peer freezes the state rather than handing it to one node's vote, and a node
+    with a bad probe path, or one that is not a member, cannot move the fleet. A state needs at
+    least that many votes and more votes than any other; a tie keeps the previous state when
+    it is one of the tied, else takes the most cautious.
     """
     fresh = [
         o.state
         for o in observations
-        if now - o.observed_at <= max_age_s and o.state is not HealthState.UNKNOWN
+        if now - o.observed_at <= max_age_s
+        and o.state is not HealthState.UNKNOWN
+        and (not members or o.node in members)
     ]
     if not fresh:
         return previous
-    need = min(quorum, len(fresh))
+    need = max(quorum, len(members) // 2 + 1) if members else min(quorum, len(fresh))
     counts = Counter(fresh)
     most = max(counts.values())
     if most < need:
@@ -166,6 +173,7 @@ class RegionBook:
     regions: tuple[str, ...]
     quorum: int = 1
     max_age_s: float = 3.0
+    members: frozenset[str] = frozenset()  # configured observers; empty: whoever reports
     readmit_window_s: float = 0.0
     observations: dict[tuple[str, str], Observation] = field(default_factory=dict)
     overrides: dict[str, Override] = field(default_factory=dict)
@@ -229,6 +237,7 @@ class RegionBook:
                 self.max_age_s,
                 self.quorum,
                 self._agreed.get(region, HealthState.UNKNOWN),
+                self.members,
             )
             self._agreed[region] = agreed
             state, detail = in_force(agreed, effective.get(region))

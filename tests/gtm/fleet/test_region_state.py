@@ -46,6 +46,26 @@ def test_a_node_left_alone_decides_by_itself() -> None:
     assert agree([obs("a", DOWN), obs("b", UP, age=60)], NOW, 3.0, 2, UP) is DOWN
 
 
+def test_with_a_configured_membership_a_majority_of_it_decides() -> None:
+    two = frozenset({"a", "b"})
+    # Quorum 2 on two nodes while b restarts: a alone does not move the fleet (it did without
+    # a membership: the quorum shrank to the one node alive).
+    assert agree([obs("a", DOWN), obs("b", UP, age=60)], NOW, 3.0, 2, UP, two) is UP
+    assert agree([obs("a", DOWN), obs("b", DOWN)], NOW, 3.0, 2, UP, two) is DOWN
+    three = frozenset({"a", "b", "c"})
+    # A majority of three is two, even with health_quorum 1; one node with a bad probe path
+    # cannot move the fleet, and a node outside the membership has no vote at all.
+    assert agree([obs("a", DOWN), obs("b", UP), obs("c", UP)], NOW, 3.0, 1, UP, three) is UP
+    assert agree([obs("a", DOWN)], NOW, 3.0, 1, UP, three) is UP
+    assert agree([obs("a", DOWN), obs("x", DOWN)], NOW, 3.0, 1, UP, three) is UP
+    assert agree([obs("a", DOWN), obs("c", DOWN)], NOW, 3.0, 1, UP, three) is DOWN
+    # One of three away: the other two still decide.
+    assert (
+        agree([obs("a", DOWN), obs("b", DOWN, age=60), obs("c", DOWN)], NOW, 3.0, 1, UP, three)
+        is DOWN
+    )
+
+
 def test_ties_keep_the_previous_state_else_the_cautious_one() -> None:
     tie = [obs("a", DOWN), obs("b", UP)]
     assert agree(tie, NOW, 3.0, 1, UP) is UP
