@@ -64,3 +64,8 @@ ADMIN_AUTH_FAILURES = Counter(
     "gtm_admin_auth_failures",
     "Admin API requests refused for a missing, malformed, unknown, expired or revoked token",
 )
+FENCED = Gauge(
+    "gtm_fenced",
+    "1 while this node is cut off from the shared database for longer than GTM_FENCE_AFTER_S "
+    "and fences restricted traffic (alert on it)",
+)

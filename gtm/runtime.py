@@ -257,6 +257,20 @@ class Runtime:
     def _apply_composed(self, composed: Composed) -> None:
         current = self.store.current
         changes: dict[str, object] = {}
+        fence = self._fence()
+        if fence != current.fence:
+            changes["fence"] = fence
+            metrics.FENCED.set(0 if fence is None else 1)
+            if fence is None:
+                log.warning("fleet.unfenced", after_s=round(self.sync.age_s, 1))
+            else:
+                log.error(
+                    "fleet.fenced",
+                    action=fence,
+                    cut_off_s=round(self.sync.age_s, 1),
+                    detail="restricted traffic is not answered from a policy the fleet may have "
+                    "changed",
+                )
         if _routing_view(composed.health) != _routing_view(current.health):
             changes["health"] = composed.health
         if dict(composed.weights) != dict(current.weights):
@@ -269,6 +283,13 @@ class Runtime:
                     1.0 if health.state is state else 0.0
                 )
             metrics.REGION_ADMITTED.labels(region).set(health.admitted)
+
+    def _fence(self) -> str | None:
+        """The fence in force: cut off from the fleet longer than the bound, or not."""
+        bound = self.settings.fence_after_s
+        if bound > 0 and self.sync.age_s > bound:
+            return self.settings.fence_action
+        return None
 
     def _own_status(self, now: float) -> NodeStatus:
         current = self.store.current

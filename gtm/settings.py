@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     # Several nodes on one database: a region's state needs this many fresh observations
     # agreeing (fewer when fewer nodes are alive: a node alone decides by itself).
     health_quorum: int = Field(default=1, ge=1)
+    # A node that has not heard from the shared database for this long fences itself: it may
+    # hold a residency policy or a drain the fleet has since changed, so restricted traffic
+    # fails closed ("fail_closed") or gets the degraded TTL ("short_ttl") until it hears again;
+    # unrestricted traffic keeps being served. 0: never.
+    fence_after_s: float = Field(default=60.0, ge=0)
+    fence_action: Literal["fail_closed", "short_ttl"] = "fail_closed"
     # The fleet's configured observers (observer ids, or node ids): when given, only their
     # observations count and a region's state needs a majority of them (or health_quorum, if
     # higher), whoever is alive; empty: every node that reports, the quorum shrinking to those.

@@ -54,6 +54,7 @@ class Reason(StrEnum):
     FAIL_STATIC = "fail-static"
     READMITTING = "readmitting"  # back from an outage, this client not re-admitted yet
     READMIT_HOLD = "readmit-hold"  # keeps the client while its best region is re-admitted
+    FENCED = "fenced"  # this node is cut off from the fleet: restricted traffic fails closed
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,7 +130,33 @@ def make_plan(
     location: Location,
     now: float,
 ) -> Plan:
-    """Steps 1-4 of DESIGN.md "The decision" for one kind of request."""
+    """Steps 1-4 of DESIGN.md "The decision" for one kind of request; on a fenced snapshot,
+    restricted traffic fails closed or gets the degraded TTL, as the fence says (a node cut off
+    from the fleet may hold a residency policy the fleet has since tightened)."""
+    plan = _make_plan(snapshot, service, extra_classes, tenant, location, now)
+    if snapshot.fence is None or not plan.verdict.restricted:
+        return plan
+    if snapshot.fence == "short_ttl":
+        return plan._replace(ttl=min(plan.ttl, snapshot.topology.routing.degraded_ttl))
+    candidates = tuple(
+        c
+        if c.status is Status.DROPPED
+        else Candidate(c.region, Status.DROPPED, Reason.FENCED, "node cut off from the fleet")
+        for c in plan.candidates
+    )
+    return plan._replace(
+        outcome=Outcome.FAIL_CLOSED, healthy=(), answered=(), candidates=candidates, ttl=0
+    )
+
+
+def _make_plan(
+    snapshot: Snapshot,
+    service: Service,
+    extra_classes: frozenset[str],
+    tenant: str | None,
+    location: Location,
+    now: float,
+) -> Plan:
     classes = (
         extra_classes | {service.residency_class} if service.residency_class else extra_classes
     )

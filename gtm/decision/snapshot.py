@@ -114,6 +114,9 @@ class Snapshot:
     capacity: Mapping[str, RegionCapacity] = field(default_factory=dict)
     # Operator weight overrides, replacing the topology's weight of a region.
     weights: Mapping[str, float] = field(default_factory=dict)
+    # Set while the node is cut off from the fleet for longer than its bound (gtm.runtime): what
+    # restricted traffic gets then, "fail_closed" or "short_ttl"; None: not fenced.
+    fence: str | None = None
     built_at: float = 0.0
     # The version of the first snapshot of the run of successors that make the same decision
     # for every request at every instant (see evolve); its own version when unset.
