@@ -10,7 +10,9 @@
 ``principals``   principals and API tokens in the shared database
 ``tokens``       what a token looks like and what is kept of it (a hash)
 ``seals``        the admin service's signature on principal, token, proposal and approval rows
-``lifecycle``    document versions and proposals: draft, propose, four-eyes approval, activation
+``lifecycle``    proposals: draft, propose, four-eyes approval, signed activation
+``versions``     document versions, content-addressed, checked on every read
+``errors``       the control plane's errors, each with its HTTP status and code
 ``signer``       the Ed25519 key that signs activated versions (a 0600 file, not the database)
 ``diff``         a YAML-aware diff between versions
 ``impact``       recorded traffic replayed under a draft

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
-from gtm.admin.lifecycle import LifecycleError
+from gtm.admin.errors import LifecycleError
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import audit, documents, identity, regions
 from gtm.admin.seals import CannotSeal

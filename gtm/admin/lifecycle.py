@@ -1,7 +1,7 @@
-"""Document versions and the proposals that take them into force, with four-eyes approval.
+"""The proposals that take a document version into force, with four-eyes approval.
 
-A version is a topology and its policies, content-addressed (its id is their SHA-256,
-:func:`gtm.fleet.signed_documents.content_digest`). A proposal carries one version through::
+A version (:mod:`gtm.admin.versions`) is a topology and its policies, content-addressed. A
+proposal carries one version through::
 
     draft -> proposed -> approved -> active -> superseded
        \\________\\___________\\-> withdrawn
@@ -22,59 +22,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gtm.admin import events
+from gtm.admin import events, versions
 from gtm.admin import principals as identities
 from gtm.admin.diff import FileDiff, diff_documents
+from gtm.admin.errors import Conflict, NotFound, Refused, Tampered
 from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
 from gtm.admin.seals import Sealer, approval_fields, proposal_fields
 from gtm.admin.signer import Signer
-from gtm.audit.schema import approvals, document_versions, principals, proposals
-from gtm.errors import ConfigError, GTMError, Problem
+from gtm.audit.schema import approvals, principals, proposals
 from gtm.fleet import shared_state
-from gtm.fleet.signed_documents import Manifest, content_digest
-from gtm.runtime import parse_documents
+from gtm.fleet.signed_documents import Manifest
 
 DRAFT, PROPOSED, APPROVED, ACTIVE = "draft", "proposed", "approved", "active"
 SUPERSEDED, WITHDRAWN = "superseded", "withdrawn"
-
-
-class LifecycleError(GTMError):
-    """A step that cannot be taken: ``status`` is its HTTP status, ``code`` a stable name."""
-
-    status = 400
-    code = "bad_request"
-
-    def __init__(self, message: str, problems: list[Problem] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.problems = problems or []
-
-
-class NotFound(LifecycleError):
-    status, code = 404, "not_found"
-
-
-class Refused(LifecycleError):
-    status, code = 403, "forbidden"
-
-
-class Conflict(LifecycleError):
-    status, code = 409, "conflict"
-
-
-class Invalid(LifecycleError):
-    status, code = 422, "invalid_documents"
-
-
-class Tampered(LifecycleError):
-    """A stored version whose content no longer hashes to its id: written to behind the admin
-    service's back. Nothing is shown, diffed or activated from it."""
-
-    status, code = 409, "tampered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,81 +65,12 @@ class Proposal:
     sequence: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Version:
-    id: str
-    topology: str
-    policies: Mapping[str, str]
-    created_at: float
-    created_by: str
-
-
 def _us(t: float) -> int:
     return round(t * 1e6)
 
 
 def _s(us: int | None) -> float | None:
     return None if us is None else us / 1e6
-
-
-def validate(topology: str, policies: Mapping[str, str]) -> None:
-    """:class:`Invalid` with every problem and its path, as ``gtm policy validate`` gives them."""
-    try:
-        parse_documents(topology, policies, "proposed documents")
-    except ConfigError as exc:
-        raise Invalid("the documents do not validate", exc.problems) from None
-
-
-async def _store_version(
-    conn: AsyncConnection, topology: str, policies: Mapping[str, str], by: str, now: float
-) -> str:
-    version = content_digest(topology, policies)
-    exists = (
-        await conn.execute(select(document_versions.c.id).where(document_versions.c.id == version))
-    ).first()
-    if exists is None:
-        try:
-            async with conn.begin_nested():  # the same content proposed twice at once
-                await conn.execute(
-                    insert(document_versions),
-                    {
-                        "id": version,
-                        "topology": topology,
-                        "policies": dict(policies),
-                        "created_at_us": _us(now),
-                        "created_by": by,
-                    },
-                )
-        except IntegrityError:
-            pass
-    await get_version(conn, version)  # what is stored under the id is that content
-    return version
-
-
-async def active_version(conn: AsyncConnection) -> str | None:
-    """The version of the newest activation (a second "active" row, written outside the admin
-    service, does not confuse it)."""
-    return (
-        await conn.execute(
-            select(proposals.c.version_id)
-            .where(proposals.c.state == ACTIVE)
-            .order_by(proposals.c.sequence.desc())
-            .limit(1)
-        )
-    ).scalar_one_or_none()
-
-
-async def get_version(conn: AsyncConnection, version: str) -> Version:
-    row = (
-        await conn.execute(select(document_versions).where(document_versions.c.id == version))
-    ).first()
-    if row is None:
-        raise NotFound(f"no version {version}")
-    if content_digest(row.topology, row.policies) != row.id:
-        raise Tampered(
-            f"version {version} was altered in the database: its content no longer hashes to its id"
-        )
-    return Version(row.id, row.topology, row.policies, row.created_at_us / 1e6, row.created_by)
 
 
 async def get(conn: AsyncConnection, proposal_id: int, *, lock: bool = False) -> Proposal:
@@ -241,8 +135,8 @@ async def create(
     node: str,
     sealer: Sealer,
 ) -> Proposal:
-    validate(topology, policies)
-    version = await _store_version(conn, topology, policies, author.name, now)
+    versions.validate(topology, policies)
+    version = await versions.store(conn, topology, policies, author.name, now)
     result = await conn.execute(
         insert(proposals).returning(proposals.c.id),
         {
@@ -250,7 +144,7 @@ async def create(
             "state": DRAFT,
             "author_id": author.id,
             "reason": reason,
-            "base_version_id": await active_version(conn),
+            "base_version_id": await versions.active_version(conn),
             "required_approvals": required_approvals,
             "created_at_us": _us(now),
             "updated_at_us": _us(now),
@@ -303,8 +197,8 @@ async def update_content(
     _own(proposal, principal, "edit")
     if proposal.state not in (DRAFT, PROPOSED):
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}; only drafts are edited")
-    validate(topology, policies)
-    version = await _store_version(conn, topology, policies, principal.name, now)
+    versions.validate(topology, policies)
+    version = await versions.store(conn, topology, policies, principal.name, now)
     # A changed version voids every approval given to the previous one.
     await conn.execute(delete(approvals).where(approvals.c.proposal_id == proposal_id))
     await conn.execute(
@@ -455,7 +349,7 @@ async def activate(
             node=node,
         )
         raise Conflict(f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}")
-    version = await get_version(conn, proposal.version)
+    version = await versions.get_version(conn, proposal.version)
     sequence = (
         int(
             (
@@ -543,12 +437,12 @@ async def diff(
     """The proposal's version against the active one, or against ``files`` (the nodes' own
     documents) while none is: (active version id, file diffs)."""
     proposal = await get(conn, proposal_id)
-    active = await active_version(conn)
+    active = await versions.active_version(conn)
     before = files
     if active is not None:
-        old = await get_version(conn, active)
+        old = await versions.get_version(conn, active)
         before = (old.topology, old.policies)
-    new = await get_version(conn, proposal.version)
+    new = await versions.get_version(conn, proposal.version)
     return active, diff_documents(before, (new.topology, new.policies))
 
 
@@ -562,19 +456,14 @@ async def _set_state(conn: AsyncConnection, proposal_id: int, state: str, now: f
 
 __all__ = [
     "Approval",
-    "Conflict",
-    "Invalid",
-    "LifecycleError",
-    "NotFound",
     "Proposal",
-    "Refused",
-    "Version",
     "activate",
     "approve",
     "create",
     "diff",
+    "get",
+    "list_all",
     "submit",
     "update_content",
-    "validate",
     "withdraw",
 ]

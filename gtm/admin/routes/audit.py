@@ -14,9 +14,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from gtm.admin import lifecycle
+from gtm.admin import versions
 from gtm.admin.auth import Ctx, require
-from gtm.admin.lifecycle import Conflict, Invalid, NotFound
+from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
@@ -148,9 +148,9 @@ async def _snapshot_for(ctx: Any, row: dict[str, Any]) -> Snapshot | None:
         stored = (await conn.execute(select(document_versions.c.id))).scalars().all()
         for version_id in stored:
             try:
-                version = await lifecycle.get_version(conn, version_id)
+                version = await versions.get_version(conn, version_id)
                 docs = parse_documents(version.topology, version.policies, version_id[:12])
-            except (lifecycle.LifecycleError, ConfigError):
+            except (LifecycleError, ConfigError):
                 continue
             candidate = current.evolve(ctx.clock(), topology=docs.topology, policy=docs.policy)
             if versions_match(candidate, row):

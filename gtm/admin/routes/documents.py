@@ -11,9 +11,10 @@ from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 
-from gtm.admin import impact, lifecycle
+from gtm.admin import impact, lifecycle, versions
 from gtm.admin.auth import Ctx, require
-from gtm.admin.lifecycle import Conflict, NotFound, Proposal
+from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound, Refused
+from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
 from gtm.audit import query
 from gtm.errors import ConfigError
@@ -147,10 +148,10 @@ async def get_active_version(
     ctx: Ctx, _: Annotated[Principal, Depends(require("get_active_version"))]
 ) -> VersionOut:
     async with ctx.engine.connect() as conn:
-        active = await lifecycle.active_version(conn)
+        active = await versions.active_version(conn)
         if active is None:
             raise NotFound("no version has been activated: nodes use their configured files")
-        v = await lifecycle.get_version(conn, active)
+        v = await versions.get_version(conn, active)
     return VersionOut(
         id=v.id,
         topology=v.topology,
@@ -165,7 +166,7 @@ async def get_version(
     version_id: str, ctx: Ctx, _: Annotated[Principal, Depends(require("get_version"))]
 ) -> VersionOut:
     async with ctx.engine.connect() as conn:
-        v = await lifecycle.get_version(conn, version_id)
+        v = await versions.get_version(conn, version_id)
     return VersionOut(
         id=v.id,
         topology=v.topology,
@@ -290,7 +291,7 @@ async def approve_proposal(
 ) -> ProposalOut:
     # A refusal is recorded as an event even though the approval itself is not made: the
     # transaction commits the event and the error is raised after it.
-    refusal: lifecycle.LifecycleError | None = None
+    refusal: LifecycleError | None = None
     proposal: Proposal | None = None
     async with ctx.engine.begin() as conn:
         try:
@@ -304,7 +305,7 @@ async def approve_proposal(
                 node=ctx.node,
                 sealer=ctx.sealer,
             )
-        except lifecycle.Refused as exc:
+        except Refused as exc:
             refusal = exc
     if refusal is not None:
         raise refusal
@@ -327,7 +328,7 @@ async def activate_proposal(
             "this node has no document signing key (GTM_DOCUMENT_SIGNING_KEY): it cannot "
             "activate; use a node that has one"
         )
-    refusal: lifecycle.LifecycleError | None = None
+    refusal: LifecycleError | None = None
     proposal: Proposal | None = None
     try:
         async with ctx.engine.begin() as conn:
@@ -342,7 +343,7 @@ async def activate_proposal(
                     sealer=ctx.sealer,
                     min_approvals=ctx.required_approvals,
                 )
-            except lifecycle.Conflict as exc:
+            except Conflict as exc:
                 refusal = exc
     except IntegrityError:
         # Two activations at once took the same sequence number: one of them lost.
@@ -372,16 +373,14 @@ async def get_proposal_impact(
     since = until - body.since_s
     async with ctx.engine.connect() as conn:
         proposal = await lifecycle.get(conn, proposal_id)
-        version = await lifecycle.get_version(conn, proposal.version)
+        version = await versions.get_version(conn, proposal.version)
     started = time.perf_counter()
     inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
     before = ctx.snapshot()
     try:
         docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
     except ConfigError as exc:  # stored before a change of the schema, say
-        raise lifecycle.Invalid(
-            "the proposal's documents no longer validate", exc.problems
-        ) from None
+        raise Invalid("the proposal's documents no longer validate", exc.problems) from None
     after = before.evolve(until, topology=docs.topology, policy=docs.policy)
     # A replay of a day's traffic takes seconds of CPU: off the event loop, which the node's
     # answering listeners share (DESIGN.md rule 3).

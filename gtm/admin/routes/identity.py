@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from gtm.admin import principals
 from gtm.admin.auth import Ctx, require
-from gtm.admin.lifecycle import Conflict, Invalid, NotFound
+from gtm.admin.errors import Conflict, Invalid, NotFound
 from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
 from gtm.admin.tokens import parse_duration

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from gtm.admin import events
 from gtm.admin.auth import AdminContext, Ctx, Forbidden, require
-from gtm.admin.lifecycle import Conflict, Invalid, NotFound
+from gtm.admin.errors import Conflict, Invalid, NotFound
 from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
 from gtm.errors import Problem

@@ -1,0 +1,101 @@
+"""Document versions: a topology and its policies, stored under the SHA-256 of their content.
+
+A version is written once and never changes: its id is its content's digest
+(:func:`gtm.fleet.signed_documents.content_digest`), and every read checks that the content
+still hashes to it, so a row altered in the database is refused as tampered wherever it is
+shown, diffed or activated. Which version is active is the proposals' business
+(:mod:`gtm.admin.lifecycle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gtm.admin.errors import Invalid, NotFound, Tampered
+from gtm.audit.schema import document_versions, proposals
+from gtm.errors import ConfigError
+from gtm.fleet.signed_documents import content_digest
+from gtm.runtime import parse_documents
+
+ACTIVE = "active"
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    id: str
+    topology: str
+    policies: Mapping[str, str]
+    created_at: float
+    created_by: str
+
+
+def _us(t: float) -> int:
+    return round(t * 1e6)
+
+
+def validate(topology: str, policies: Mapping[str, str]) -> None:
+    """:class:`Invalid` with every problem and its path, as ``gtm policy validate`` gives them."""
+    try:
+        parse_documents(topology, policies, "proposed documents")
+    except ConfigError as exc:
+        raise Invalid("the documents do not validate", exc.problems) from None
+
+
+async def store(
+    conn: AsyncConnection, topology: str, policies: Mapping[str, str], by: str, now: float
+) -> str:
+    version = content_digest(topology, policies)
+    exists = (
+        await conn.execute(select(document_versions.c.id).where(document_versions.c.id == version))
+    ).first()
+    if exists is None:
+        try:
+            async with conn.begin_nested():  # the same content proposed twice at once
+                await conn.execute(
+                    insert(document_versions),
+                    {
+                        "id": version,
+                        "topology": topology,
+                        "policies": dict(policies),
+                        "created_at_us": _us(now),
+                        "created_by": by,
+                    },
+                )
+        except IntegrityError:
+            pass
+    await get_version(conn, version)  # what is stored under the id is that content
+    return version
+
+
+async def active_version(conn: AsyncConnection) -> str | None:
+    """The version of the newest activation (a second "active" row, written outside the admin
+    service, does not confuse it)."""
+    return (
+        await conn.execute(
+            select(proposals.c.version_id)
+            .where(proposals.c.state == ACTIVE)
+            .order_by(proposals.c.sequence.desc())
+            .limit(1)
+        )
+    ).scalar_one_or_none()
+
+
+async def get_version(conn: AsyncConnection, version: str) -> Version:
+    row = (
+        await conn.execute(select(document_versions).where(document_versions.c.id == version))
+    ).first()
+    if row is None:
+        raise NotFound(f"no version {version}")
+    if content_digest(row.topology, row.policies) != row.id:
+        raise Tampered(
+            f"version {version} was altered in the database: its content no longer hashes to its id"
+        )
+    return Version(row.id, row.topology, row.policies, row.created_at_us / 1e6, row.created_by)
+
+
+__all__ = ["Version", "active_version", "get_version", "store", "validate"]
