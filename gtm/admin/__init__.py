@@ -18,6 +18,7 @@
 ``impact``       recorded traffic replayed under a draft
 ``replay``       one recorded decision decided again under the versions it names
 ``events``       admin actions in the hash-chained event log
+``scheduler``    scheduled activations, done once across admin nodes
 ``server``       the admin listener inside a node's event loop
 
 It serves people, not traffic: it may import ``gtm.decision``, ``gtm.fleet``, ``gtm.audit`` and

@@ -63,6 +63,7 @@ class Proposal:
     updated_at: float
     activated_at: float | None
     sequence: int | None
+    activate_at: float | None = None  # scheduled activation
 
 
 def _us(t: float) -> int:
@@ -112,6 +113,7 @@ def _proposal(row: Any, given: tuple[Approval, ...]) -> Proposal:
         row.updated_at_us / 1e6,
         _s(row.activated_at_us),
         row.sequence,
+        _s(row.activate_at_us),
     )
 
 
@@ -350,13 +352,26 @@ async def activate(
         )
         raise Conflict(f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}")
     version = await versions.get_version(conn, proposal.version)
-    sequence = (
-        int(
-            (
-                await conn.execute(select(func.coalesce(func.max(proposals.c.sequence), 0)))
-            ).scalar_one()
-        )
-        + 1
+    # Claim it first, conditionally: the first write serialises concurrent activations (a row
+    # lock on PostgreSQL, the write lock on SQLite, where the reads above take no lock), and
+    # the one that finds it no longer approved stops here. Exactly once, whoever asks.
+    claimed = await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id, proposals.c.state == APPROVED)
+        .values(state=ACTIVE, activated_at_us=_us(now), updated_at_us=_us(now))
+    )
+    if claimed.rowcount != 1:
+        raise Conflict(f"proposal #{proposal_id} was activated meanwhile")
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.state == ACTIVE, proposals.c.id != proposal_id)
+        .values(state=SUPERSEDED, updated_at_us=_us(now))
+    )
+    sequence = 1 + int(
+        (await conn.execute(select(func.coalesce(func.max(proposals.c.sequence), 0)))).scalar_one()
+    )
+    await conn.execute(
+        update(proposals).where(proposals.c.id == proposal_id).values(sequence=sequence)
     )
     manifest, signature = signer.sign(
         Manifest(
@@ -371,16 +386,6 @@ async def activate(
             reason=proposal.reason,
             key=signer.key_id,
         )
-    )
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.state == ACTIVE)
-        .values(state=SUPERSEDED, updated_at_us=_us(now))
-    )
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id)
-        .values(state=ACTIVE, activated_at_us=_us(now), updated_at_us=_us(now), sequence=sequence)
     )
     await shared_state.publish(
         conn,
@@ -404,6 +409,46 @@ async def activate(
         reason=proposal.reason,
     )
     return await get(conn, proposal_id)
+
+
+async def schedule(
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    at: float,
+    *,
+    now: float,
+    node: str,
+) -> Proposal:
+    """Activate an approved proposal at ``at`` (any admin node with the signing key does it,
+    once): the checks of :func:`activate` run then, not now."""
+    proposal = await get(conn, proposal_id, lock=True)
+    if proposal.state != APPROVED:
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not approved")
+    await conn.execute(
+        update(proposals)
+        .where(proposals.c.id == proposal_id)
+        .values(activate_at_us=_us(at), activate_by=principal.id, updated_at_us=_us(now))
+    )
+    await events.record(
+        conn,
+        "schedule",
+        f"#{proposal_id} to be activated at {at:.0f}",
+        actor=principal.name,
+        now=now,
+        node=node,
+    )
+    return await get(conn, proposal_id)
+
+
+async def due(conn: AsyncConnection, now: float) -> list[tuple[int, str]]:
+    """Approved proposals whose scheduled time has come: (id, the scheduler's principal id)."""
+    rows = await conn.execute(
+        select(proposals.c.id, proposals.c.activate_by).where(
+            proposals.c.state == APPROVED, proposals.c.activate_at_us <= _us(now)
+        )
+    )
+    return [(r.id, r.activate_by) for r in rows if r.activate_by]
 
 
 async def _valid_approvals(
@@ -461,8 +506,10 @@ __all__ = [
     "approve",
     "create",
     "diff",
+    "due",
     "get",
     "list_all",
+    "schedule",
     "submit",
     "update_content",
     "withdraw",

@@ -14,6 +14,7 @@ import socket
 import structlog
 import uvicorn
 
+from gtm.admin import scheduler
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
 from gtm.admin.seals import Sealer
@@ -95,12 +96,16 @@ async def serve_admin(
     server = EmbeddedServer(config, started)
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     stopping = asyncio.ensure_future(stop.wait())
+    scheduled = asyncio.ensure_future(scheduler.run(app.state.admin, stop))
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
         await serving
     finally:
         stopping.cancel()
+        scheduled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scheduled
         if not serving.done():
             server.should_exit = server.force_exit = True
             with contextlib.suppress(asyncio.CancelledError):

@@ -221,6 +221,7 @@ proposals = Table(
     Column("created_at_us", BigInteger, nullable=False),
     Column("updated_at_us", BigInteger, nullable=False),
     Column("activate_at_us", BigInteger),  # scheduled activation, when asked for
+    Column("activate_by", String(32)),  # the approver who scheduled it
     Column("activated_at_us", BigInteger),
     Column("sequence", BigInteger, unique=True),  # the activation serial, once active
     Column("seal", String(160)),  # over its id and author

@@ -84,6 +84,7 @@ def upgrade() -> None:
         sa.Column("created_at_us", sa.BigInteger, nullable=False),
         sa.Column("updated_at_us", sa.BigInteger, nullable=False),
         sa.Column("activate_at_us", sa.BigInteger),
+        sa.Column("activate_by", sa.String(32)),
         sa.Column("activated_at_us", sa.BigInteger),
         sa.Column("sequence", sa.BigInteger),
         sa.Column("seal", sa.String(160)),

@@ -36,6 +36,12 @@ class NewProposal(DocumentsIn):
     reason: str = Field(min_length=1, description="why: recorded with every step")
 
 
+class ActivateIn(BaseModel):
+    at: float | None = Field(
+        default=None, ge=0, le=1e11, description="unix seconds; later than now: scheduled"
+    )
+
+
 class ApprovalIn(BaseModel):
     version: str = Field(description="the version id the approver reviewed")
     comment: str = ""
@@ -61,6 +67,7 @@ class ProposalOut(BaseModel):
     updated_at: float
     activated_at: float | None
     sequence: int | None
+    activate_at: float | None
 
 
 class VersionOut(BaseModel):
@@ -140,6 +147,7 @@ def _out(p: Proposal) -> ProposalOut:
         updated_at=p.updated_at,
         activated_at=p.activated_at,
         sequence=p.sequence,
+        activate_at=p.activate_at,
     )
 
 
@@ -322,7 +330,16 @@ async def activate_proposal(
     proposal_id: ProposalId,
     ctx: Ctx,
     approver: Annotated[Principal, Depends(require("activate_proposal"))],
+    body: ActivateIn | None = None,
 ) -> ProposalOut:
+    """Sign and publish an approved proposal now, or, with a future ``at``, schedule it: an
+    admin node with the signing key activates it then, once, with every check made then."""
+    if body is not None and body.at is not None and body.at > ctx.clock():
+        async with ctx.engine.begin() as conn:
+            scheduled = await lifecycle.schedule(
+                conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node
+            )
+        return _out(scheduled)
     if ctx.signer is None:
         raise Conflict(
             "this node has no document signing key (GTM_DOCUMENT_SIGNING_KEY): it cannot "
