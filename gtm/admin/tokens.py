@@ -14,7 +14,6 @@ import re
 import secrets
 from dataclasses import dataclass
 
-_LONGEST_S = 3650 * 86400
 _TOKEN = re.compile(r"^gtm_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")
 
 
@@ -45,15 +44,4 @@ def secret_matches(secret: str, stored_hash: str) -> bool:
     return hmac.compare_digest(hash_secret(secret), stored_hash)
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in ``90d``, ``12h``, ``30m`` or ``45s``; ValueError otherwise."""
-    match = re.fullmatch(r"(\d{1,9})([smhd])", text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a duration like 90d, 12h, 30m or 45s")
-    seconds = int(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-    if not 0 < seconds <= _LONGEST_S:
-        raise ValueError(f"{text!r}: a token lives between one second and ten years")
-    return seconds
-
-
-__all__ = ["NewToken", "hash_secret", "new_token", "parse_duration", "parse_token"]
+__all__ = ["NewToken", "hash_secret", "new_token", "parse_token"]

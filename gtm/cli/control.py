@@ -23,13 +23,13 @@ from gtm.admin.auth import AdminContext
 from gtm.admin.permissions import Role
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
-from gtm.admin.tokens import parse_duration
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.admin_client import call
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
+from gtm.fleet.operator import parse_duration
 from gtm.fleet.signed_documents import load_public_keys
 from gtm.runtime import load_documents
 from gtm.settings import Settings

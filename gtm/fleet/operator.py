@@ -24,12 +24,20 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+# Longer than anything is meant to last (an override, a token, a wait), and short enough that
+# a time this far ahead still fits the database's integers.
+LONGEST_S = 3650 * 86400
+
+
 def parse_duration(text: str) -> float:
-    """``90s``, ``15m``, ``2h``, ``1d`` -> seconds; ValueError otherwise."""
+    """``90s``, ``15m``, ``2h``, ``1d`` -> seconds, at most ten years; ValueError otherwise."""
     match = _DURATION.match(text.strip())
     if match is None or float(match.group(1)) <= 0:
         raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 15m, 2h, 1d)")
-    return float(match.group(1)) * _UNIT_S[match.group(2)]
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds > LONGEST_S:
+        raise ValueError(f"not a duration: {text!r} (ten years at most)")
+    return seconds
 
 
 class Unchanged:

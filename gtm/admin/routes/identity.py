@@ -13,9 +13,9 @@ from gtm.admin.auth import Ctx, require
 from gtm.admin.errors import Conflict, Invalid, NotFound
 from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
-from gtm.admin.tokens import parse_duration
 from gtm.errors import Problem
 from gtm.fleet import shared_state
+from gtm.fleet.operator import parse_duration
 
 router = APIRouter(prefix="/v1")
 

@@ -110,6 +110,8 @@ async def test_tokens_expire(start_admin: AdminFactory) -> None:
             bad = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "soon"})
             assert bad.status_code == 422 and "duration" in bad.json()["message"]
             assert bad.json()["problems"][0]["location"] == "body.expires_in"
+            forever = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "99999999d"})
+            assert forever.status_code == 422 and "ten years at most" in forever.json()["message"]
         async with admin.client(dave) as client:
             assert (await client.get("/v1/whoami")).status_code == 200
         # An hour and a second on, the same token is refused.

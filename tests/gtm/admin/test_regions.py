@@ -56,6 +56,10 @@ async def test_drains_obey_the_safety_rules_unless_an_admin_overrides(
                 "/v1/regions/us-west/force", json={"state": "down", "for": "soon", "reason": "x"}
             )
             assert bad.status_code == 422 and bad.json()["problems"][0]["location"] == "body.for"
+            # Past what the database's integers hold: a clear 422, not a 500.
+            forever = {"reason": "x", "for": "999999999999999d"}
+            r = await o.post("/v1/regions/us-west/drain", json=forever)
+            assert r.status_code == 422 and "ten years at most" in r.json()["message"]
             listed = {r["region"]: r for r in (await o.get("/v1/regions")).json()}
             assert listed["eu-west"]["override_by"] == "olga: GPU driver upgrade"
             assert listed["eu-west"]["out_of_service"] and not listed["us-west"]["out_of_service"]
