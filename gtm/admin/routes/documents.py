@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import impact, lifecycle, versions
-from gtm.admin.auth import Ctx, require
+from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound, Refused
 from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
@@ -149,6 +151,23 @@ def _out(p: Proposal) -> ProposalOut:
         sequence=p.sequence,
         activate_at=p.activate_at,
     )
+
+
+async def _keeping_refusal(
+    ctx: AdminContext,
+    step: Callable[[AsyncConnection], Awaitable[Proposal]],
+    refusal: type[LifecycleError],
+) -> Proposal:
+    """Run ``step`` in a transaction; when it is refused (``refusal``), commit what it recorded
+    (the ``denied`` event) and raise the refusal after the commit: a refused attempt is evidence,
+    the change it asked for is not made."""
+    refused: LifecycleError | None = None
+    async with ctx.engine.begin() as conn:
+        try:
+            return await step(conn)
+        except refusal as exc:
+            refused = exc
+    raise refused
 
 
 @router.get("/versions/active", operation_id="get_active_version", response_model=VersionOut)
@@ -297,28 +316,19 @@ async def approve_proposal(
     ctx: Ctx,
     approver: Annotated[Principal, Depends(require("approve_proposal"))],
 ) -> ProposalOut:
-    # A refusal is recorded as an event even though the approval itself is not made: the
-    # transaction commits the event and the error is raised after it.
-    refusal: LifecycleError | None = None
-    proposal: Proposal | None = None
-    async with ctx.engine.begin() as conn:
-        try:
-            proposal = await lifecycle.approve(
-                conn,
-                proposal_id,
-                approver,
-                body.version,
-                body.comment,
-                now=ctx.clock(),
-                node=ctx.node,
-                sealer=ctx.sealer,
-            )
-        except Refused as exc:
-            refusal = exc
-    if refusal is not None:
-        raise refusal
-    assert proposal is not None
-    return _out(proposal)
+    async def step(conn: AsyncConnection) -> Proposal:
+        return await lifecycle.approve(
+            conn,
+            proposal_id,
+            approver,
+            body.version,
+            body.comment,
+            now=ctx.clock(),
+            node=ctx.node,
+            sealer=ctx.sealer,
+        )
+
+    return _out(await _keeping_refusal(ctx, step, Refused))
 
 
 @router.post(
@@ -345,30 +355,25 @@ async def activate_proposal(
             "this node has no document signing key (GTM_DOCUMENT_SIGNING_KEY): it cannot "
             "activate; use a node that has one"
         )
-    refusal: LifecycleError | None = None
-    proposal: Proposal | None = None
+    signer = ctx.signer
+
+    async def step(conn: AsyncConnection) -> Proposal:
+        return await lifecycle.activate(
+            conn,
+            proposal_id,
+            approver,
+            signer,
+            now=ctx.clock(),
+            node=ctx.node,
+            sealer=ctx.sealer,
+            min_approvals=ctx.required_approvals,
+        )
+
     try:
-        async with ctx.engine.begin() as conn:
-            try:
-                proposal = await lifecycle.activate(
-                    conn,
-                    proposal_id,
-                    approver,
-                    ctx.signer,
-                    now=ctx.clock(),
-                    node=ctx.node,
-                    sealer=ctx.sealer,
-                    min_approvals=ctx.required_approvals,
-                )
-            except Conflict as exc:
-                refusal = exc
+        return _out(await _keeping_refusal(ctx, step, Conflict))
     except IntegrityError:
         # Two activations at once took the same sequence number: one of them lost.
         raise Conflict("another activation happened at the same time; try again") from None
-    if refusal is not None:
-        raise refusal
-    assert proposal is not None
-    return _out(proposal)
 
 
 @router.post(
