@@ -78,6 +78,10 @@ class HealthConfig(_Strict):
     probe_interval_s: float = Field(default=2.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     probe_model: bool = True  # ask the model for one token, not just the port
+    # Rise/fall: consecutive probes that must agree before the state flips. One probe lost to
+    # a busy host or a dropped packet does not take an instance out of service.
+    unhealthy_after: int = Field(default=2, ge=1)
+    healthy_after: int = Field(default=1, ge=1)
     consecutive_failures: int = Field(default=5, ge=1)
     ejection_base_s: float = Field(default=10.0, gt=0)
     ejection_max_s: float = Field(default=300.0, gt=0)

@@ -52,10 +52,18 @@ def record_failure(
     return True
 
 
-def record_probe(inst: InstanceState, ok: bool, now: float) -> bool:
-    """Apply an active probe's result; returns True when the health state changed."""
+def record_probe(
+    inst: InstanceState, ok: bool, now: float, *, rise: int = 1, fall: int = 1
+) -> bool:
+    """Apply an active probe's result; returns True when the health state changed. The state
+    flips after ``fall`` failed probes in a row (``rise`` good ones to come back)."""
     if ok == inst.healthy:
+        inst.probes_against = 0
         return False
+    inst.probes_against += 1
+    if inst.probes_against < (rise if ok else fall):
+        return False
+    inst.probes_against = 0
     inst.healthy = ok
     if ok:
         inst.joined_at = now  # slow start after recovery

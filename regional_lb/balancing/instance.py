@@ -104,6 +104,8 @@ class InstanceState:
     servable: frozenset[str] = frozenset()  # models it can load (empty: any)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> last use, for LRU
     healthy: bool = True
+    probes_against: int = 0  # consecutive probes disagreeing with ``healthy`` (rise/fall)
+    probe_ok_at: float | None = None  # the last probe that succeeded (pool clock)
     draining: bool = False
     ejected_until: float = 0.0
     ejections: int = 0

@@ -129,8 +129,12 @@ class Background:
     async def probe_all(self) -> None:
         members = list(self.pool.instances)  # joins and leaves may happen while we probe
         results = await asyncio.gather(*(self.probe(i) for i in members))
+        h = self.pool.config.health
         for inst, ok in zip(members, results, strict=True):
-            if record_probe(inst, ok, self.pool.clock()):
+            now = self.pool.clock()
+            if ok:
+                inst.probe_ok_at = now
+            if record_probe(inst, ok, now, rise=h.healthy_after, fall=h.unhealthy_after):
                 log.info("instance health changed", instance=inst.id, healthy=ok)
         # Also without a change: ejections and slow-start ramps end with time, not events,
         # and queued requests must not wait for an unrelated completion to notice.

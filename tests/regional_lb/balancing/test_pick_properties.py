@@ -276,6 +276,20 @@ def test_probe_recovery_starts_slow_start() -> None:
     assert record_probe(inst, True, 7.0) and inst.joined_at == 7.0
 
 
+def test_probe_rise_and_fall_need_probes_in_a_row() -> None:
+    inst = InstanceState(id="p")
+    # One lost probe between good ones never takes it out.
+    for ok in (False, True, False, True):
+        assert not record_probe(inst, ok, 1.0, rise=2, fall=2)
+    assert inst.healthy
+    assert not record_probe(inst, False, 2.0, rise=2, fall=2)
+    assert record_probe(inst, False, 3.0, rise=2, fall=2) and not inst.healthy
+    assert not record_probe(inst, True, 4.0, rise=2, fall=2)
+    assert not record_probe(inst, False, 5.0, rise=2, fall=2)  # the streak starts over
+    assert not record_probe(inst, True, 6.0, rise=2, fall=2)
+    assert record_probe(inst, True, 7.0, rise=2, fall=2) and inst.joined_at == 7.0
+
+
 @given(st.floats(0.0, 100.0), st.floats(0.0, 100.0), st.floats(0.0, 60.0))
 def test_slow_start_ramp_is_bounded_and_grows(t1: float, t2: float, window: float) -> None:
     inst = InstanceState(id="r", joined_at=10.0)

@@ -262,9 +262,9 @@ async def test_a_saturated_instance_is_busy_not_down() -> None:
         cfg = balancer_config([u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1})
         async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url, timeout=30) as c:
             inst = pool.by_id("i0")
-            # In service first: on a loaded machine the first 0.1 s probe can time out before
-            # anything is queued, and that is not what this test is about.
-            await eventually(lambda: inst.healthy, within=10.0)
+            # In service after a probe that succeeded: on a loaded machine the first 0.1 s probe
+            # can time out before anything is queued, and that is not what this test is about.
+            await eventually(lambda: inst.healthy and inst.probe_ok_at is not None, within=10.0)
             states: list[bool] = []
             queued: list[int] = []
 
