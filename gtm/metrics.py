@@ -13,6 +13,34 @@ AUDIT_FLUSH_FAILURES = Counter(
     "gtm_audit_flush_failures", "Flushes that could not reach the database (rows stay spooled)"
 )
 AUDIT_SPOOLED_ROWS = Gauge("gtm_audit_spooled_rows", "Audit rows waiting in the local spool")
+AUDIT_SPOOL_REJECTED = Counter(
+    "gtm_audit_spool_rejected",
+    "Spool lines refused at replay: MAC did not verify (altered on disk) or torn by a crash",
+)
+AUDIT_SPOOL_BYTES = Gauge(
+    "gtm_audit_spool_bytes", "Size of the local audit spool (rows waiting for the database)"
+)
+AUDIT_SPOOL_OVER_CAP = Gauge(
+    "gtm_audit_spool_over_cap",
+    "1 while the spool is larger than GTM_AUDIT_SPOOL_MAX_BYTES: the database has been away "
+    "long enough to need a person (nothing is dropped; the disk is what runs out)",
+)
+AUDIT_CHECKPOINTS = Counter(
+    "gtm_audit_checkpoints", "Signed chain checkpoints written", ["kind", "where"]
+)
+AUDIT_CHECKPOINT_FAILURES = Counter(
+    "gtm_audit_checkpoint_failures",
+    "Checkpoints that could not be written (where: sink, outside the database; or database)",
+    ["where"],
+)
+AUDIT_LAST_CHECKPOINT = Gauge(
+    "gtm_audit_last_checkpoint_timestamp_seconds",
+    "Unix time of this node's last checkpoint written to its sink outside the database",
+)
+AUDIT_UNCLEAN_STOPS = Counter(
+    "gtm_audit_unclean_stops",
+    "Starts after an unclean stop (kill -9, power loss): a signed gap checkpoint was written",
+)
 SNAPSHOT_VERSION = Gauge("gtm_snapshot_version", "Version of the snapshot in force")
 GEOIP_RELOAD_FAILURES = Counter(
     "gtm_geoip_reload_failures", "GeoIP files that changed but could not be opened"

@@ -21,7 +21,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import metrics
 from gtm.audit import migrate
+from gtm.audit.anchor import Anchor, read_store_id
+from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.database import make_async_engine
+from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
@@ -36,6 +39,7 @@ from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
+from gtm.fleet.report_marks import MarkSync
 from gtm.fleet.shared_state import NodeStatus, Published
 from gtm.fleet.signed_documents import Manifest, Untrusted, load_public_keys, verify
 from gtm.fleet.state_sync import StateSync
@@ -92,12 +96,22 @@ class Runtime:
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
         )
         self.engine = make_async_engine(settings.database_url)
+        key_path = settings.audit_signing_key or settings.spool_dir / KEY_NAME
+        self.spool = Spool(settings.spool_dir, settings.node_id, load_or_create(key_path))
         self.writer = AuditWriter(
             self.engine,
             settings.node_id,
-            Spool(settings.spool_dir, settings.node_id),
+            self.spool,
             flush_interval=settings.audit_flush_interval_s,
             max_pending=settings.audit_max_pending,
+            spool_max_bytes=settings.audit_spool_max_bytes,
+        )
+        self.anchor = Anchor(
+            self.engine,
+            self.writer,
+            self.spool,
+            DirectorySink(settings.checkpoint_dir),
+            interval_s=settings.audit_checkpoint_interval_s,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.migrated = True  # False while the schema could not be brought up to date
@@ -106,8 +120,12 @@ class Runtime:
             settings.report_secret.get_secret_value().encode() if settings.report_secret else None
         )
         self.intake = CapacityIntake(
-            secret, {r.id for r in topology.regions}, topology.routing.spillover.stale_after_s
+            secret,
+            {r.id for r in topology.regions},
+            topology.routing.spillover.stale_after_s,
+            insecure_unsigned=settings.insecure_unsigned_reports,
         )
+        self.marks = MarkSync(self.engine, settings.observer_id or settings.node_id, self.intake)
         self.prober: Prober | None = self._make_prober(topology)
         self.book = RegionBook(
             settings.observer_id or settings.node_id,
@@ -143,7 +161,19 @@ class Runtime:
             # own files and spools the audit); the schema is brought up to date once it is
             # back, before anything the spool holds can land in it.
             self._tasks.append(asyncio.create_task(self._migrate_when_back(), name="migrate"))
+        store = await read_store_id(self.engine) if self.migrated else None
+        if store is not None:
+            self.spool.bind(store)  # ConfigError: this spool belongs to another store
+        else:
+            log.warning("audit.store_unchecked", spool_store=self.spool.bound_store())
         await self.writer.start()
+        await self.anchor.start()
+        self._warn_about_reports()
+        try:
+            await self.marks.start()
+        except (SQLAlchemyError, OSError) as exc:
+            log.warning("capacity.marks_unavailable", error=str(exc).splitlines()[0])
+        self._tasks.append(asyncio.create_task(self._sync_marks(), name="report-marks"))
         await self.sync.start()  # adopts the fleet's published documents before probing starts
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
         if self.prober is not None:
@@ -155,6 +185,29 @@ class Runtime:
             policy=self.store.current.versions.policy,
             geoip=self.geoip.current.build,
         )
+
+    def _warn_about_reports(self) -> None:
+        if self.settings.report_secret is not None:
+            return
+        if self.settings.insecure_unsigned_reports:
+            log.warning(
+                "capacity.INSECURE_UNSIGNED_REPORTS",
+                message="GTM_INSECURE_UNSIGNED_REPORTS is on: any host that reaches this node "
+                "can move traffic with a made-up capacity report. Development networks only.",
+            )
+        else:
+            log.warning(
+                "capacity.reports_refused",
+                message="GTM_REPORT_SECRET is unset: every capacity report is refused",
+            )
+
+    async def _sync_marks(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.state_sync_interval_s)
+            try:
+                await self.marks.sync()
+            except (SQLAlchemyError, OSError) as exc:
+                log.debug("capacity.marks_sync_failed", error=str(exc).splitlines()[0])
 
     async def _migrate(self) -> bool:
         try:
@@ -183,6 +236,7 @@ class Runtime:
                 await task
         self._tasks.clear()
         await self.writer.stop()
+        await self.anchor.stop()
         await self.engine.dispose()
         log.info("gtm.stopped", counted=self.writer.counted)
 

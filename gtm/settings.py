@@ -52,11 +52,26 @@ class Settings(BaseSettings):
     observer_id: str | None = Field(default=None, max_length=64)
     spool_dir: Path = Path("var/spool")
     audit_flush_interval_s: float = Field(default=1.0, gt=0)
+    # Evidence outside the database (gtm.audit.checkpoints): each chain's Ed25519 key (made on
+    # first start, 0600; unset: audit-signing.key in the spool directory), the sink its signed
+    # checkpoints go to (a directory; production: a write-once store mounted or synced there),
+    # and how often a chain that moved is checkpointed (also at start and shutdown).
+    audit_signing_key: Path | None = None
+    audit_checkpoint_dir: Path | None = None  # unset: "checkpoints" beside the spool directory
+    audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)
+    # Above this the spool raises gtm_audit_spool_over_cap (and logs an error at every flush):
+    # rows are never dropped, so this is the alarm before the disk fills.
+    audit_spool_max_bytes: int = Field(default=1 << 30, gt=0)
     # gtm.heap: freeze what survives young collections this often (0: leave the collector to
     # its defaults), and run a full collection this often to reclaim frozen cycles.
     gc_freeze_interval_s: float = Field(default=1.0, ge=0)
     gc_full_interval_s: float = Field(default=600.0, gt=0)
+    # HTTP front: when given, /v1/capacity and /metrics answer only peers (the connection's
+    # address, never a forwarded header) in these networks, others get 403; empty: any peer on
+    # a non-service Host. (/livez and /readyz stay open for load balancers' health checks; the
+    # metrics can also have their own listener, metrics_listen.)
+    ops_allow: tuple[IPv4Network | IPv6Network, ...] = ()
     # HTTP front: peers whose Forwarded / X-Forwarded-For headers are believed.
     trusted_proxies: tuple[IPv4Network | IPv6Network, ...] = ()
     # Region probing (each region's probe_url) and capacity reports.
@@ -84,9 +99,12 @@ class Settings(BaseSettings):
     # How often a node exchanges observations, overrides and published documents with the
     # shared database (the bound on how late another node's change takes effect here).
     state_sync_interval_s: float = Field(default=0.5, gt=0)
-    # Shared secret the regional balancers sign capacity reports with; unset accepts unsigned
-    # reports, which only a closed test network should do.
+    # The fleet's capacity-report secret: each region's balancer signs with its own key derived
+    # from it (`gtm report-key REGION`), and GTM verifies a report with the key of the region it
+    # names. Unset: every report is refused, unless insecure_unsigned_reports (a closed
+    # development network only; a loud warning at start) accepts them unsigned.
     report_secret: SecretStr | None = None
+    insecure_unsigned_reports: bool = False
     # Public keys (PEM, Ed25519) whose signatures on published documents this node trusts:
     # a published topology or policy comes into force only signed by one of them, with its
     # approval record (gtm.fleet.signed_documents). None configured: none comes into force.
@@ -96,12 +114,23 @@ class Settings(BaseSettings):
     document_signing_key: Path | None = None
     # Approvals a proposal needs, each from a policy-approver other than its author.
     policy_approvals: int = Field(default=1, ge=1, le=10)
+    # OIDC/JWT access tokens for the admin API (gtm.admin.oidc): all three, or none (API tokens
+    # only). Roles come from the principal an admin bound the token's subject to, never from it.
+    admin_oidc_issuer: str | None = None
+    admin_oidc_audience: str | None = None
+    admin_oidc_jwks_url: str | None = None
     # Where the CLI's control-plane commands (gtm proposal ...) find the admin API, and the
     # bearer token they send (from the environment or a 0600 file, never a flag or YAML).
     admin_url: str | None = None
     admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self.audit_checkpoint_dir is not None:
+            return self.audit_checkpoint_dir
+        return self.spool_dir.parent / "checkpoints"
 
     @model_validator(mode="after")
     def _quorum_reachable(self) -> Settings:

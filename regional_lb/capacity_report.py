@@ -2,8 +2,13 @@
 
 The report is pushed to each configured GTM URL (``POST {url}/v1/capacity``) about once a
 second and served at ``GET /gtm/capacity``; both carry the signature of the exact body bytes in
-``X-GTM-Signature`` so GTM can reject reports that were not written by a balancer holding the
-shared secret.
+``X-GTM-Signature``. Each region signs with its own secret (:func:`region_secret`, derived from
+the fleet's report secret that only GTM holds): GTM verifies a report with the key of the region
+it names, so one region's balancer cannot speak for another (a balancer holding eu-west's key
+cannot drain us-east, nor the reverse).
+
+Every number must be finite and in range: ``NaN`` compares false with everything, and would
+otherwise slip past the freshness and order checks.
 """
 
 from __future__ import annotations
@@ -18,24 +23,25 @@ _PREFIX = "sha256="
 
 
 class ModelAvailability(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     versions: list[str] = Field(default_factory=list)
 
 
 class CapacityReport(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    region: str
-    seq: int = Field(ge=1, description="monotonic per balancer process, starts at 1")
-    ts: float = Field(description="unix seconds")
-    instances_healthy: int = Field(ge=0)
-    instances_total: int = Field(ge=0)
+    region: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=1, lt=2**63, description="monotonic per balancer process, starts at 1")
+    ts: float = Field(gt=0, lt=1e11, description="unix seconds")
+    instances_healthy: int = Field(ge=0, le=1_000_000)
+    instances_total: int = Field(ge=0, le=1_000_000)
     capacity: float = Field(ge=0, description="cost units per second the pool can do")
     outstanding: float = Field(ge=0, description="cost units in flight")
     utilisation: float = Field(
         ge=0,
+        le=1000,
         description=(
             "share of the region's throughput ceiling in use (batching, KV cache), above 1 by "
             "the work queued at the balancer and the instances; 0..2 "
@@ -46,6 +52,17 @@ class CapacityReport(BaseModel):
     models: list[ModelAvailability] = Field(default_factory=list)
     draining: bool = False
     can_take_work: bool = True
+
+
+def region_secret(fleet_secret: bytes, region: str) -> bytes:
+    """Region ``region``'s report key: HMAC-SHA256 of its name under the fleet's secret. GTM
+    holds the fleet secret; each region's balancer is given only its own key
+    (``gtm report-key REGION``), from which no other region's can be computed."""
+    return (
+        hmac.new(fleet_secret, b"gtm capacity report key\0" + region.encode(), hashlib.sha256)
+        .hexdigest()
+        .encode()
+    )
 
 
 def sign(body: bytes, secret: bytes) -> str:

@@ -91,7 +91,9 @@ def serve(
     secret = ReportSettings().report_secret
     if cfg.gtm_urls and secret is None:
         typer.echo(
-            "warning: REGIONAL_LB_REPORT_SECRET is unset; capacity reports are unsigned", err=True
+            "warning: REGIONAL_LB_REPORT_SECRET is unset; capacity reports are unsigned and GTM "
+            "refuses them (set this region's key: gtm report-key REGION)",
+            err=True,
         )
     run(_serve(cfg, host, port, secret.get_secret_value().encode() if secret else None, grace))
 

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import secrets
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gtm.audit import migrate
+from gtm.audit.database import make_async_engine
 from gtm.decision.geoip import GeoDatabase
 from gtm.decision.policy import PolicySet, load_policy
 from gtm.decision.snapshot import Snapshot
@@ -41,3 +47,41 @@ def snapshot(topology: Topology, policy: PolicySet, geoip_path: Path) -> Snapsho
 def postgres_url() -> Iterator[str]:
     with postgres_database() as url:
         yield url
+
+
+@pytest.fixture
+def postgres_logins(postgres_url: str) -> Iterator[dict[str, str]]:
+    """A migrated PostgreSQL database and a login of each GTM role (migration 0007), as URLs."""
+    migrate.downgrade(postgres_url, "base")
+    migrate.upgrade(postgres_url)
+    owner = make_url(postgres_url)
+    made = {}
+    with psycopg.connect(owner.set(drivername="postgresql").render_as_string(False),
+                         autocommit=True) as conn:  # fmt: skip
+        for role in ("gtm_node", "gtm_admin", "gtm_reader"):
+            name = f"{role}_{secrets.token_hex(3)}"
+            conn.execute(f"CREATE ROLE {name} LOGIN IN ROLE {role}")
+            made[role] = owner.set(username=name).render_as_string(hide_password=False)
+        yield made
+        for url in made.values():
+            conn.execute(f"DROP OWNED BY {make_url(url).username}")
+            conn.execute(f"DROP ROLE {make_url(url).username}")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty store: a SQLite file, and the real PostgreSQL."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+        migrate.downgrade(url, "base")  # each test starts from an empty schema
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = make_async_engine(database_url)
+    yield eng
+    await eng.dispose()

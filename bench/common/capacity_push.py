@@ -32,7 +32,12 @@ class ReportPusher(threading.Thread):
     def run(self) -> None:
         import httpx
 
-        from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
+        from regional_lb.capacity_report import (
+            SIGNATURE_HEADER,
+            CapacityReport,
+            region_secret,
+            sign,
+        )
 
         seq = 0
         with httpx.Client(trust_env=False, timeout=5) as client:
@@ -49,7 +54,9 @@ class ReportPusher(threading.Thread):
                     utilisation=round(self._rng.uniform(0.2, 0.6), 3),
                     can_take_work=True,
                 ).model_dump_json()
-                headers = {SIGNATURE_HEADER: sign(body.encode(), REPORT_SECRET)}
+                region = DEMO_REGIONS[seq % len(DEMO_REGIONS)]
+                key = region_secret(REPORT_SECRET, region)
+                headers = {SIGNATURE_HEADER: sign(body.encode(), key)}
                 for port in self.ports:
                     with contextlib.suppress(httpx.HTTPError):
                         r = client.post(

@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.errors import LifecycleError
+from gtm.admin.oidc import IdentityProviderUnavailable
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import audit, documents, identity, regions
 from gtm.admin.seals import CannotSeal
@@ -53,6 +54,13 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.get("/livez", include_in_schema=False)
     async def livez() -> dict[str, str]:
         return {"status": "live"}
+
+    @app.exception_handler(IdentityProviderUnavailable)
+    async def idp_down(request: Request, exc: IdentityProviderUnavailable) -> JSONResponse:
+        # The token may be good: not a 401 that would make a client drop it.
+        return _error(
+            503, "identity_provider_unavailable", "the OIDC issuer's keys are unreachable", []
+        )
 
     @app.exception_handler(Unauthenticated)
     async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:

@@ -1,9 +1,11 @@
 """The one place a request becomes a principal, and a principal an allowed operation.
 
 ``Authorization: Bearer <token>``: an API token (:mod:`gtm.admin.tokens`) checked against the
-database. No token, or one that does not authenticate: 401. Authenticated without a role the
-operation allows (:data:`gtm.admin.permissions.OPERATIONS`): 403, and a ``denied`` event in the
-chained log, so refused attempts are evidence too.
+database, or, when an identity provider is configured, an OIDC/JWT access token whose verified
+subject an admin bound to a principal (:mod:`gtm.admin.oidc`). No token, or one that does not
+authenticate: 401. Authenticated without a role the operation allows
+(:data:`gtm.admin.permissions.OPERATIONS`): 403, and a ``denied`` event in the chained log, so
+refused attempts are evidence too.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.admin import events
+from gtm.admin.oidc import OidcVerifier
 from gtm.admin.permissions import OPERATIONS, allowed
-from gtm.admin.principals import Principal, authenticate
+from gtm.admin.principals import Principal, authenticate, by_oidc_subject
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import Signer
+from gtm.admin.tokens import parse_token
 from gtm.decision.snapshot import Snapshot
 from gtm.metrics import ADMIN_AUTH_FAILURES
 
@@ -43,6 +48,10 @@ class AdminContext:
     snapshot: Callable[[], Snapshot] | None = None
     # A node is live while its last status report is younger than this.
     live_within_s: float = 5.0
+    # The audit checkpoints' sink outside the database (the compliance report verifies with it).
+    checkpoints: Path | None = None
+    # OIDC access tokens are accepted when an issuer is configured.
+    oidc: OidcVerifier | None = None
 
 
 class Unauthenticated(Exception):
@@ -67,8 +76,14 @@ async def current_principal(request: Request, ctx: Ctx) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     principal = None
-    if scheme.lower() == "bearer" and token.strip():
-        principal = await authenticate(ctx.engine, token.strip(), ctx.clock(), ctx.sealer)
+    token = token.strip()
+    if scheme.lower() == "bearer" and token:
+        if parse_token(token) is not None or ctx.oidc is None:
+            principal = await authenticate(ctx.engine, token, ctx.clock(), ctx.sealer)
+        else:
+            subject = await ctx.oidc.subject(token, ctx.clock())
+            if subject is not None:
+                principal = await by_oidc_subject(ctx.engine, subject, ctx.sealer)
     if principal is None:
         # Counted, not written to the event log: an unauthenticated caller must not be able
         # to make the service write to the database.

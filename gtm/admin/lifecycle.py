@@ -219,32 +219,44 @@ async def update_content(
     return await get(conn, proposal_id)
 
 
+async def _author_step(
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    what: str,
+    allowed: tuple[str, ...],
+    to: str,
+    *,
+    now: float,
+    node: str,
+) -> Proposal:
+    """A step only the proposal's author may take, from one of the ``allowed`` states."""
+    proposal = await get(conn, proposal_id, lock=True)
+    _own(proposal, principal, what)
+    if proposal.state not in allowed:
+        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not {' or '.join(allowed)}")
+    await _set_state(conn, proposal_id, to, now)
+    await events.record(
+        conn, "proposal", f"#{proposal_id} {to}", actor=principal.name, now=now, node=node
+    )
+    return await get(conn, proposal_id)
+
+
 async def submit(
     conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
 ) -> Proposal:
-    proposal = await get(conn, proposal_id, lock=True)
-    _own(proposal, principal, "submit")
-    if proposal.state != DRAFT:
-        raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not a draft")
-    await _set_state(conn, proposal_id, PROPOSED, now)
-    await events.record(
-        conn, "proposal", f"#{proposal_id} proposed", actor=principal.name, now=now, node=node
+    return await _author_step(
+        conn, proposal_id, principal, "submit", (DRAFT,), PROPOSED, now=now, node=node
     )
-    return await get(conn, proposal_id)
 
 
 async def withdraw(
     conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
 ) -> Proposal:
-    proposal = await get(conn, proposal_id, lock=True)
-    _own(proposal, principal, "withdraw")
-    if proposal.state not in (DRAFT, PROPOSED, APPROVED):
-        raise Conflict(f"proposal #{proposal_id} is {proposal.state}")
-    await _set_state(conn, proposal_id, WITHDRAWN, now)
-    await events.record(
-        conn, "proposal", f"#{proposal_id} withdrawn", actor=principal.name, now=now, node=node
-    )
-    return await get(conn, proposal_id)
+    return await _author_step(
+        conn, proposal_id, principal, "withdraw", (DRAFT, PROPOSED, APPROVED), WITHDRAWN,
+        now=now, node=node,
+    )  # fmt: skip
 
 
 async def approve(

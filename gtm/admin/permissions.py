@@ -61,6 +61,7 @@ OPERATIONS: dict[str, frozenset[Role]] = {
     "export_decisions": _AUDITOR,
     "get_decision": _AUDITOR,
     "replay_decision": _AUDITOR,
+    "compliance_report": _AUDITOR,
     "drain_region": _OPERATOR,
     "undrain_region": _OPERATOR,
     "weight_region": _OPERATOR,

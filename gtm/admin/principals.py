@@ -33,7 +33,8 @@ class Principal:
     name: str
     roles: frozenset[Role]
     disabled: bool = False
-    token_id: str | None = None  # the token this request authenticated with
+    token_id: str | None = None  # the API token this request authenticated with
+    oidc_subject: str | None = None  # the identity provider's subject bound to it, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,10 @@ class TokenInfo:
 
 
 class NameTaken(Exception):
+    pass
+
+
+class SubjectTaken(Exception):
     pass
 
 
@@ -72,10 +77,21 @@ async def create(
     now: float,
     node: str,
     sealer: Sealer,
+    oidc_subject: str | None = None,
 ) -> Principal:
-    principal = Principal(f"p_{secrets.token_hex(8)}", name, frozenset(roles))
+    principal = Principal(
+        f"p_{secrets.token_hex(8)}", name, frozenset(roles), oidc_subject=oidc_subject
+    )
     role_names = sorted(r.value for r in principal.roles)
-    seal = sealer.seal("principal", principal_fields(principal.id, name, role_names, False))
+    seal = sealer.seal(
+        "principal", principal_fields(principal.id, name, role_names, False, oidc_subject)
+    )
+    if oidc_subject is not None:
+        taken = await conn.execute(
+            select(principals.c.id).where(principals.c.oidc_subject == oidc_subject)
+        )
+        if taken.first() is not None:
+            raise SubjectTaken(oidc_subject)
     try:
         async with conn.begin_nested():
             await conn.execute(
@@ -87,15 +103,17 @@ async def create(
                     "created_at_us": _us(now),
                     "created_by": created_by,
                     "disabled": False,
+                    "oidc_subject": oidc_subject,
                     "seal": seal,
                 },
             )
     except IntegrityError:
         raise NameTaken(name) from None
+    bound = "" if oidc_subject is None else f", bound to OIDC subject {oidc_subject}"
     await events.record(
         conn,
         "principal",
-        f"created {name} with roles {', '.join(sorted(principal.roles))}",
+        f"created {name} with roles {', '.join(sorted(principal.roles))}{bound}",
         actor=created_by,
         now=now,
         node=node,
@@ -144,10 +162,14 @@ async def issue_token(
 
 def _sealed(row: Any, sealer: Sealer) -> Principal | None:
     """The principal of a row whose seal verifies; None for any other row."""
-    fields = principal_fields(row.id, row.name, list(row.roles or []), bool(row.disabled))
+    fields = principal_fields(
+        row.id, row.name, list(row.roles or []), bool(row.disabled), row.oidc_subject
+    )
     if not sealer.verifies("principal", fields, row.seal):
         return None
-    return Principal(row.id, row.name, _roles(row.roles), row.disabled)
+    return Principal(
+        row.id, row.name, _roles(row.roles), row.disabled, oidc_subject=row.oidc_subject
+    )
 
 
 async def by_name(conn: AsyncConnection, name: str, sealer: Sealer) -> Principal | None:
@@ -159,6 +181,15 @@ async def by_id(conn: AsyncConnection, principal_id: str, sealer: Sealer) -> Pri
     """The principal with this id if its row is sealed (written by the admin service)."""
     row = (await conn.execute(select(principals).where(principals.c.id == principal_id))).first()
     return None if row is None else _sealed(row, sealer)
+
+
+async def by_oidc_subject(engine: AsyncEngine, subject: str, sealer: Sealer) -> Principal | None:
+    """The enabled principal an admin bound this verified OIDC subject to (sealed), or None."""
+    async with engine.connect() as conn:
+        query = select(principals).where(principals.c.oidc_subject == subject)
+        row = (await conn.execute(query)).first()
+    principal = None if row is None else _sealed(row, sealer)
+    return None if principal is None or principal.disabled else principal
 
 
 async def authenticate(
@@ -194,7 +225,9 @@ async def authenticate(
             await conn.execute(
                 update(api_tokens).where(api_tokens.c.id == token_id).values(last_used_at_us=now_us)
             )
-    return Principal(owner.id, owner.name, owner.roles, token_id=token_id)
+    return Principal(
+        owner.id, owner.name, owner.roles, token_id=token_id, oidc_subject=owner.oidc_subject
+    )
 
 
 async def revoke(
@@ -253,4 +286,13 @@ async def list_tokens(conn: AsyncConnection) -> list[TokenInfo]:
     ]
 
 
-__all__ = ["NameTaken", "Principal", "TokenInfo", "authenticate", "create", "issue_token"]
+__all__ = [
+    "NameTaken",
+    "Principal",
+    "SubjectTaken",
+    "TokenInfo",
+    "authenticate",
+    "by_oidc_subject",
+    "create",
+    "issue_token",
+]

@@ -67,8 +67,15 @@ class Sealer:
         return True
 
 
-def principal_fields(id: str, name: str, roles: list[str], disabled: bool) -> dict[str, Any]:
-    return {"id": id, "name": name, "roles": sorted(roles), "disabled": disabled}
+def principal_fields(
+    id: str, name: str, roles: list[str], disabled: bool, oidc_subject: str | None = None
+) -> dict[str, Any]:
+    fields: dict[str, Any] = {"id": id, "name": name, "roles": sorted(roles), "disabled": disabled}
+    if oidc_subject is not None:
+        # Only when bound, so the seals of principals made before OIDC still verify; a subject
+        # written into a sealed row afterwards makes the seal fail.
+        fields["oidc_subject"] = oidc_subject
+    return fields
 
 
 def token_fields(

@@ -14,9 +14,10 @@ import socket
 import structlog
 import uvicorn
 
-from gtm.admin import scheduler
+from gtm.admin import oidc, scheduler
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
+from gtm.admin.oidc import OidcVerifier
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
 from gtm.decision.policy import policy_files
@@ -34,6 +35,9 @@ def context_for(runtime: Runtime) -> AdminContext:
         if settings.document_signing_key is None
         else load_signer(settings.document_signing_key)
     )
+    oidc_config = oidc.config_from(
+        settings.admin_oidc_issuer, settings.admin_oidc_audience, settings.admin_oidc_jwks_url
+    )
     files = (
         settings.config.read_text(encoding="utf-8"),
         {p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)},
@@ -47,6 +51,8 @@ def context_for(runtime: Runtime) -> AdminContext:
         files=files,
         snapshot=lambda: runtime.store.current,
         live_within_s=max(5.0, 4 * settings.state_sync_interval_s),
+        oidc=None if oidc_config is None else OidcVerifier(oidc_config),
+        checkpoints=settings.checkpoint_dir,
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from gtm.errors import ConfigError, Problem
+from gtm.audit.keys import load_private_key
 from gtm.fleet.signed_documents import Manifest, key_id
 
 PRIVATE_NAME = "document-signing.key"
@@ -42,22 +42,7 @@ class Signer:
 def load_signer(path: Path) -> Signer:
     """The signing key in ``path``; :class:`ConfigError` when it is unreadable, not Ed25519,
     or readable by anyone but its owner."""
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError([Problem(str(path), "", f"cannot read the signing key: {exc}")]) from None
-    if mode & 0o077:
-        raise ConfigError(
-            [Problem(str(path), "", f"mode {mode & 0o777:o}: a signing key must be 0600")]
-        )
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError([Problem(str(path), "", f"not a PEM private key: {exc}")]) from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError([Problem(str(path), "", "not an Ed25519 private key")])
-    return Signer(key)
+    return Signer(load_private_key(path, "the signing key"))
 
 
 def generate(directory: Path) -> tuple[Path, Path]:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Table, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -52,6 +53,13 @@ def sync_url(url: str) -> URL:
     parsed = parse_url(url)
     driver = "sqlite" if parsed.drivername in _SQLITE else "postgresql+psycopg"
     return parsed.set(drivername=driver)
+
+
+def upsert(engine: AsyncEngine, table: Table) -> Any:
+    """``INSERT`` for ``table`` in the engine's dialect, which both dialects let end in
+    ``ON CONFLICT ... DO UPDATE`` (``.on_conflict_do_update``)."""
+    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
 
 
 def _ensure_sqlite_dir(url: URL) -> None:

@@ -179,6 +179,8 @@ principals = Table(
     Column("created_by", String(128), nullable=False),
     Column("disabled", Boolean, nullable=False),
     Column("seal", String(160)),  # gtm.admin.seals: the admin service's signature on the row
+    # The OIDC subject (the identity provider's `sub`) an admin bound to it (gtm.admin.oidc).
+    Column("oidc_subject", String(255), unique=True),
 )
 
 api_tokens = Table(
@@ -236,4 +238,42 @@ approvals = Table(
     Column("at_us", BigInteger, nullable=False),
     Column("comment", Text, nullable=False),
     Column("seal", String(160)),
+)
+
+# The evidence outside the rows (gtm.audit.checkpoints): which store this is (spools and
+# checkpoints name it, so one store's never land in another), and the signed checkpoints of
+# every chain, a copy of what each node also writes to its sink outside the database.
+audit_store = Table(
+    "audit_store",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("created_at_us", BigInteger, nullable=False),
+)
+
+audit_checkpoints = Table(
+    "audit_checkpoints",
+    metadata,
+    Column("id", _BigId, primary_key=True, autoincrement=True),
+    Column("chain", String(80), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("head", String(64), nullable=False),
+    Column("answers", BigInteger, nullable=False),
+    Column("at_us", BigInteger, nullable=False),
+    Column("store", String(36), nullable=False),
+    Column("key_id", String(16), nullable=False),
+    Column("detail", Text, nullable=False),
+    Column("signature", String(128), nullable=False),
+    Index("ix_audit_checkpoints_chain", "chain"),
+)
+
+# The newest capacity report each node accepted from each region (gtm.fleet.report_marks):
+# replay protection that survives restarts and holds across nodes.
+capacity_marks = Table(
+    "capacity_marks",
+    metadata,
+    Column("node", String(64), primary_key=True),
+    Column("region", String(64), primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("seq", BigInteger, nullable=False),
 )

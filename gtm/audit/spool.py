@@ -4,83 +4,228 @@ Every flushed batch is appended here (and fsynced) before it is sent to the data
 file is emptied only after the database has committed it. A database outage, a crash or a
 shutdown with the database away therefore loses no counted decision: the next drain replays the
 file, skipping rows the database already holds (by ``node_seq``). The spool also remembers the
-last sequence number and hash, so a node continues its chain without asking the database.
+chain's end (sequence, hash, answers counted), so a node continues its chain without asking the
+database.
+
+The spool is evidence on its way to the database, so it is guarded like it:
+
+* files are created mode 0600;
+* each line carries a MAC (HMAC-SHA256 under a key derived from the chain's signing key,
+  :mod:`gtm.audit.keys`): a line edited on disk, even with its hashes recomputed, fails the MAC
+  and is refused at replay; it is moved, with the reason and its line number, to
+  ``audit-<node>.rejected`` and counted (``gtm_audit_spool_rejected_total``), never replayed and
+  never silently dropped;
+* the spool names the audit store it belongs to (``store-id``): rows spooled for one database
+  are never replayed into another (:meth:`Spool.bind`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
+import structlog
 
+from gtm import metrics
+from gtm.audit.keys import KEY_NAME, ChainKey, load_or_create
 from gtm.audit.record import GENESIS
+from gtm.errors import ConfigError, Problem
+
+log = structlog.get_logger(__name__)
+
+
+class ChainHead(NamedTuple):
+    seq: int
+    hash: str
+    answers: int  # answers counted by the chain's rows up to seq
+
+
+class Rejected(NamedTuple):
+    line: int
+    reason: str
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, mode 0600 from the first byte."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Spool:
-    def __init__(self, directory: Path, node: str) -> None:
+    def __init__(self, directory: Path, node: str, key: ChainKey | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
+        self.directory = directory
         self.path = directory / f"audit-{safe}.jsonl"
         self.state_path = directory / f"audit-{safe}.chain.json"
+        self.rejected_path = directory / f"audit-{safe}.rejected"
+        self.running_path = directory / f"audit-{safe}.running"
+        self.store_path = directory / "store-id"
+        self.key = key if key is not None else load_or_create(directory / KEY_NAME)
+        self._mac_key = self.key.mac_key
+        self.rejected: list[Rejected] = []  # refused at the last read, for reports and tests
+        for path in (self.path, self.state_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(path, 0o600)  # spools written before they were private
 
-    def append(self, rows: list[dict[str, Any]]) -> None:
+    # -- the store it belongs to -----------------------------------------------------------------
+
+    def bind(self, store_id: str) -> None:
+        """Bind this spool to audit store ``store_id``: the first time, remember it; after
+        that, refuse (:class:`ConfigError`) a different store rather than continue one store's
+        chain in another or replay one store's rows into another."""
+        try:
+            bound = self.store_path.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            _write_private(self.store_path, store_id.encode())
+            return
+        if bound != store_id:
+            raise ConfigError(
+                [
+                    Problem(
+                        str(self.store_path),
+                        "",
+                        f"this spool belongs to audit store {bound}, the database is store "
+                        f"{store_id}: point GTM_SPOOL_DIR at this store's spool (or a new, "
+                        "empty directory for a new store), or GTM_DATABASE_URL at its database",
+                    )
+                ]
+            )
+
+    def bound_store(self) -> str | None:
+        try:
+            return self.store_path.read_text(encoding="utf-8").strip() or None
+        except FileNotFoundError:
+            return None
+
+    # -- rows --------------------------------------------------------------------------------------
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.digest(self._mac_key, body, hashlib.sha256).hex().encode()
+
+    def append(self, rows: list[dict[str, Any]], answers: int = 0) -> None:
         if rows:
             lines = [orjson.dumps(r) + b"\n" for r in rows]
-            self.append_lines(lines, rows[-1]["node_seq"], rows[-1]["row_hash"])
+            self.append_lines(lines, rows[-1]["node_seq"], rows[-1]["row_hash"], answers)
 
-    def append_lines(self, lines: list[bytes], last_seq: int, last_hash: str) -> None:
-        """Append rows already rendered as JSON lines (each ending in a newline) and fsync,
-        then remember the chain's end (``last_seq``, ``last_hash``). A write torn by a crash
-        leaves a partial last line: the append starts a new line after it, so the torn line
-        never swallows the first row written after it."""
+    def append_lines(
+        self, lines: list[bytes], last_seq: int, last_hash: str, answers: int = 0
+    ) -> None:
+        """Append rows already rendered as JSON lines (each ending in a newline) with their
+        MACs and fsync, then remember the chain's end. A write torn by a crash leaves a partial
+        last line: the append starts a new line after it, so the torn line never swallows the
+        first row written after it."""
         if not lines:
             return
-        with open(self.path, "a+b") as f:  # writes go to the end whatever was read
-            if f.tell() > 0:
+        mac = self._mac
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a+b") as f:  # writes go to the end whatever was read
+            if f.seek(0, os.SEEK_END) > 0:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")
-            f.writelines(lines)
+            f.writelines(b"%s\t%s\n" % (line[:-1], mac(line[:-1])) for line in lines)
             f.flush()
             os.fsync(f.fileno())
-        self._save_state(last_seq, last_hash)
+        self._save_state(ChainHead(last_seq, last_hash, answers))
 
     def pending(self) -> list[dict[str, Any]]:
-        """Rows waiting for the database, in order. An unreadable line (a write torn by a
-        crash) is skipped: it was never acknowledged as flushed. Rows after it still count;
-        if rows were lost with it, the chain shows the gap (``gtm audit verify``)."""
+        """Rows waiting for the database, in order. A line whose MAC does not verify (edited on
+        disk, or torn by a crash: never acknowledged as flushed) is refused, kept aside with the
+        reason in ``audit-<node>.rejected`` and counted; rows after it still count, and if rows
+        were lost with it, the chain shows the gap (``gtm audit verify``)."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return []
         rows = []
-        for line in data.splitlines():
-            if line:
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    rows.append(orjson.loads(line))
+        kept: list[bytes] = []
+        self.rejected = []
+        for n, line in enumerate(data.splitlines(), 1):
+            if not line:
+                continue
+            body, _, mac = line.rpartition(b"\t")
+            reason = None
+            if not body:
+                reason = "no MAC (torn write, or written by something else)"
+            elif not hmac.compare_digest(mac, self._mac(body)):
+                reason = "MAC does not verify: the line was altered after it was written"
+            else:
+                try:
+                    rows.append(orjson.loads(body))
+                    kept.append(line + b"\n")
+                except orjson.JSONDecodeError:
+                    reason = "MAC verifies but the row does not parse"
+            if reason is not None:
+                self.rejected.append(Rejected(n, reason))
+        if self.rejected:
+            self._keep_rejected(data.splitlines())
+            # Set aside once: the spool keeps only the lines that verify, so a retry while the
+            # database is away does not refuse (and count) the same line again.
+            _write_private(self.path, b"".join(kept))
         return rows
 
+    def _keep_rejected(self, lines: list[bytes]) -> None:
+        fd = os.open(self.rejected_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as f:
+            for r in self.rejected:
+                entry = {
+                    "line": r.line,
+                    "reason": r.reason,
+                    "text": lines[r.line - 1].decode("utf-8", "replace"),
+                }
+                f.write(orjson.dumps(entry) + b"\n")
+                log.error("audit.spool_line_refused", spool=str(self.path), line=r.line,
+                          reason=r.reason)  # fmt: skip
+            f.flush()
+            os.fsync(f.fileno())
+        metrics.AUDIT_SPOOL_REJECTED.inc(len(self.rejected))
+
     def clear(self) -> None:
-        with open(self.path, "w", encoding="utf-8") as f:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.flush()
             os.fsync(f.fileno())
 
-    def chain_state(self) -> tuple[int, str] | None:
-        """(last node_seq, last row_hash) this node wrote, if it ever wrote here."""
+    def size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    # -- the chain's end ---------------------------------------------------------------------------
+
+    def chain_head(self) -> ChainHead | None:
+        """The end of the chain this node wrote here (sequence, hash, answers), if it ever did."""
         try:
             state = json.loads(self.state_path.read_text(encoding="utf-8"))
-            return int(state["node_seq"]), str(state["row_hash"])
+            return ChainHead(
+                int(state["node_seq"]), str(state["row_hash"]), int(state.get("answers", 0))
+            )
         except (FileNotFoundError, KeyError, ValueError):
             return None
 
-    def _save_state(self, seq: int, digest: str) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"node_seq": seq, "row_hash": digest}), encoding="utf-8")
-        os.replace(tmp, self.state_path)
+    def last_written_at(self) -> float | None:
+        """When the chain's end was last saved (its last flush), if ever."""
+        try:
+            return self.state_path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def _save_state(self, head: ChainHead) -> None:
+        body = {"node_seq": head.seq, "row_hash": head.hash, "answers": head.answers}
+        _write_private(self.state_path, json.dumps(body).encode())
 
 
-__all__ = ["GENESIS", "Spool"]
+__all__ = ["GENESIS", "ChainHead", "Rejected", "Spool"]

@@ -6,35 +6,30 @@ Exit codes: 0 success, 1 the command ran but found a problem (e.g. a broken audi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import csv
 import json
-import sys
 import time
 from dataclasses import asdict
-from datetime import datetime
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from gtm.audit import migrate, query
-from gtm.audit.database import make_async_engine
-from gtm.audit.decision_id import DecisionIdError, parse_id
-from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.audit import migrate
+from gtm.cli.audit import audit_app
+from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail
 from gtm.cli.control import admin_app, proposal_app, token_app
 from gtm.cli.fleet import config_app, region_app
+from gtm.cli.report import report_app
 from gtm.cli.whatif import apply_state
 from gtm.decision.policy import json_schema, load_policy
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.topology import load_topology, normalise_dns_name
 from gtm.errors import ConfigError, GTMError
-from gtm.fleet import shared_state
 from gtm.listen import parse_listen
 from gtm.node import serve_forever, serve_workers
 from gtm.runtime import build_snapshot
+from regional_lb.capacity_report import region_secret
 
 app = typer.Typer(
     help="GTM: global traffic manager for AI inference fleets.",
@@ -43,7 +38,6 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema (alembic migrations).", no_args_is_help=True)
 policy_app = typer.Typer(help="Residency policy documents.", no_args_is_help=True)
-audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
@@ -52,6 +46,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(token_app, name="token")
 app.add_typer(admin_app, name="admin")
 app.add_typer(proposal_app, name="proposal")
+app.add_typer(report_app, name="report")
 
 # -- serve -------------------------------------------------------------------------------------
 
@@ -304,178 +299,19 @@ def policy_schema() -> None:
     typer.echo(json.dumps(json_schema(), indent=2, sort_keys=True))
 
 
-# -- audit -------------------------------------------------------------------------------------
+# -- capacity reports --------------------------------------------------------------------------
 
 
-def _row_text(row: dict[str, Any]) -> str:
-    answer = ",".join(row["answer"]) or "-"
-    return (
-        f"{query.iso(row['last_at_us'])} {row['node']}#{row['node_seq']} x{row['count']} "
-        f"{row['channel']} {row['name']} {row['client_network']} "
-        f"{row['country'] or '??'} -> {row['outcome']} {row['region'] or '-'} {answer}"
-    )
-
-
-@audit_app.command("tail")
-def audit_tail(
-    database_url: DbOpt = None,
-    lines: Annotated[int, typer.Option("-n", "--lines")] = 20,
-    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
-) -> None:
-    """Print the newest decisions (and keep printing new ones with --follow)."""
-    settings = cli_settings(database_url=database_url)
-
-    async def main() -> None:
-        engine = make_async_engine(settings.database_url)
-        try:
-            rows = await query.tail(engine, lines)
-            while True:
-                for row in rows:
-                    typer.echo(json.dumps(row) if as_json else _row_text(row))
-                if not follow:
-                    return
-                last = rows[-1]["id"] if rows else 0
-                await asyncio.sleep(1)
-                rows = (
-                    await query.tail(engine, after_id=last)
-                    if last
-                    else await query.tail(engine, lines)
-                )
-        finally:
-            await engine.dispose()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        run_async(main)
-
-
-def _time_us(value: str | None) -> int | None:
-    if value is None:
-        return None
-    return int(datetime.fromisoformat(value).timestamp() * 1_000_000)
-
-
-@audit_app.command("export")
-def audit_export(
-    database_url: DbOpt = None,
-    since: Annotated[str | None, typer.Option(help="ISO time, inclusive")] = None,
-    until: Annotated[str | None, typer.Option(help="ISO time, exclusive")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl or csv")] = "jsonl",
-    output: Annotated[Path | None, typer.Option("--output", "-o")] = None,
-) -> None:
-    """Export decisions in a time range as JSON lines or CSV."""
-    if fmt not in ("jsonl", "csv"):
-        typer.echo("error: --format must be jsonl or csv", err=True)
+@app.command("report-key")
+def report_key(region: str) -> None:
+    """Print REGION's capacity-report key, derived from GTM_REPORT_SECRET: give it to that
+    region's balancers only (REGIONAL_LB_REPORT_SECRET, from a 0600 file or the environment).
+    A balancer with one region's key cannot sign another region's reports."""
+    settings = cli_settings()
+    if settings.report_secret is None:
+        typer.echo("error: GTM_REPORT_SECRET is unset: no fleet secret to derive from", err=True)
         raise typer.Exit(2)
-    try:
-        since_us, until_us = _time_us(since), _time_us(until)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    settings = cli_settings(database_url=database_url)
-    out = output.open("w", newline="", encoding="utf-8") if output else sys.stdout
-
-    async def main() -> int:
-        engine = make_async_engine(settings.database_url)
-        n = 0
-        writer: csv.DictWriter[str] | None = None
-        try:
-            async for row in query.export(engine, since_us, until_us):
-                if fmt == "jsonl":
-                    out.write(json.dumps(row) + "\n")
-                else:
-                    flat = {
-                        k: json.dumps(v) if isinstance(v, list | dict) else v
-                        for k, v in row.items()
-                    }
-                    if writer is None:
-                        writer = csv.DictWriter(out, fieldnames=list(flat))
-                        writer.writeheader()
-                    writer.writerow(flat)
-                n += 1
-        finally:
-            await engine.dispose()
-        return n
-
-    try:
-        n = run_async(main)
-    finally:
-        if output:
-            out.close()
-    typer.echo(f"exported {n} row(s)", err=True)
-
-
-def explain_row(row: dict[str, Any]) -> str:
-    """A row as a compliance reader wants it: the answer, then why every region was or was not
-    it, then the versions that let the decision be replayed."""
-    lines = [
-        _row_text(row),
-        f"  {row['channel']} {row['query_type'] or '-'} -> {row['response'] or '-'}, "
-        f"{row['count']} response(s) {query.iso(row['first_at_us'])} .. "
-        f"{query.iso(row['last_at_us'])}",
-        f"  residency {','.join(row['residency_classes']) or '-'}, tenant "
-        f"{row['tenant'] or '-'}, rules {','.join(row['matched_rules']) or '-'}",
-    ]
-    for c in row["candidates"]:
-        detail = f" ({c['detail']})" if c["detail"] else ""
-        lines.append(f"  {c['region']:<16} {c['status']:<8} {c['reason']}{detail}")
-    lines.append(
-        f"  snapshot {row['snapshot_version']}, topology {row['topology_version']}, policy "
-        f"{row['policy_version']}, geoip {row['geoip_build']}"
-    )
-    return "\n".join(lines)
-
-
-@audit_app.command("show")
-def audit_show(
-    decision_id: Annotated[str, typer.Argument(help="an X-GTM-Decision-Id (or a 451/503 body's)")],
-    database_url: DbOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
-) -> None:
-    """The decision behind an HTTP response: its audit row, with every region's reason. Exit 1
-    when no row holds it yet (a node writes its rows about a second after answering)."""
-    try:
-        parse_id(decision_id)
-    except DecisionIdError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    settings = cli_settings(database_url=database_url)
-
-    async def main() -> list[dict[str, Any]]:
-        engine = make_async_engine(settings.database_url)
-        try:
-            return await query.find_decision(engine, decision_id)
-        finally:
-            await engine.dispose()
-
-    rows = run_async(main)
-    for row in rows:
-        typer.echo(json.dumps(row) if as_json else explain_row(row))
-    if not rows:
-        typer.echo(f"no audit row holds {decision_id} (yet)", err=True)
-        raise typer.Exit(1)
-
-
-@audit_app.command("verify")
-def audit_verify(database_url: DbOpt = None) -> None:
-    """Check every node's decision chain and the region events' chain; exit 1 if any row was
-    altered, removed or reordered."""
-    settings = cli_settings(database_url=database_url)
-
-    async def main() -> tuple[int, int, list[Any]]:
-        engine = make_async_engine(settings.database_url)
-        try:
-            checked, breaks = await query.verify(engine)
-            events, event_breaks = await shared_state.read_event_chain(engine)
-            return checked, events, breaks + event_breaks
-        finally:
-            await engine.dispose()
-
-    checked, events, breaks = run_async(main)
-    for b in breaks:
-        typer.echo(f"BROKEN {b.node}#{b.node_seq}: {b.problem}")
-    typer.echo(
-        f"{checked} decision row(s) and {events} region event(s) checked, {len(breaks)} break(s)"
-    )
-    if breaks:
-        raise typer.Exit(1)
+    if region not in {r.id for r in build_snapshot(settings, time.time()).topology.regions}:
+        typer.echo(f"error: no region {region!r} in {settings.config}", err=True)
+        raise typer.Exit(2)
+    typer.echo(region_secret(settings.report_secret.get_secret_value().encode(), region).decode())

@@ -22,6 +22,7 @@ import yaml
 
 from gtm.decision.topology import Topology
 from gtm.demo.ports import free_port
+from regional_lb.capacity_report import region_secret
 
 MODEL = "llama-3-8b"
 
@@ -38,8 +39,10 @@ class Fleet:
         self, topology: Topology, sim_port_base: int = 8700, gtm_urls: tuple[str, ...] = ()
     ) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        env = os.environ | {"REGIONAL_LB_REPORT_SECRET": self.secret}
         for i, region in enumerate(topology.regions):
+            # Each balancer holds only its own region's key, never the fleet's secret.
+            key = region_secret(self.secret.encode(), region.id).decode()
+            env = os.environ | {"REGIONAL_LB_REPORT_SECRET": key}
             url = urlsplit(str(region.base_url))
             if url.hostname != "127.0.0.1" or url.port is None:
                 continue

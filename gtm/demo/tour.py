@@ -28,8 +28,11 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from gtm.audit import query
+from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.record import record_of
-from gtm.cli.main import explain_row, render_decision
+from gtm.audit.verify import verify
+from gtm.cli.audit import explain_row
+from gtm.cli.main import render_decision
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology
@@ -151,13 +154,16 @@ async def main(once: bool) -> None:
                 f"  {row['node']}#{row['node_seq']} x{row['count']} {row['name']} "
                 f"{row['client_network']} -> {row['outcome']} {row['region'] or '-'}"
             )
-        checked, breaks = await query.verify(engine)
+        sink = DirectorySink(settings.checkpoint_dir)
+        verified = await verify(engine, sink)
         total_counted = await query.total_count(engine)
     finally:
         await engine.dispose()
     print(
         f"  {runtime.writer.counted} decisions counted this run; {total_counted} in the store "
-        f"over all runs; {checked} rows, hash chain {'intact' if not breaks else 'BROKEN'}"
+        f"over all runs; {verified.rows} rows verified against {verified.checkpoints} signed "
+        f"checkpoints in {sink.directory} (outside the database): "
+        f"{'intact' if not verified.breaks else f'{len(verified.breaks)} BREAK(S)'}"
     )
     await live(settings, once)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 from sqlalchemy import RowMapping, delete, desc, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from gtm.audit.database import upsert
 from gtm.audit.event_chain import chain_events, verify_events
 from gtm.audit.record import ChainBreak
 from gtm.audit.schema import (
@@ -59,8 +59,7 @@ async def write_observations(engine: AsyncEngine, observations: Iterable[Observa
     ]
     if not rows:
         return
-    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(health_observations)
+    stmt = upsert(engine, health_observations)
     stmt = stmt.on_conflict_do_update(
         index_elements=["node", "region"],
         set_={c: stmt.excluded[c] for c in ("state", "since_us", "observed_at_us", "detail")},
@@ -376,8 +375,7 @@ async def write_node_status(engine: AsyncEngine, status: NodeStatus) -> None:
         "policy_version": status.policy_version,
         "regions": dict(status.regions),
     }
-    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(node_status)
+    stmt = upsert(engine, node_status)
     stmt = stmt.on_conflict_do_update(
         index_elements=["node"], set_={c: stmt.excluded[c] for c in row if c != "node"}
     )

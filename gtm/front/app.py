@@ -45,6 +45,10 @@ _ALLOW = ", ".join(sorted(ALLOWED_METHODS)).encode()
 _EMPTY_BODY = {"type": "http.response.body", "body": b""}
 
 
+# Served only to GTM_OPS_ALLOW when it is set: reports move traffic, metrics describe it.
+_RESTRICTED = frozenset({CAPACITY_PATH, "/metrics"})
+
+
 class _Reject(Exception):
     """Bad input: answered with ``status`` and a JSON body, nothing else happens."""
 
@@ -71,6 +75,7 @@ class FrontApp:
         )
         self.ops = OpsEndpoints(self.store, self.stats)
         self.capacity = CapacityEndpoint(runtime)
+        self.ops_allow = runtime.settings.ops_allow
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -127,6 +132,19 @@ class FrontApp:
         peer = parse_peer(peer_info[0]) if peer_info else UNSPECIFIED
         host, service = self.hosts.host(host_values, snapshot)
         if service is None and host is not None:
+            path = scope["path"]
+            if (
+                path in _RESTRICTED
+                and self.ops_allow
+                and not any(peer in n for n in self.ops_allow)
+            ):
+                await send_json(
+                    send,
+                    403,
+                    {"error": "forbidden", "message": f"{path} is not served to {peer}"},
+                    [],
+                )
+                return
             if scope["path"] in OPS_PATHS and method in ("GET", "HEAD"):
                 await self.ops.answer(scope["path"], send)
                 return

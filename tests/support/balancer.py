@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
+from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, region_secret, sign
 
 SECRET = "s3cret"
 
@@ -51,7 +51,8 @@ class FakeBalancer:
                 can_take_work=self.mode not in ("refuse", "draining"),
             )
             body = report.model_dump_json().encode()
-            signature = sign(body, b"forged" if self.mode == "forged" else SECRET.encode())
+            key = region_secret(SECRET.encode(), self.region)
+            signature = sign(body, b"forged" if self.mode == "forged" else key)
             status = "200 OK" if report.can_take_work else "503 Service Unavailable"
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"

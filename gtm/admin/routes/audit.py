@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
@@ -20,10 +21,13 @@ from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
+from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.schema import document_versions
 from gtm.decision.snapshot import Snapshot
 from gtm.errors import ConfigError, Problem
+from gtm.report.compliance import compliance_report
+from gtm.report.html import render
 from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
@@ -189,3 +193,34 @@ async def replay_decision(
             )
         )
     return out
+
+
+@router.get(
+    "/reports/compliance",
+    operation_id="compliance_report",
+    responses={200: {"content": {"application/json": {}, "text/html": {}}}},
+)
+async def compliance(
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("compliance_report"))],
+    since: Annotated[float, Query(alias="from", ge=0, le=_LATEST, description="unix seconds")],
+    until: Annotated[float, Query(alias="to", ge=0, le=_LATEST, description="unix seconds")],
+    format: Literal["json", "html"] = "json",
+) -> Response:
+    """The compliance report of a window (``gtm report compliance``): answers outside the
+    allowed regions recomputed from the recorded inputs, approvals, operator actions, gaps and
+    the chains verified against the checkpoints outside the database."""
+    if until <= since:
+        raise Invalid(
+            "to must be after from", [Problem("request", "query.to", "must be after from")]
+        )
+    report = await compliance_report(
+        ctx.engine,
+        round(since * 1e6),
+        round(until * 1e6),
+        sink=DirectorySink(ctx.checkpoints or Path("checkpoints")),
+        own_documents=[] if ctx.files is None else [ctx.files],
+    )
+    if format == "html":
+        return HTMLResponse(render(report))
+    return Response(orjson.dumps(report.to_json()), media_type="application/json")

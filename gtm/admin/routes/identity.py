@@ -25,11 +25,18 @@ class PrincipalOut(BaseModel):
     name: str
     roles: list[Role]
     disabled: bool = False
+    oidc_subject: str | None = None
 
 
 class NewPrincipal(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")
     roles: list[Role] = Field(min_length=1)
+    oidc_subject: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        description="the identity provider's `sub` whose access tokens act as this principal",
+    )
 
 
 class NewTokenIn(BaseModel):
@@ -66,7 +73,13 @@ class EventOut(BaseModel):
 
 
 def _out(p: Principal) -> PrincipalOut:
-    return PrincipalOut(id=p.id, name=p.name, roles=sorted(p.roles), disabled=p.disabled)
+    return PrincipalOut(
+        id=p.id,
+        name=p.name,
+        roles=sorted(p.roles),
+        disabled=p.disabled,
+        oidc_subject=p.oidc_subject,
+    )
 
 
 @router.get("/whoami", operation_id="whoami", response_model=PrincipalOut)
@@ -100,9 +113,12 @@ async def create_principal(
                 now=ctx.clock(),
                 node=ctx.node,
                 sealer=ctx.sealer,
+                oidc_subject=body.oidc_subject,
             )
         except principals.NameTaken:
             raise Conflict(f"a principal named {body.name!r} exists") from None
+        except principals.SubjectTaken:
+            raise Conflict(f"OIDC subject {body.oidc_subject!r} is bound already") from None
     return _out(created)
 
 

@@ -81,6 +81,7 @@ def start_admin(tmp_path: Path, geoip_path: Path) -> AdminFactory:
         signing: bool = True,
         trusted_keys: Iterable[Path] | None = None,
         database_url: str | None = None,
+        oidc: tuple[str, str, str] | None = None,  # issuer, audience, JWKS URL
     ) -> AsyncIterator[Admin]:
         keys = tmp_path / "keys"
         if not (keys / signer.PRIVATE_NAME).exists():
@@ -100,6 +101,9 @@ def start_admin(tmp_path: Path, geoip_path: Path) -> AdminFactory:
                 trusted_keys if trusted_keys is not None else [keys / signer.PUBLIC_NAME]
             ),
             document_signing_key=(keys / signer.PRIVATE_NAME) if signing else None,
+            admin_oidc_issuer=oidc and oidc[0],
+            admin_oidc_audience=oidc and oidc[1],
+            admin_oidc_jwks_url=oidc and oidc[2],
         )
         runtime = Runtime(settings)
         await runtime.start()

@@ -79,3 +79,25 @@ async def test_search_export_show_and_replay(start_admin: AdminFactory) -> None:
             assert bad.status_code == 422
             elsewhere = id_of({**down, "node": "nowhere"})  # well formed, held by no row
             assert (await a.get(f"/v1/decisions/{elsewhere}")).status_code == 404
+
+
+async def test_the_compliance_report_over_the_api(start_admin: AdminFactory) -> None:
+    async with start_admin() as admin:
+        runtime = admin.runtime
+        count(runtime, US, "chat-eu", "chat.eu.gtm.example.", 5)
+        count(runtime, DE, "chat", "chat.gtm.example.", 3)
+        await runtime.writer.flush()
+        await runtime.anchor.checkpoint("checkpoint")
+        auditor = await admin.token("ada", Role.AUDITOR)
+        window = {"from": 0, "to": time.time() + 60}
+        async with admin.client(auditor) as a:
+            report = (await a.get("/v1/reports/compliance", params=window)).json()
+            assert report["answers"] == 8
+            assert report["outside_allowed"] == 0 and report["unverifiable"] == {}
+            assert report["by_class"] == {"eu-personal": 5, "(unclassified)": 3}
+            assert report["verification"]["breaks"] == []
+            page = await a.get("/v1/reports/compliance", params={**window, "format": "html"})
+            assert page.headers["content-type"].startswith("text/html")
+            assert "0 answers outside the allowed regions" in page.text
+            backwards = await a.get("/v1/reports/compliance", params={"from": 10, "to": 5})
+            assert backwards.status_code == 422

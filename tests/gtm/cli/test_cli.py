@@ -129,7 +129,7 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
         if proc.stderr is not None:
             proc.stderr.close()
     # serve migrated the database: the audit commands work on it.
-    assert run(["db", "current"], env).stdout.strip() == "current 0004, newest 0004"
+    assert run(["db", "current"], env).stdout.strip() == "current 0007, newest 0007"
     verify = run(["audit", "verify"], env)
     assert verify.returncode == 0
     assert "0 decision row(s) and 0 region event(s) checked" in verify.stdout
@@ -190,3 +190,15 @@ def test_a_what_if_state_file_gets_every_problem_with_its_path(
     state.write_text("health: {eu-central: down}\ncapacity: {eu-west: {utilisation: 0.5}}\n")
     ok = run(args, env)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_report_key_derives_one_regions_key_only(env: dict[str, str]) -> None:
+    from regional_lb.capacity_report import region_secret
+
+    with_secret = env | {"GTM_REPORT_SECRET": "fleet-secret"}
+    out = run(["report-key", "eu-west"], with_secret)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == region_secret(b"fleet-secret", "eu-west").decode()
+    assert out.stdout.strip() != run(["report-key", "us-east"], with_secret).stdout.strip()
+    assert run(["report-key", "mars"], with_secret).returncode == 2
+    assert "GTM_REPORT_SECRET is unset" in run(["report-key", "eu-west"], env).stderr

@@ -56,6 +56,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         head_limits: HeadLimits = HeadLimits(),
         proxy_limits: ProxyLimits = ProxyLimits(connect_timeout_s=2.0, read_timeout_s=10.0),
         keep_alive_s: int = 5,
+        ops_allow: tuple[str, ...] = (),
     ) -> AsyncIterator[Front]:
         config = DEMO
         if topology is not None:
@@ -70,6 +71,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
             node_id="front-test",
             audit_flush_interval_s=0.05,
             trusted_proxies=tuple(ip_network(t) for t in trusted),
+            ops_allow=tuple(ip_network(n) for n in ops_allow),
             **NO_PROBES,
         )
         runtime = Runtime(settings)

@@ -7,11 +7,12 @@ import time
 import httpx
 
 from gtm.decision.snapshot import HealthState
-from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, sign
+from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, region_secret, sign
 
 from .conftest import FrontFactory
 
 SECRET = b"push-secret"
+KEY = region_secret(SECRET, "eu-central")
 
 
 def report(
@@ -39,7 +40,7 @@ async def test_pushed_reports_are_verified_and_applied(start_front: FrontFactory
         front.runtime.intake.secret = SECRET
         url = "/v1/capacity"
 
-        async def push(body: bytes, key: bytes = SECRET) -> int:
+        async def push(body: bytes, key: bytes = KEY) -> int:
             response = await client.post(
                 url, content=body, headers={SIGNATURE_HEADER: sign(body, key), "Host": "127.0.0.1"}
             )
@@ -77,3 +78,29 @@ async def test_pushed_reports_are_verified_and_applied(start_front: FrontFactory
         )
         # On a service host the path belongs to the service: redirected like any request.
         assert on_service.status_code == 307
+
+
+async def test_reports_and_metrics_can_be_kept_to_allow_listed_networks(
+    start_front: FrontFactory,
+) -> None:
+    """Before: /v1/capacity and /metrics answered any peer on a non-service Host."""
+    async with start_front(ops_allow=("10.0.0.0/8",)) as front:
+        front.runtime.intake.secret = SECRET
+        async with httpx.AsyncClient(base_url=front.url) as client:
+            host = {"Host": "127.0.0.1"}
+            body = report(1, 0.99)
+            pushed = await client.post(
+                "/v1/capacity", content=body, headers={**host, SIGNATURE_HEADER: sign(body, KEY)}
+            )
+            assert pushed.status_code == 403
+            assert "eu-central" not in front.runtime.store.current.capacity
+            assert (await client.get("/metrics", headers=host)).status_code == 403
+            # A forwarded header naming an allowed address changes nothing.
+            spoofed = await client.get("/metrics", headers={**host, "X-Forwarded-For": "10.1.2.3"})
+            assert spoofed.status_code == 403
+            assert (await client.get("/livez", headers=host)).status_code == 200
+    async with (
+        start_front(ops_allow=("127.0.0.0/8",)) as front,
+        httpx.AsyncClient(base_url=front.url) as client,
+    ):
+        assert (await client.get("/metrics", headers={"Host": "127.0.0.1"})).status_code == 200

@@ -1,0 +1,257 @@
+"""``gtm audit verify``: every chain checked against its links and its signed checkpoints.
+
+What a verifier needs is the checkpoints and the public keys (the sink outside the database,
+:mod:`gtm.audit.checkpoints`); the database is what is being checked, never a source of trust.
+The rows are streamed chain by chain in pages (memory stays flat however large the store), and
+for every chain:
+
+* each row must follow the one before it (``seq`` + 1, ``prev_hash``) and hash to its
+  ``row_hash``: an edited, removed or reordered row breaks here;
+* at every checkpointed sequence the row's hash must be the checkpoint's head, and the answers
+  counted through it the checkpoint's: a chain rewritten and re-hashed end to end is
+  consistent with itself but not with a checkpoint;
+* the chain must reach its newest checkpoint: a truncated tail, or a chain whose rows were all
+  deleted (the sink's chain files are the registry), is a break;
+* a chain with rows but no checkpoint at all is a break too (rows nobody signed for: added
+  outside GTM, or a node whose sink is missing);
+* a chain whose oldest rows retention removed (:mod:`gtm.audit.retention`) starts after its
+  newest signed ``cut``: its next row must follow the cut's sequence and hash.
+
+Rows after a chain's newest checkpoint are reported as not yet anchored (a running node
+checkpoints every few seconds and at shutdown), and ``gap`` checkpoints (unclean stops) are
+listed. A checkpoint line that does not parse or whose signature does not verify is a break
+with its location; it is never used nor skipped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm.audit.anchor import read_store_id
+from gtm.audit.checkpoints import (
+    EVENTS_CHAIN,
+    BadCheckpoint,
+    Checkpoint,
+    DirectorySink,
+    Signed,
+    check,
+    parse,
+)
+from gtm.audit.event_chain import event_hash
+from gtm.audit.record import GENESIS, ChainBreak, row_hash
+from gtm.audit.schema import decisions, region_events
+
+_PAGE = 5000
+
+
+@dataclass
+class ChainResult:
+    chain: str
+    rows: int = 0
+    answers: int = 0
+    last_seq: int = 0
+    anchored_seq: int = 0  # the newest checkpoint the chain matched
+    checkpoints: int = 0
+
+
+@dataclass
+class Verification:
+    store: str | None
+    chains: dict[str, ChainResult] = field(default_factory=dict)
+    breaks: list[ChainBreak] = field(default_factory=list)
+    gaps: list[Checkpoint] = field(default_factory=list)
+    cuts: list[Checkpoint] = field(default_factory=list)  # retention, newest per chain
+    checkpoints: int = 0  # trusted checkpoints read
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.chains.values() if c.chain != EVENTS_CHAIN)
+
+    @property
+    def unanchored(self) -> dict[str, int]:
+        return {
+            c.chain: c.last_seq - c.anchored_seq
+            for c in self.chains.values()
+            if c.last_seq > c.anchored_seq
+        }
+
+
+def read_checkpoints(
+    sink: DirectorySink, store: str | None
+) -> tuple[list[tuple[Signed, str]], list[BadCheckpoint]]:
+    """The sink's checkpoints of ``store`` whose signatures verify with its published keys,
+    each with its location; and every line that does not."""
+    keys = sink.keys()
+    good: list[tuple[Signed, str]] = []
+    bad: list[BadCheckpoint] = []
+    for location, line in sink.read():
+        try:
+            signed = parse(line, location)
+            check(signed, keys, location)
+        except BadCheckpoint as exc:
+            bad.append(exc)
+            continue
+        if store is None or signed.checkpoint.store == store:
+            good.append((signed, location))
+    return good, bad
+
+
+class _Checker:
+    """One chain's rows, fed in sequence order, checked against its links and checkpoints."""
+
+    def __init__(
+        self,
+        chain: str,
+        anchors: list[tuple[Checkpoint, str]],
+        rehash: Callable[[str, dict[str, Any]], str],
+        seq_key: str,
+        counted: bool,
+    ) -> None:
+        self.result = ChainResult(chain, checkpoints=len(anchors))
+        self.breaks: list[ChainBreak] = []
+        self._by_seq: dict[int, list[tuple[Checkpoint, str]]] = defaultdict(list)
+        for cp, location in anchors:
+            self._by_seq[cp.seq].append((cp, location))
+        self._newest = max((cp.seq for cp, _ in anchors), default=None)
+        self._rehash, self._seq_key, self._counted = rehash, seq_key, counted
+        self._prev_hash = GENESIS
+        # Retention removed the rows through the newest cut: the chain starts after it.
+        cuts = [cp for cp, _ in anchors if cp.kind == "cut"]
+        self.cut = max(cuts, key=lambda cp: cp.seq) if cuts else None
+        if self.cut is not None:
+            r = self.result
+            r.last_seq = r.anchored_seq = self.cut.seq
+            r.answers = self.cut.answers if counted else 0
+            self._prev_hash = self.cut.head
+        for cp, location in self._by_seq.get(0, []):
+            self._match(cp, location, GENESIS, 0)
+
+    def _break(self, seq: int, problem: str) -> None:
+        self.breaks.append(ChainBreak(self.result.chain, seq, problem))
+
+    def _match(self, cp: Checkpoint, location: str, digest: str, answers: int) -> None:
+        if cp.head != digest:
+            self._break(
+                cp.seq,
+                f"row hash differs from the checkpoint at {location}: rewritten (and re-hashed)",
+            )
+        elif self._counted and cp.answers != answers:
+            self._break(
+                cp.seq,
+                f"{answers} answers through this row, the checkpoint at {location} says "
+                f"{cp.answers}",
+            )
+        else:
+            self.result.anchored_seq = max(self.result.anchored_seq, cp.seq)
+
+    def feed(self, row: dict[str, Any]) -> None:
+        r = self.result
+        seq = row[self._seq_key]
+        if self.cut is not None and seq <= self.cut.seq:
+            return  # retained past its cut: not yet deleted, no longer vouched for
+        if seq != r.last_seq + 1:
+            self._break(seq, f"sequence jumps from {r.last_seq} to {seq}")
+        if row["prev_hash"] != self._prev_hash:
+            self._break(seq, "prev_hash does not match the previous row")
+        if self._rehash(row["prev_hash"], row) != row["row_hash"]:
+            self._break(seq, "row content does not match its hash")
+        r.rows += 1
+        if self._counted:
+            r.answers += int(row["count"])
+        r.last_seq, self._prev_hash = seq, row["row_hash"]
+        for cp, location in self._by_seq.get(seq, []):
+            self._match(cp, location, row["row_hash"], r.answers)
+
+    def finish(self) -> None:
+        r = self.result
+        if self._newest is None:
+            if r.rows:
+                self._break(
+                    1,
+                    "no checkpoint vouches for this chain: rows written outside GTM, or its "
+                    "node's checkpoint sink is missing",
+                )
+            return
+        if self._newest > r.last_seq:
+            where = next(loc for cp, loc in self._by_seq[self._newest])
+            what = "every row of the chain is gone" if r.rows == 0 else "the tail is gone"
+            self._break(
+                r.last_seq + 1,
+                f"{what}: the checkpoint at {where} vouches for rows up to {self._newest}, "
+                f"the store ends at {r.last_seq}",
+            )
+
+
+async def _pages(
+    engine: AsyncEngine, table: Any, seq_col: Any, where: Any
+) -> AsyncIterator[dict[str, Any]]:
+    last = -1
+    while True:
+        query = select(table).where(seq_col > last).order_by(seq_col).limit(_PAGE)
+        if where is not None:
+            query = query.where(where)
+        async with engine.connect() as conn:
+            rows = [dict(r._mapping) for r in await conn.execute(query)]
+        if not rows:
+            return
+        for row in rows:
+            yield row
+        last = rows[-1][seq_col.name]
+
+
+async def verify_store(
+    engine: AsyncEngine,
+    checkpoints: Iterable[tuple[Signed, str]],
+    bad: Iterable[BadCheckpoint],
+    store: str | None,
+) -> Verification:
+    out = Verification(store)
+    for b in bad:
+        out.breaks.append(ChainBreak("checkpoint", 0, f"{b.location}: {b.problem}"))
+    anchors: dict[str, list[tuple[Checkpoint, str]]] = defaultdict(list)
+    for signed, location in checkpoints:
+        cp = signed.checkpoint
+        out.checkpoints += 1
+        if cp.kind == "gap":
+            out.gaps.append(cp)
+        anchors[cp.chain].append((cp, location))
+    async with engine.connect() as conn:
+        nodes = [r[0] for r in await conn.execute(select(decisions.c.node).distinct())]
+    chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN}))
+    for chain in chains:
+        checker = _Checker(chain, anchors.get(chain, []), row_hash, "node_seq", counted=True)
+        async for row in _pages(engine, decisions, decisions.c.node_seq, decisions.c.node == chain):
+            checker.feed(row)
+        checker.finish()
+        if checker.cut is not None:
+            out.cuts.append(checker.cut)
+        out.chains[chain] = checker.result
+        out.breaks.extend(checker.breaks)
+    events = _Checker(EVENTS_CHAIN, anchors.get(EVENTS_CHAIN, []), event_hash, "seq", False)
+    async for row in _pages(
+        engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None)
+    ):
+        events.feed(row)
+    if events.result.rows or anchors.get(EVENTS_CHAIN):
+        events.finish()
+        out.chains[EVENTS_CHAIN] = events.result
+        out.breaks.extend(events.breaks)
+    return out
+
+
+async def verify(engine: AsyncEngine, sink: DirectorySink) -> Verification:
+    """The store of ``engine`` verified against the checkpoints in ``sink`` (what
+    ``gtm audit verify`` runs): the store's id, its trusted checkpoints, every chain."""
+    store = await read_store_id(engine)
+    good, bad = await asyncio.to_thread(read_checkpoints, sink, store)
+    return await verify_store(engine, good, bad, store)
+
+
+__all__ = ["ChainResult", "Verification", "read_checkpoints", "verify", "verify_store"]

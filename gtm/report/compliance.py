@@ -1,0 +1,265 @@
+"""The compliance report of a time window, recomputed rather than trusted.
+
+For every decision row in the window: answers per jurisdiction (of the region answered), per
+residency class and per service; and whether the answer was *allowed*, recomputed from the
+row's recorded inputs (residency classes, tenant, the client's country and continent) under
+the policy version the row names, found among the stored document versions or this node's own
+files. A row whose policy version cannot be found is counted as unverifiable, never as allowed.
+Beside that: the policy versions in force and who proposed and approved each, operator actions
+(region events with an actor), unclean-stop gaps, and the chains' verification against their
+checkpoints outside the database.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.schema import (
+    approvals,
+    decisions,
+    document_versions,
+    principals,
+    proposals,
+    region_events,
+)
+from gtm.audit.verify import Verification, verify
+from gtm.decision.documents import parse_yaml
+from gtm.decision.policy import PolicySet, parse_policies
+from gtm.decision.topology import parse_topology
+from gtm.errors import GTMError
+
+_PAGE = 5000
+_EXAMPLES = 20
+
+
+@dataclass
+class PolicyInForce:
+    policy_version: str
+    answers: int = 0
+    first_us: int | None = None
+    last_us: int | None = None
+    proposals: list[dict[str, Any]] = field(default_factory=list)  # id, author, approvers, when
+
+
+@dataclass
+class Compliance:
+    from_us: int
+    to_us: int
+    store: str | None
+    answers: int = 0
+    rows: int = 0
+    by_jurisdiction: Counter[str] = field(default_factory=Counter)
+    by_class: Counter[str] = field(default_factory=Counter)
+    by_service: Counter[str] = field(default_factory=Counter)
+    by_outcome: Counter[str] = field(default_factory=Counter)
+    by_region: Counter[str] = field(default_factory=Counter)
+    outside_allowed: int = 0  # answers given to a region the policy did not allow (expected 0)
+    outside_examples: list[dict[str, Any]] = field(default_factory=list)
+    unverifiable: Counter[str] = field(default_factory=Counter)  # policy version -> answers
+    policies: dict[str, PolicyInForce] = field(default_factory=dict)
+    operator_actions: list[dict[str, Any]] = field(default_factory=list)
+    verification: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("by_jurisdiction", "by_class", "by_service", "by_outcome", "by_region"):
+            out[key] = dict(sorted(getattr(self, key).items(), key=lambda kv: -kv[1]))
+        out["unverifiable"] = dict(self.unverifiable)
+        return out
+
+
+class Policies:
+    """Policy versions by id, from stored document versions and given documents."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[str, PolicySet] = {}
+        self.documents: dict[str, str] = {}  # policy version -> a document version holding it
+
+    def add(self, topology_text: str, policies: Mapping[str, str], document_id: str) -> None:
+        try:
+            topology = parse_topology(parse_yaml(topology_text, "topology"), document_id)
+            policy = parse_policies(sorted(policies.items()), topology)
+        except GTMError:
+            return  # a version that does not parse cannot vouch for anything
+        self.by_version.setdefault(policy.version, policy)
+        self.documents.setdefault(policy.version, document_id)
+
+
+def _jurisdiction(policy: PolicySet, region: str) -> str:
+    names = sorted(j for j, regions in policy.jurisdictions.items() if region in regions)
+    return "+".join(names) if names else "(none)"
+
+
+class Tally:
+    """Pure: rows in, the report's figures out."""
+
+    def __init__(self, report: Compliance, policies: Policies) -> None:
+        self.report, self.policies = report, policies
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        r, n = self.report, int(row["count"])
+        r.rows += 1
+        r.answers += n
+        r.by_outcome[row["outcome"]] += n
+        r.by_service[row["service"] or "(none)"] += n
+        for cls in row["residency_classes"] or ["(unclassified)"]:
+            r.by_class[cls] += n
+        version = row["policy_version"]
+        seen = r.policies.setdefault(version, PolicyInForce(version))
+        seen.answers += n
+        seen.first_us = min(seen.first_us or row["first_at_us"], row["first_at_us"])
+        seen.last_us = max(seen.last_us or row["last_at_us"], row["last_at_us"])
+        region = row["region"]
+        policy = self.policies.by_version.get(version)
+        if region is not None:
+            r.by_region[region] += n
+            if policy is not None:
+                r.by_jurisdiction[_jurisdiction(policy, region)] += n
+        if policy is None:
+            r.unverifiable[version] += n
+            return
+        if region is None:
+            return
+        verdict = policy.evaluate(
+            frozenset(row["residency_classes"] or ()),
+            row["tenant"],
+            row["country"],
+            row["continent"],
+        )
+        allowed = verdict.allowed
+        if verdict.unknown_classes or (allowed is not None and region not in allowed):
+            r.outside_allowed += n
+            if len(r.outside_examples) < _EXAMPLES:
+                r.outside_examples.append(
+                    {
+                        "row": f"{row['node']}#{row['node_seq']}",
+                        "name": row["name"],
+                        "client_network": row["client_network"],
+                        "country": row["country"],
+                        "classes": list(row["residency_classes"] or ()),
+                        "region": region,
+                        "allowed": sorted(allowed) if allowed is not None else None,
+                        "answers": n,
+                    }
+                )
+
+
+async def _policies(engine: AsyncEngine, own: Iterable[tuple[str, Mapping[str, str]]]) -> Policies:
+    found = Policies()
+    for topology, texts in own:
+        found.add(topology, texts, "this node's files")
+    async with engine.connect() as conn:
+        for row in await conn.execute(select(document_versions)):
+            found.add(row.topology, dict(row.policies), row.id)
+    return found
+
+
+async def _who_approved(engine: AsyncEngine, report: Compliance, policies: Policies) -> None:
+    wanted = {policies.documents[v]: v for v in report.policies if v in policies.documents}
+    async with engine.connect() as conn:
+        names = {
+            r.id: r.name for r in await conn.execute(select(principals.c.id, principals.c.name))
+        }
+        query = select(proposals).where(proposals.c.version_id.in_(list(wanted)))
+        for p in await conn.execute(query):
+            approvers = [
+                names.get(a.principal_id, a.principal_id)
+                for a in await conn.execute(
+                    select(approvals.c.principal_id).where(approvals.c.proposal_id == p.id)
+                )
+            ]
+            report.policies[wanted[p.version_id]].proposals.append(
+                {
+                    "proposal": p.id,
+                    "state": p.state,
+                    "author": names.get(p.author_id, p.author_id),
+                    "approvers": sorted(approvers),
+                    "reason": p.reason,
+                    "activated_at_us": p.activated_at_us,
+                }
+            )
+
+
+async def _operator_actions(engine: AsyncEngine, report: Compliance) -> None:
+    query = (
+        select(region_events)
+        .where(region_events.c.actor.isnot(None))
+        .where(region_events.c.at_us >= report.from_us, region_events.c.at_us < report.to_us)
+        .order_by(region_events.c.at_us)
+        .limit(1000)
+    )
+    async with engine.connect() as conn:
+        for e in await conn.execute(query):
+            report.operator_actions.append(
+                {
+                    "at_us": e.at_us,
+                    "region": e.region,
+                    "kind": e.kind,
+                    "state": e.state,
+                    "actor": e.actor,
+                    "reason": e.reason,
+                    "detail": e.detail,
+                }
+            )
+
+
+def _verification(result: Verification) -> dict[str, Any]:
+    return {
+        "breaks": [asdict(b) for b in result.breaks],
+        "gaps": [asdict(g) for g in result.gaps],
+        "checkpoints": result.checkpoints,
+        "unanchored": result.unanchored,
+        "chains": {
+            name: {
+                "rows": c.rows,
+                "answers": c.answers,
+                "anchored_through": c.anchored_seq,
+                "last_seq": c.last_seq,
+            }
+            for name, c in sorted(result.chains.items())
+        },
+    }
+
+
+async def compliance_report(
+    engine: AsyncEngine,
+    from_us: int,
+    to_us: int,
+    *,
+    sink: DirectorySink,
+    own_documents: Iterable[tuple[str, Mapping[str, str]]] = (),
+) -> Compliance:
+    verification = await verify(engine, sink)
+    report = Compliance(from_us, to_us, verification.store)
+    policies = await _policies(engine, own_documents)
+    tally = Tally(report, policies)
+    last_id = 0
+    while True:
+        query = (
+            select(decisions)
+            .where(decisions.c.id > last_id)
+            .where(decisions.c.last_at_us >= from_us, decisions.c.first_at_us < to_us)
+            .order_by(decisions.c.id)
+            .limit(_PAGE)
+        )
+        async with engine.connect() as conn:
+            rows = [dict(r._mapping) for r in await conn.execute(query)]
+        if not rows:
+            break
+        for row in rows:
+            tally.add(row)
+        last_id = rows[-1]["id"]
+    await _who_approved(engine, report, policies)
+    await _operator_actions(engine, report)
+    report.verification = _verification(verification)
+    return report
+
+
+__all__ = ["Compliance", "Policies", "Tally", "compliance_report"]

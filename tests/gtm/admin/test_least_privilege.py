@@ -1,0 +1,39 @@
+"""The admin service on PostgreSQL with nothing more than the gtm_admin role (migration 0007):
+principals, tokens, a proposal through approval and signed activation, an operator control."""
+
+from __future__ import annotations
+
+import pytest
+
+from gtm.admin.permissions import Role
+from tests.gtm.admin.conftest import AdminFactory, documents
+
+pytestmark = pytest.mark.postgres
+
+
+async def test_the_admin_service_runs_on_its_role(
+    postgres_logins: dict[str, str], start_admin: AdminFactory
+) -> None:
+    async with start_admin(database_url=postgres_logins["gtm_admin"]) as admin:
+        root = await admin.token("root", Role.ADMIN, Role.POLICY_AUTHOR, Role.OPERATOR)
+        async with admin.client(root) as client:
+            made = await client.post(
+                "/v1/principals", json={"name": "bob", "roles": ["policy-approver"]}
+            )
+            assert made.status_code == 201, made.text
+            issued = await client.post("/v1/principals/bob/tokens", json={})
+            assert issued.status_code == 201, issued.text
+            draft = await client.post("/v1/proposals", json={**documents(), "reason": "test"})
+            assert draft.status_code == 201, draft.text
+            proposal = draft.json()
+            submitted = await client.post(f"/v1/proposals/{proposal['id']}/submit")
+            assert submitted.status_code == 200, submitted.text
+            drain = await client.post("/v1/regions/eu-west/drain", json={"reason": "test"})
+            assert drain.status_code == 200, drain.text
+        async with admin.client(issued.json()["token"]) as bob:
+            approved = await bob.post(
+                f"/v1/proposals/{proposal['id']}/approve", json={"version": proposal["version"]}
+            )
+            assert approved.status_code == 200, approved.text
+            active = await bob.post(f"/v1/proposals/{proposal['id']}/activate", json={})
+            assert active.status_code == 200, active.text
