@@ -41,6 +41,19 @@ AUDIT_UNCLEAN_STOPS = Counter(
     "gtm_audit_unclean_stops",
     "Starts after an unclean stop (kill -9, power loss): a signed gap checkpoint was written",
 )
+AUDIT_VERIFIED_THROUGH = Gauge(
+    "gtm_audit_verified_through_seconds",
+    "Unix time of the newest signed checkpoint through which every chain verified (scheduled "
+    "verification, on nodes serving the admin API)",
+)
+AUDIT_VERIFY_FAILURES = Counter(
+    "gtm_audit_verify_failures",
+    "Scheduled verification passes that found a break, or could not run",
+)
+AUDIT_VERIFY_BREAKS = Gauge(
+    "gtm_audit_verify_breaks", "Breaks the last scheduled verification pass found"
+)
+AUDIT_VERIFY_PASSES = Counter("gtm_audit_verify_passes", "Scheduled verification passes run")
 SNAPSHOT_VERSION = Gauge("gtm_snapshot_version", "Version of the snapshot in force")
 GEOIP_RELOAD_FAILURES = Counter(
     "gtm_geoip_reload_failures", "GeoIP files that changed but could not be opened"

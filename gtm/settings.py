@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     audit_checkpoint_dir: Path | None = None  # unset: "checkpoints" beside the spool directory
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)
+    # Scheduled verification on nodes serving the admin API (gtm.audit.watch); 0: off.
+    audit_verify_interval_s: float = Field(default=60.0, ge=0)
     # Above this the spool raises gtm_audit_spool_over_cap (and logs an error at every flush):
     # rows are never dropped, so this is the alarm before the disk fills.
     audit_spool_max_bytes: int = Field(default=1 << 30, gt=0)

@@ -20,6 +20,8 @@ from gtm.admin.auth import AdminContext
 from gtm.admin.oidc import OidcVerifier
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
+from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.watch import VerificationWatch
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
 from gtm.listen import EmbeddedServer, parse_listen
@@ -103,15 +105,21 @@ async def serve_admin(
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     stopping = asyncio.ensure_future(stop.wait())
     scheduled = asyncio.ensure_future(scheduler.run(app.state.admin, stop))
+    background = [scheduled]
+    settings = runtime.settings
+    if settings.audit_verify_interval_s > 0:
+        watch = VerificationWatch(settings.database_url, DirectorySink(settings.checkpoint_dir))
+        background.append(asyncio.ensure_future(watch.run(stop, settings.audit_verify_interval_s)))
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
         await serving
     finally:
         stopping.cancel()
-        scheduled.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await scheduled
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if not serving.done():
             server.should_exit = server.force_exit = True
             with contextlib.suppress(asyncio.CancelledError):

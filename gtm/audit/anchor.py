@@ -2,9 +2,10 @@
 
 Beside the writer (:mod:`gtm.audit.writer`), the anchor signs a checkpoint
 (:mod:`gtm.audit.checkpoints`) of the node's decision chain and of the fleet's event chain as
-this node sees it: when it starts (``open``), on a schedule when a chain moved, and at shutdown,
-after the writer's last flush. Each goes to the sink outside the database first and then to
-``audit_checkpoints``; the sink is what verification trusts, the table is a convenience copy.
+this node sees it: when it starts (``open``), on a schedule when a chain moved (and about once a
+minute when it did not), and at shutdown, after the writer's last flush. Each goes to the sink
+outside the database first and then to ``audit_checkpoints``; the sink is what verification
+trusts, the table is a convenience copy.
 
 A start after an unclean stop (the running marker a clean stop removes is still there) first
 signs a ``gap``: answers counted after the chain's last flush and before this start were lost,
@@ -84,7 +85,10 @@ class Anchor:
         self.interval_s = interval_s
         self.events = events  # also checkpoint the fleet's event chain
         self.clock = clock
-        self._last: dict[str, tuple[int, str]] = {}  # chain -> (seq, head) last checkpointed
+        self._last: dict[str, tuple[int, str, float]] = {}  # chain -> (seq, head, at) signed
+        # A chain that did not move is signed again this often: a verifier tells an idle node
+        # from one whose checkpoints stopped (gtm_audit_verified_through_seconds keeps moving).
+        self.heartbeat_s = 6 * interval_s
         self._task: asyncio.Task[None] | None = None
         self.unclean_start = False
 
@@ -145,7 +149,9 @@ class Anchor:
                 heads.append((EVENTS_CHAIN, events_head[0], events_head[1], 0))
         written = 0
         for chain, seq, digest, answers in heads:
-            if not force and self._last.get(chain) == (seq, digest):
+            last = self._last.get(chain)
+            idle = last is not None and last[:2] == (seq, digest)
+            if not force and idle and last is not None and now - last[2] < self.heartbeat_s:
                 continue
             signed = sign(
                 Checkpoint(
@@ -155,7 +161,7 @@ class Anchor:
             )
             if await self._write(signed):
                 written += 1
-                self._last[chain] = (seq, digest)
+                self._last[chain] = (seq, digest, now)
         return written
 
     async def _events_head(self) -> tuple[int, str] | None:

@@ -17,6 +17,11 @@ for every chain:
 * a chain whose oldest rows retention removed (:mod:`gtm.audit.retention`) starts after its
   newest signed ``cut``: its next row must follow the cut's sequence and hash.
 
+A verification can start from checkpoints (``start``: one per chain, trusted because its
+signature verifies): rows up to each are not read again, and the first row after one must follow
+its hash. That is how the scheduled verification (:mod:`gtm.audit.watch`) goes on from where its
+last pass ended, and ``gtm audit verify --since`` checks a recent window of a large store.
+
 Rows after a chain's newest checkpoint are reported as not yet anchored (a running node
 checkpoints every few seconds and at shutdown), and ``gap`` checkpoints (unclean stops) are
 listed. A checkpoint line that does not parse or whose signature does not verify is a break
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +63,9 @@ class ChainResult:
     answers: int = 0
     last_seq: int = 0
     anchored_seq: int = 0  # the newest checkpoint the chain matched
+    anchored: Checkpoint | None = None  # that checkpoint (where a later pass can start)
     checkpoints: int = 0
+    started: Checkpoint | None = None  # where verification started (a cut, or ``start``)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Verification:
     gaps: list[Checkpoint] = field(default_factory=list)
     cuts: list[Checkpoint] = field(default_factory=list)  # retention, newest per chain
     checkpoints: int = 0  # trusted checkpoints read
+    newest_at: float | None = None  # the time of the newest trusted checkpoint read
 
     @property
     def rows(self) -> int:
@@ -113,6 +121,7 @@ class _Checker:
         rehash: Callable[[str, dict[str, Any]], str],
         seq_key: str,
         counted: bool,
+        start: Checkpoint | None = None,
     ) -> None:
         self.result = ChainResult(chain, checkpoints=len(anchors))
         self.breaks: list[ChainBreak] = []
@@ -125,13 +134,18 @@ class _Checker:
         # Retention removed the rows through the newest cut: the chain starts after it.
         cuts = [cp for cp, _ in anchors if cp.kind == "cut"]
         self.cut = max(cuts, key=lambda cp: cp.seq) if cuts else None
-        if self.cut is not None:
+        # A later start point (a checkpoint a previous pass matched) moves the base on too.
+        bases = [cp for cp in (self.cut, start) if cp is not None]
+        self.base = max(bases, key=lambda cp: cp.seq) if bases else None
+        if self.base is not None:
             r = self.result
-            r.last_seq = r.anchored_seq = self.cut.seq
-            r.answers = self.cut.answers if counted else 0
-            self._prev_hash = self.cut.head
-        for cp, location in self._by_seq.get(0, []):
-            self._match(cp, location, GENESIS, 0)
+            r.last_seq = r.anchored_seq = self.base.seq
+            r.anchored = r.started = self.base
+            r.answers = self.base.answers if counted else 0
+            self._prev_hash = self.base.head
+        else:
+            for cp, location in self._by_seq.get(0, []):
+                self._match(cp, location, GENESIS, 0)
 
     def _break(self, seq: int, problem: str) -> None:
         self.breaks.append(ChainBreak(self.result.chain, seq, problem))
@@ -148,14 +162,14 @@ class _Checker:
                 f"{answers} answers through this row, the checkpoint at {location} says "
                 f"{cp.answers}",
             )
-        else:
-            self.result.anchored_seq = max(self.result.anchored_seq, cp.seq)
+        elif cp.seq >= self.result.anchored_seq:
+            self.result.anchored_seq, self.result.anchored = cp.seq, cp
 
     def feed(self, row: dict[str, Any]) -> None:
         r = self.result
         seq = row[self._seq_key]
-        if self.cut is not None and seq <= self.cut.seq:
-            return  # retained past its cut: not yet deleted, no longer vouched for
+        if self.base is not None and seq <= self.base.seq:
+            return  # retained past its cut (no longer vouched for), or verified before
         if seq != r.last_seq + 1:
             self._break(seq, f"sequence jumps from {r.last_seq} to {seq}")
         if row["prev_hash"] != self._prev_hash:
@@ -190,9 +204,9 @@ class _Checker:
 
 
 async def _pages(
-    engine: AsyncEngine, table: Any, seq_col: Any, where: Any
+    engine: AsyncEngine, table: Any, seq_col: Any, where: Any, after: int = -1
 ) -> AsyncIterator[dict[str, Any]]:
-    last = -1
+    last = after
     while True:
         query = select(table).where(seq_col > last).order_by(seq_col).limit(_PAGE)
         if where is not None:
@@ -211,7 +225,11 @@ async def verify_store(
     checkpoints: Iterable[tuple[Signed, str]],
     bad: Iterable[BadCheckpoint],
     store: str | None,
+    start: Mapping[str, Checkpoint] | None = None,
 ) -> Verification:
+    """Every chain of the store checked against ``checkpoints``; each chain named in
+    ``start`` from that checkpoint on."""
+    start = start or {}
     out = Verification(store)
     for b in bad:
         out.breaks.append(ChainBreak("checkpoint", 0, f"{b.location}: {b.problem}"))
@@ -219,6 +237,7 @@ async def verify_store(
     for signed, location in checkpoints:
         cp = signed.checkpoint
         out.checkpoints += 1
+        out.newest_at = cp.at if out.newest_at is None else max(out.newest_at, cp.at)
         if cp.kind == "gap":
             out.gaps.append(cp)
         anchors[cp.chain].append((cp, location))
@@ -226,17 +245,28 @@ async def verify_store(
         nodes = [r[0] for r in await conn.execute(select(decisions.c.node).distinct())]
     chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN}))
     for chain in chains:
-        checker = _Checker(chain, anchors.get(chain, []), row_hash, "node_seq", counted=True)
-        async for row in _pages(engine, decisions, decisions.c.node_seq, decisions.c.node == chain):
+        checker = _Checker(
+            chain, anchors.get(chain, []), row_hash, "node_seq", True, start.get(chain)
+        )
+        async for row in _pages(
+            engine, decisions, decisions.c.node_seq, decisions.c.node == chain, _after(checker)
+        ):
             checker.feed(row)
         checker.finish()
         if checker.cut is not None:
             out.cuts.append(checker.cut)
         out.chains[chain] = checker.result
         out.breaks.extend(checker.breaks)
-    events = _Checker(EVENTS_CHAIN, anchors.get(EVENTS_CHAIN, []), event_hash, "seq", False)
+    events = _Checker(
+        EVENTS_CHAIN,
+        anchors.get(EVENTS_CHAIN, []),
+        event_hash,
+        "seq",
+        False,
+        start.get(EVENTS_CHAIN),
+    )
     async for row in _pages(
-        engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None)
+        engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None), _after(events)
     ):
         events.feed(row)
     if events.result.rows or anchors.get(EVENTS_CHAIN):
@@ -246,12 +276,44 @@ async def verify_store(
     return out
 
 
-async def verify(engine: AsyncEngine, sink: DirectorySink) -> Verification:
+def _after(checker: _Checker) -> int:
+    # Only the rows after the base are read; a retained row at or before a cut is not evidence.
+    return -1 if checker.base is None else checker.base.seq
+
+
+def starts_at(checkpoints: Iterable[tuple[Signed, str]], since: float) -> dict[str, Checkpoint]:
+    """For each chain, its newest checkpoint written at or before ``since``: where
+    ``gtm audit verify --since`` starts."""
+    out: dict[str, Checkpoint] = {}
+    for signed, _ in checkpoints:
+        cp = signed.checkpoint
+        if cp.at <= since and (cp.chain not in out or cp.seq > out[cp.chain].seq):
+            out[cp.chain] = cp
+    return out
+
+
+async def verify(
+    engine: AsyncEngine,
+    sink: DirectorySink,
+    *,
+    start: Mapping[str, Checkpoint] | None = None,
+    since: float | None = None,
+) -> Verification:
     """The store of ``engine`` verified against the checkpoints in ``sink`` (what
-    ``gtm audit verify`` runs): the store's id, its trusted checkpoints, every chain."""
+    ``gtm audit verify`` runs): the store's id, its trusted checkpoints, every chain; from
+    ``start`` (per chain), or from the newest checkpoint at or before ``since``."""
     store = await read_store_id(engine)
     good, bad = await asyncio.to_thread(read_checkpoints, sink, store)
-    return await verify_store(engine, good, bad, store)
+    if since is not None:
+        start = {**starts_at(good, since), **(start or {})}
+    return await verify_store(engine, good, bad, store, start)
 
 
-__all__ = ["ChainResult", "Verification", "read_checkpoints", "verify", "verify_store"]
+__all__ = [
+    "ChainResult",
+    "Verification",
+    "read_checkpoints",
+    "starts_at",
+    "verify",
+    "verify_store",
+]

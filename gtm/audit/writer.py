@@ -273,7 +273,7 @@ class AuditWriter:
     async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._io is None:
             self._io = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="audit-spool", initializer=_run_in_background
+                max_workers=1, thread_name_prefix="audit-spool", initializer=run_in_background
             )
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
@@ -512,5 +512,6 @@ def _set_nice(tid: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + _BACKGROUND_NICE))
 
 
-def _run_in_background() -> None:
+def run_in_background() -> None:
+    """Lower the calling thread's CPU priority (background audit work beside the loop)."""
     _set_nice(threading.get_native_id())

@@ -75,7 +75,10 @@ def audit_tail(
 def _time_us(value: str | None) -> int | None:
     if value is None:
         return None
-    return int(datetime.fromisoformat(value).timestamp() * 1_000_000)
+    try:
+        return int(datetime.fromisoformat(value).timestamp() * 1_000_000)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{value!r} is not an ISO 8601 time ({exc})") from exc
 
 
 @audit_app.command("export")
@@ -189,16 +192,24 @@ def audit_verify(
             help="the checkpoint sink (keys/ and chains/); default: GTM_AUDIT_CHECKPOINT_DIR",
         ),
     ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="ISO time: start each chain at its newest checkpoint written by then (rows "
+            "before it are not read; a full pass is the default)"
+        ),
+    ] = None,
 ) -> None:
     """Check every decision chain and the region events' chain against their links and the
     signed checkpoints outside the database; exit 1 at any break, each listed with where."""
     settings = cli_settings(database_url=database_url)
     sink = DirectorySink(checkpoints or settings.checkpoint_dir)
+    since_us = _time_us(since)
 
     async def main() -> Verification:
         engine = make_async_engine(settings.database_url)
         try:
-            return await verify(engine, sink)
+            return await verify(engine, sink, since=None if since_us is None else since_us / 1e6)
         finally:
             await engine.dispose()
 
@@ -211,6 +222,12 @@ def audit_verify(
         typer.echo(f"CUT {cut.chain}#{cut.seq} at {cut.at:.3f}: {cut.detail}")
     for chain, rows in sorted(result.unanchored.items()):
         typer.echo(f"UNANCHORED {chain}: {rows} row(s) after its newest checkpoint")
+    for chain, c in sorted(result.chains.items()):
+        if c.started is not None and c.started.kind != "cut":
+            typer.echo(
+                f"FROM {chain}#{c.started.seq}: the rows up to it were not read (its "
+                f"checkpoint at {c.started.at:.3f} vouches for them)"
+            )
     events = result.chains.get(EVENTS_CHAIN)
     typer.echo(
         f"{result.rows} decision row(s) and {events.rows if events else 0} region event(s) "

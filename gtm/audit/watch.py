@@ -1,0 +1,112 @@
+"""Scheduled verification: the store checked against its checkpoints on a schedule, each pass
+going on from where the last one ended.
+
+A node serving the admin API runs it (every ``GTM_AUDIT_VERIFY_INTERVAL_S``; 0 turns it off).
+The first pass reads every chain from its start (or its retention cut); each later pass starts
+every chain at the newest checkpoint the passes before matched, so it reads only what was
+written since. A pass that finds a break counts ``gtm_audit_verify_failures_total``, logs every
+break, and does not move on: the next pass checks the same rows again, and the alert stays
+until someone looks. ``gtm_audit_verified_through_seconds`` is the time of the newest checkpoint
+through which every chain verified: it stops moving when verification fails or when nothing
+signs checkpoints any more, which is what the "no checkpoint for N minutes" alert watches.
+
+A pass runs in a thread of its own with its own event loop and database connection, at a lower
+CPU priority: hashing every row is CPU work, and the node's loop answers queries meanwhile.
+A full ``gtm audit verify`` (every row from the start) remains the auditor's check; a pass
+here does not re-read rows a previous pass verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from gtm import metrics
+from gtm.audit.checkpoints import Checkpoint, DirectorySink
+from gtm.audit.database import make_async_engine
+from gtm.audit.verify import Verification, verify
+from gtm.audit.writer import run_in_background
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class VerificationWatch:
+    database_url: str
+    sink: DirectorySink
+    clock: Callable[[], float] = time.time
+    # chain -> the newest checkpoint a pass matched: where the next pass starts it
+    starts: dict[str, Checkpoint] = field(default_factory=dict)
+    passes: int = 0
+    failures: int = 0
+    last: Verification | None = None
+
+    halt: threading.Event = field(default_factory=threading.Event)
+
+    async def _verify(self) -> Verification:
+        engine = make_async_engine(self.database_url)
+        try:
+            task = asyncio.create_task(verify(engine, self.sink, start=dict(self.starts)))
+            # A node stopping must not wait for a long pass: it sets ``halt``.
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.1)
+                if self.halt.is_set():
+                    task.cancel()
+            return await task
+        finally:
+            await engine.dispose()
+
+    def _in_thread(self) -> Verification:
+        run_in_background()
+        return asyncio.run(self._verify())
+
+    async def once(self) -> Verification:
+        """One pass; updates the metrics and the start points."""
+        try:
+            result = await asyncio.to_thread(self._in_thread)
+        except asyncio.CancelledError:
+            self.halt.set()
+            raise
+        self.passes += 1
+        self.last = result
+        metrics.AUDIT_VERIFY_BREAKS.set(len(result.breaks))
+        metrics.AUDIT_VERIFY_PASSES.inc()
+        if result.breaks:
+            self.failures += 1
+            metrics.AUDIT_VERIFY_FAILURES.inc()
+            for b in result.breaks:
+                log.error("audit.verify_break", chain=b.node, seq=b.node_seq, problem=b.problem)
+            return result
+        for chain, checked in result.chains.items():
+            if checked.anchored is not None:
+                self.starts[chain] = checked.anchored
+        if result.newest_at is not None:
+            metrics.AUDIT_VERIFIED_THROUGH.set(result.newest_at)
+        log.info(
+            "audit.verified",
+            rows=result.rows,
+            chains=len(result.chains),
+            through=result.newest_at,
+            unanchored=sum(result.unanchored.values()),
+        )
+        return result
+
+    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
+        """A pass every ``interval_s`` until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                await self.once()
+            except Exception:  # a database away, a sink unreadable: try again next time
+                metrics.AUDIT_VERIFY_FAILURES.inc()
+                log.exception("audit.verify_failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
+__all__ = ["VerificationWatch"]

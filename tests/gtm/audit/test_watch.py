@@ -1,0 +1,145 @@
+"""Verification that goes on from a checkpoint: ``gtm audit verify --since`` and the scheduled
+passes of the admin node, with the metrics an alert reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gtm.audit.anchor import Anchor
+from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.schema import decisions
+from gtm.audit.verify import read_checkpoints, starts_at, verify
+from gtm.audit.watch import VerificationWatch
+from gtm.decision.snapshot import Snapshot
+from tests.gtm.audit.test_audit import records
+from tests.gtm.audit.test_evidence import Node, Store
+from tests.support.tamper import triggers_off
+
+
+def _metric(name: str) -> float:
+    value = REGISTRY.get_sample_value(name)
+    return 0.0 if value is None else value
+
+
+async def _round(node: Node, snapshot: Snapshot, n: int) -> None:
+    for k, record in enumerate(records(snapshot)):
+        node.writer.count(record, n=n + k + 1)
+    await node.writer.flush()
+    await node.anchor.checkpoint("checkpoint")
+
+
+async def _edit_row(engine: AsyncEngine, node: str, seq: int) -> None:
+    async with engine.begin() as conn:
+        await triggers_off(conn)
+        await conn.execute(
+            update(decisions)
+            .where(decisions.c.node == node, decisions.c.node_seq == seq)
+            .values(region="us-east")
+        )
+
+
+async def test_verify_since_a_checkpoint_reads_only_what_came_after_it(
+    engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    clock = [1000.0]
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    a.anchor.clock = lambda: clock[0]
+    for i in range(4):
+        clock[0] += 10
+        await _round(a, snapshot, i)
+    full = await store.verify()
+    assert full.breaks == [] and full.rows == 12
+    # From the checkpoint written at 1020 (after the second round, row 6): rows 7..12 read.
+    since = await verify(engine, store.sink, since=1025.0)
+    assert since.breaks == []
+    started = since.chains["node-a"].started
+    assert started is not None and started.seq == 6
+    assert since.rows == 6
+    assert since.chains["node-a"].answers == full.chains["node-a"].answers
+    # An edit after the start point is found; the first row after it must follow its hash.
+    await _edit_row(engine, "node-a", 7)
+    again = await verify(engine, store.sink, since=1025.0)
+    assert [(b.node, b.node_seq) for b in again.breaks] == [("node-a", 7)]
+
+
+async def test_starts_at_picks_each_chains_newest_checkpoint_by_then(
+    engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    clock = [500.0]
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    a.anchor.clock = lambda: clock[0]
+    for i in range(3):
+        clock[0] += 10
+        await _round(a, snapshot, i)
+    good, bad = read_checkpoints(store.sink, None)
+    assert bad == []
+    assert starts_at(good, 400.0) == {}
+    assert starts_at(good, 515.0)["node-a"].seq == 3
+    assert starts_at(good, 10_000.0)["node-a"].seq == 9
+
+
+async def test_scheduled_passes_go_on_from_the_last_and_hold_at_a_break(
+    database_url: str, engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    await _round(a, snapshot, 0)
+    watch = VerificationWatch(database_url, store.sink)
+    failures = _metric("gtm_audit_verify_failures_total")
+
+    first = await watch.once()
+    assert first.breaks == [] and first.rows == 3
+    through = _metric("gtm_audit_verified_through_seconds")
+    assert through == first.newest_at and through > 0
+    assert watch.starts["node-a"].seq == 3
+
+    await _round(a, snapshot, 1)
+    second = await watch.once()
+    assert second.breaks == []
+    assert second.rows == 3  # only the rows written since the first pass
+    assert watch.starts["node-a"].seq == 6
+    through = _metric("gtm_audit_verified_through_seconds")
+    assert second.newest_at is not None and through == second.newest_at
+
+    await _round(a, snapshot, 2)
+    await _edit_row(engine, "node-a", 8)
+    third = await watch.once()
+    assert [(b.node, b.node_seq) for b in third.breaks] == [("node-a", 8)]
+    assert _metric("gtm_audit_verify_failures_total") == failures + 1
+    assert _metric("gtm_audit_verify_breaks") == 1
+    # Held where it was: the next pass checks the same rows again, the time does not move.
+    assert _metric("gtm_audit_verified_through_seconds") == through
+    assert watch.starts["node-a"].seq == 6
+    fourth = await watch.once()
+    assert [(b.node, b.node_seq) for b in fourth.breaks] == [("node-a", 8)]
+    await a.writer.stop()
+    await a.anchor.stop()
+
+
+async def test_an_idle_chain_is_signed_again_after_the_heartbeat(
+    engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    clock = [2000.0]
+    anchor: Anchor = a.anchor
+    anchor.clock = lambda: clock[0]
+    anchor.heartbeat_s = 60.0
+    await _round(a, snapshot, 0)
+    clock[0] += 30
+    assert await anchor.checkpoint("checkpoint") == 0  # nothing moved, heartbeat not due
+    clock[0] += 31
+    assert await anchor.checkpoint("checkpoint") >= 1  # signed again though idle
+    async with engine.connect() as conn:
+        newest = await conn.scalar(
+            select(decisions.c.node_seq).order_by(decisions.c.node_seq.desc())
+        )
+    good, _ = read_checkpoints(store.sink, None)
+    mine = [s.checkpoint for s, _ in good if s.checkpoint.chain == "node-a"]
+    assert any(cp.at == clock[0] and cp.seq == newest for cp in mine)
