@@ -75,6 +75,10 @@ class Spool:
         self.key = key if key is not None else load_or_create(directory / KEY_NAME)
         self._mac_key = self.key.mac_key
         self.rejected: list[Rejected] = []  # refused at the last read, for reports and tests
+        # Offsets handed out (appends' ends, reads' ends) are logical: bytes ever written to
+        # the file. ``_base`` is the logical offset of the file's first byte, so an end handed
+        # out before a discard still names the same row after it.
+        self._base = 0
         for path in (self.path, self.state_path):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(path, 0o600)  # spools written before they were private
@@ -121,13 +125,14 @@ class Spool:
 
     def append_lines(
         self, lines: list[bytes], last_seq: int, last_hash: str, answers: int = 0
-    ) -> None:
+    ) -> int:
         """Append rows already rendered as JSON lines (each ending in a newline) with their
-        MACs and fsync, then remember the chain's end. A write torn by a crash leaves a partial
-        last line: the append starts a new line after it, so the torn line never swallows the
-        first row written after it."""
+        MACs and fsync, then remember the chain's end; returns the spool's size after the
+        append (where these rows end: :meth:`discard_through`). A write torn by a crash leaves
+        a partial last line: the append starts a new line after it, so the torn line never
+        swallows the first row written after it."""
         if not lines:
-            return
+            return self._base + self.size()
         mac = self._mac
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a+b") as f:  # writes go to the end whatever was read
@@ -138,17 +143,23 @@ class Spool:
             f.writelines(b"%s\t%s\n" % (line[:-1], mac(line[:-1])) for line in lines)
             f.flush()
             os.fsync(f.fileno())
+            end = self._base + f.tell()
         self._save_state(ChainHead(last_seq, last_hash, answers))
+        return end
 
     def pending(self) -> list[dict[str, Any]]:
-        """Rows waiting for the database, in order. A line whose MAC does not verify (edited on
-        disk, or torn by a crash: never acknowledged as flushed) is refused, kept aside with the
-        reason in ``audit-<node>.rejected`` and counted; rows after it still count, and if rows
-        were lost with it, the chain shows the gap (``gtm audit verify``)."""
+        return self.pending_through()[0]
+
+    def pending_through(self) -> tuple[list[dict[str, Any]], int]:
+        """Rows waiting for the database, in order, and the logical offset where they end. A
+        line whose MAC does not verify (edited on disk, or torn by a crash: never acknowledged
+        as flushed) is refused, kept aside with the reason in ``audit-<node>.rejected`` and
+        counted; rows after it still count, and if rows were lost with it, the chain shows the
+        gap (``gtm audit verify``)."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return []
+            return [], self._base
         rows = []
         kept: list[bytes] = []
         self.rejected = []
@@ -173,8 +184,11 @@ class Spool:
             self._keep_rejected(data.splitlines())
             # Set aside once: the spool keeps only the lines that verify, so a retry while the
             # database is away does not refuse (and count) the same line again.
-            _write_private(self.path, b"".join(kept))
-        return rows
+            compact = b"".join(kept)
+            _write_private(self.path, compact)
+            # The refused bytes count as discarded: later offsets keep their meaning.
+            self._base += len(data) - len(compact)
+        return rows, self._base + self.size()
 
     def _keep_rejected(self, lines: list[bytes]) -> None:
         fd = os.open(self.rejected_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -193,10 +207,29 @@ class Spool:
         metrics.AUDIT_SPOOL_REJECTED.inc(len(self.rejected))
 
     def clear(self) -> None:
+        self._base += self.size()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.flush()
             os.fsync(f.fileno())
+
+    def discard_through(self, end: int) -> None:
+        """Forget the rows up to the logical offset ``end`` (an append's or a read's end: rows
+        the database committed), keeping whatever was appended after them. Flushes seal and
+        spool while an earlier flush's rows are still being inserted, so the spool may hold
+        more than the drain that calls this took."""
+        cut = end - self._base
+        if cut <= 0:
+            return  # an earlier discard took these already
+        size = self.size()
+        if cut >= size:
+            self.clear()
+            return
+        with self.path.open("rb") as f:
+            f.seek(cut)
+            rest = f.read()
+        _write_private(self.path, rest)
+        self._base += cut
 
     def size(self) -> int:
         try:
