@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gtm.admin.server import bind as bind_admin
 from gtm.admin.server import serve_admin
+from gtm.anycast import Announcer, Bird, Rules, self_check
 from gtm.audit import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server
@@ -59,6 +60,27 @@ def tune_for_latency() -> None:
     sys.setswitchinterval(0.0005)
 
 
+def anycast_for(settings: Settings, runtime: Runtime, node: Node) -> Announcer:
+    """The node's announcer: its own first DNS listener is what it checks."""
+    assert settings.anycast_bird_socket is not None
+    check = None
+    if node.dns is not None and node.dns.bound:
+        host, port = node.dns.bound[0]
+        apex = runtime.store.current.topology.zone.apex
+
+        def check() -> Awaitable[bool]:
+            return self_check(host, port, apex)
+
+    return Announcer(
+        Bird(settings.anycast_bird_socket, settings.anycast_protocol),
+        Rules(settings.anycast_fall, settings.anycast_max_db_loss_s),
+        db_lost_s=lambda: runtime.sync.age_s,
+        check=check,
+        drain_file=settings.anycast_drain_file,
+        interval_s=settings.anycast_check_interval_s,
+    )
+
+
 async def run_node(
     settings: Settings,
     stop: asyncio.Event,
@@ -72,6 +94,7 @@ async def run_node(
     node = Node(runtime)
     collector = register(node.dns_stats)
     keeper: asyncio.Task[None] | None = None
+    announcer: Announcer | None = None
     if settings.gc_freeze_interval_s > 0:
         heap = HeapKeeper(settings.gc_freeze_interval_s, settings.gc_full_interval_s)
         keeper = asyncio.create_task(heap.run(), name="heap-keeper")
@@ -112,6 +135,9 @@ async def run_node(
         if settings.metrics_listen:
             host, port = parse_listen(settings.metrics_listen)
             start_http_server(port, addr=host)  # a daemon thread; scrapes never touch the loop
+        if settings.anycast_bird_socket is not None:
+            announcer = anycast_for(settings, runtime, node)
+            await announcer.start()
         log.info(
             "gtm.ready",
             dns=[f"{h}:{p}" for h, p in node.dns.bound] if node.dns else [],
@@ -122,6 +148,8 @@ async def run_node(
             ready.set_result(node)
         await stop.wait()
     finally:
+        if announcer is not None:
+            await announcer.stop()  # the route goes first, while the listeners still answer
         if keeper is not None:
             keeper.cancel()  # and it unfreezes the heap
             with contextlib.suppress(asyncio.CancelledError):

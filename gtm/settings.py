@@ -92,6 +92,15 @@ class Settings(BaseSettings):
     # unrestricted traffic keeps being served. 0: never.
     fence_after_s: float = Field(default=60.0, ge=0)
     fence_action: Literal["fail_closed", "short_ttl"] = "fail_closed"
+    # Anycast (gtm.anycast): BIRD's control socket; unset, the node announces nothing. The node
+    # withdraws the prefix while the drain file exists, after anycast_fall failed queries to
+    # its own DNS listener, after this long without the shared database, and when stopping.
+    anycast_bird_socket: Path | None = None
+    anycast_protocol: str = "gtm_anycast"
+    anycast_drain_file: Path | None = None
+    anycast_max_db_loss_s: float = Field(default=30.0, ge=0)
+    anycast_fall: int = Field(default=2, ge=1)
+    anycast_check_interval_s: float = Field(default=1.0, gt=0)
     # The fleet's configured observers (observer ids, or node ids): when given, only their
     # observations count and a region's state needs a majority of them (or health_quorum, if
     # higher), whoever is alive; empty: every node that reports, the quorum shrinking to those.
