@@ -145,6 +145,19 @@ async def _serve(cfg: object, host: str, port: int, secret: bytes | None, grace:
     sock.close()
 
 
+@app.command("hash-key")
+def hash_key() -> None:
+    """Print the SHA-256 of a client API key read from standard input, for a tenant's
+    ``key_sha256`` (the key itself never goes into the YAML, nor onto a command line)."""
+    from regional_lb.credentials import key_digest
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        typer.echo("error: no key on standard input", err=True)
+        raise typer.Exit(2)
+    typer.echo(key_digest(key))
+
+
 @app.command("sim-backend")
 def sim_backend(
     listen: Annotated[str, typer.Option("--listen", help="HOST:PORT")] = "127.0.0.1:8701",
@@ -159,9 +172,16 @@ def sim_backend(
     load_time: Annotated[float, typer.Option("--load-time", help="seconds to load a model")] = 20.0,
     speedup: Annotated[float, typer.Option("--speedup", help="divide every duration")] = 1.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    kind: Annotated[
+        str, typer.Option("--kind", help="server to play: vllm, sglang, tgi, triton, openai")
+    ] = "vllm",
+    api_key_env: Annotated[
+        str, typer.Option("--api-key-env", help="require the key in this variable on /v1")
+    ] = "",
 ) -> None:
     """Run a simulated OpenAI-compatible inference server (no GPU needed)."""
     from regional_lb.sim.engine import EngineConfig
+    from regional_lb.sim.metrics import KINDS
     from regional_lb.sim.server import serve as serve_sim
 
     try:
@@ -172,6 +192,12 @@ def sim_backend(
     except KeyError as exc:
         typer.echo(f"error: --gpu: {exc.args[0]}", err=True)
         raise typer.Exit(2) from None
+    if kind not in KINDS:
+        typer.echo(f"error: --kind: one of {', '.join(KINDS)}", err=True)
+        raise typer.Exit(2)
+    if api_key_env and not os.environ.get(api_key_env):
+        typer.echo(f"error: --api-key-env: environment variable {api_key_env} is not set", err=True)
+        raise typer.Exit(2)
     cfg = EngineConfig(
         gpu=gp,
         models=[m for m in models.split(",") if m],
@@ -180,6 +206,8 @@ def sim_backend(
         load_time_s=load_time,
         speedup=speedup,
         seed=seed,
+        kind=kind,
+        api_key=os.environ.get(api_key_env) if api_key_env else None,
     )
     typer.echo(
         f"sim-backend {gp.name} {models} on http://{host}:{port} (pid {os.getpid()})", err=True

@@ -1,5 +1,7 @@
 """The balancer's configuration: a YAML file validated with pydantic, plus the report secret
 from the environment (``REGIONAL_LB_REPORT_SECRET``), which is never stored in the YAML.
+Other secrets (upstream API keys, the admin token) are named by their environment variable or
+file (:mod:`regional_lb.credentials`) and checked when the configuration is loaded.
 
 Every problem is reported at once with its location; the CLI exits with code 2 on any.
 """
@@ -14,11 +16,50 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from regional_lb.balancing.gpus import GPUS
+from regional_lb.credentials import SecretUnavailable, read_secret
 from regional_lb.errors import ConfigError
+
+# What serves an instance decides where its readiness and metrics are and what they mean
+# (regional_lb.upstream.profiles).
+ServerKind = Literal["vllm", "tgi", "triton", "sglang", "openai"]
+
+KiB, MiB = 1 << 10, 1 << 20
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SecretRef(_Strict):
+    """Where a secret lives: exactly one of an environment variable or a file (mode 0600)."""
+
+    env: str | None = Field(default=None, min_length=1)
+    file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> SecretRef:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env or file (never the secret itself)")
+        try:
+            read_secret(self.env, self.file)
+        except SecretUnavailable as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def read(self) -> str:
+        return read_secret(self.env, self.file)
+
+
+class UpstreamAuth(_Strict):
+    """The credential the balancer presents to instances: on probes, metrics scrapes and
+    proxied requests alike (``vllm serve --api-key`` guards every /v1 route)."""
+
+    token: SecretRef
+    header: str = Field(default="Authorization", min_length=1)
+    scheme: str = "Bearer"  # prefix of the header's value; "" sends the bare token
+    # A client's own Authorization: replaced by ours, or passed through (when clients hold
+    # per-user keys the instances check themselves; probes and scrapes still use ours).
+    client_authorization: Literal["replace", "pass"] = "replace"
 
 
 class InstanceConfig(_Strict):
@@ -29,7 +70,14 @@ class InstanceConfig(_Strict):
     models: list[str] = Field(default_factory=list, description="servable models (empty: any)")
     max_concurrency: int | None = Field(default=None, gt=0)
     memory_gb: float | None = Field(default=None, gt=0)
-    metrics: bool = True  # scrape /metrics for real load
+    metrics: bool = True  # scrape the server's metrics for real load
+    kind: ServerKind | None = None  # unset: the pool's server_kind
+    # Overrides of the kind's defaults, e.g. Triton's metrics on their own port.
+    health_url: str | None = Field(default=None, pattern=r"^https?://")
+    metrics_url: str | None = Field(default=None, pattern=r"^https?://")
+    # embed: an embedding/pooling server (its model probe asks for an embedding).
+    task: Literal["generate", "embed"] = "generate"
+    auth: UpstreamAuth | None = None  # unset: the pool's upstream_auth
 
     @model_validator(mode="after")
     def _known_gpu(self) -> InstanceConfig:
@@ -61,9 +109,80 @@ class TierConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    tier: str | None = None
+    tier: str | None = None  # the highest tier its callers get (X-Priority may only lower it)
     rate: float = Field(default=100.0, gt=0, description="requests per second")
     burst: float = Field(default=200.0, gt=0)
+    # SHA-256 (hex) of the tenant's API keys; `regional-lb hash-key` prints one. A caller is
+    # this tenant only when it presents one of these keys as a bearer token.
+    key_sha256: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _digests(self) -> TenantConfig:
+        for d in self.key_sha256:
+            if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
+                raise ValueError("key_sha256 entries are 64 lower-case hex digits")
+        return self
+
+
+class JwtConfig(_Strict):
+    """Bearer JWTs from an identity provider, verified against its JWKS (public keys: a file,
+    or a URL fetched at start and every ``refresh_s``). The tenant is a claim's value, and must
+    be one of ``tenants`` (its tier and limits apply)."""
+
+    jwks_file: str | None = None
+    jwks_url: str | None = Field(default=None, pattern=r"^https?://")
+    refresh_s: float = Field(default=300.0, gt=0)
+    issuer: str = Field(min_length=1)
+    audience: str = Field(min_length=1)
+    tenant_claim: str = "tenant"
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256", "EdDSA"])
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwtConfig:
+        if (self.jwks_file is None) == (self.jwks_url is None):
+            raise ValueError("give exactly one of jwks_file or jwks_url")
+        if self.jwks_file is not None and not Path(self.jwks_file).is_file():
+            raise ValueError(f"jwks_file {self.jwks_file} does not exist")
+        if any(a.upper().startswith("HS") or a.lower() == "none" for a in self.algorithms):
+            raise ValueError("algorithms: only public-key algorithms verify against a JWKS")
+        return self
+
+
+class ClientAuthConfig(_Strict):
+    """How callers are identified. Identity comes only from a verified key, never a header."""
+
+    # The header carrying the client's key (a bearer token in Authorization, like OpenAI's).
+    header: str = "Authorization"
+    # true: a caller without a valid key gets 401; false: it gets the default tenant.
+    require_key: bool = False
+    jwt: JwtConfig | None = None
+
+
+class AdminConfig(_Strict):
+    """/admin/*: with a token, every call must carry it as a bearer token; without one, only
+    callers on the loopback interface are served (bind the balancer accordingly)."""
+
+    token: SecretRef | None = None
+
+
+class BodyLimits(_Strict):
+    """Per route: chat requests carry images (base64) and long contexts."""
+
+    chat: int = Field(default=64 * MiB, gt=0)
+    completion: int = Field(default=16 * MiB, gt=0)
+    embedding: int = Field(default=16 * MiB, gt=0)
+
+
+class BackpressureConfig(_Strict):
+    """What a 429 tells the client (regional_lb.balancing.admission)."""
+
+    # Retry-After is spread by this share either way, so clients told the same thing at the
+    # same moment do not come back together.
+    jitter: float = Field(default=0.15, ge=0, lt=1)
+    # Balancer-side retries (a connection refused, once) may add at most this share of
+    # requests on top of the ones received, plus a small floor per second.
+    retry_budget_ratio: float = Field(default=0.2, ge=0)
+    retry_budget_min_per_s: float = Field(default=5.0, ge=0)
 
 
 class Timeouts(_Strict):
@@ -77,7 +196,10 @@ class Timeouts(_Strict):
 class HealthConfig(_Strict):
     probe_interval_s: float = Field(default=2.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
-    probe_model: bool = True  # ask the model for one token, not just the port
+    # Readiness probes cost no inference. The model check (one token, or one embedding) is
+    # opt-in, and at most once per model_probe_interval_s per instance.
+    probe_model: bool = False
+    model_probe_interval_s: float = Field(default=30.0, gt=0)
     # Rise/fall: consecutive probes that must agree before the state flips. One probe lost to
     # a busy host or a dropped packet does not take an instance out of service.
     unhealthy_after: int = Field(default=2, ge=1)
@@ -87,7 +209,11 @@ class HealthConfig(_Strict):
     ejection_max_s: float = Field(default=300.0, gt=0)
     max_ejected_share: float = Field(default=0.5, ge=0, le=1)
     slow_start_s: float = Field(default=30.0, ge=0)
+    # Between tokens, from the first one on. Before it the request may be queued at the
+    # server (vLLM sends headers before the first token): first_token_timeout_s applies, and
+    # running out of it while the server reports waiting requests is busy, not broken.
     stall_timeout_s: float = Field(default=20.0, gt=0)
+    first_token_timeout_s: float = Field(default=120.0, gt=0)
 
 
 class AffinityConfig(_Strict):
@@ -122,17 +248,24 @@ class BalancerConfig(_Strict):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
     default_tier: str = "standard"
+    # A caller may ask for a lower tier than its tenant's with this header, never a higher one.
     tier_header: str = "X-Priority"
-    tenant_header: str = "X-Tenant"
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
-    default_tenant: TenantConfig | None = None  # unset: unknown tenants are not rate-limited
+    # Callers without a valid key: these limits, one bucket per client address.
+    default_tenant: TenantConfig = Field(default_factory=TenantConfig)
+    clients: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    server_kind: ServerKind = "vllm"  # per instance: instances[].kind
+    upstream_auth: UpstreamAuth | None = None  # per instance: instances[].auth
     gtm_urls: list[str] = Field(default_factory=list)
     report_interval_s: float = Field(default=1.0, gt=0)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
-    max_body_bytes: int = Field(default=1 << 20, gt=0)
+    backpressure: BackpressureConfig = Field(default_factory=BackpressureConfig)
+    body_limits: BodyLimits = Field(default_factory=BodyLimits)
+    max_body_bytes: int | None = Field(default=None, gt=0, description="all routes, if set")
     kv_limit: float = Field(default=0.95, gt=0, le=1)
 
     @model_validator(mode="after")
@@ -146,9 +279,15 @@ class BalancerConfig(_Strict):
             problems.append("tiers: names must be unique")
         if self.default_tier not in names:
             problems.append(f"default_tier: {self.default_tier!r} is not a tier")
-        for tenant, spec in self.tenants.items():
+        owners: dict[str, str] = {}
+        for tenant, spec in [*self.tenants.items(), ("default_tenant", self.default_tenant)]:
             if spec.tier is not None and spec.tier not in names:
                 problems.append(f"tenants.{tenant}.tier: {spec.tier!r} is not a tier")
+            for d in spec.key_sha256:
+                if owners.setdefault(d, tenant) != tenant:
+                    problems.append(f"tenants.{tenant}: a key is also {owners[d]}'s")
+        if self.default_tenant.key_sha256:
+            problems.append("default_tenant: has no keys (it is for callers without one)")
         if ":" not in self.listen:
             problems.append("listen: expected HOST:PORT")
         if problems:
@@ -185,6 +324,12 @@ def load_config(path: Path) -> BalancerConfig:
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from exc
     return parse_config(data, str(path))
+
+
+def body_limit(config: BalancerConfig, endpoint: str) -> int:
+    if config.max_body_bytes is not None:
+        return config.max_body_bytes
+    return int(getattr(config.body_limits, endpoint))
 
 
 def split_listen(listen: str) -> tuple[str, int]:

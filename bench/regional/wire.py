@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "tiers": [{"name": "standard", "max_utilisation": 1.0, "queue_limit": 1000}],
             "health": {"probe_interval_s": 5.0, "slow_start_s": 0},
+            # The load generator is one address without a key: the default tenant's limits
+            # (one bucket per address) must not be what is measured.
+            "default_tenant": {"rate": 1e6, "burst": 1e6},
         }
         bport = _port()
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:

@@ -5,14 +5,24 @@ A tier may start a request while the pool's running requests stay under its shar
 pool's slots (the top tier's share is 1.0, so ``1 - standard share`` is reserved for it).
 Otherwise the request waits in its tier's FIFO queue; higher tiers are woken first. When the
 queue is full, or the predicted wait is longer than the tier's timeout, the request is refused
-at once with a 429 whose Retry-After is that predicted drain time, rather than after sitting
-out the whole timeout.
+at once with a 429 rather than after sitting out the whole timeout.
+
+Retry-After tells the truth about when a slot would be free for the refused request: the
+queue ahead of it drains one place per release, and releases come ``running / service time``
+per second (the service time learned from admitted requests, the pool's cost-based estimate
+until then). Requests refused earlier and told to come back are ahead of it too: each refusal
+promises a return, so a burst of refusals is told a spread of times that match the backlog,
+instead of one small number that brings them all back together. A jitter (a share either way)
+separates those told the same thing at the same moment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
+import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +45,9 @@ class PoolLoad:
     slots: int  # concurrent requests the eligible instances accept
     outstanding: float  # cost units in flight
     capacity: float  # cost units per second the eligible instances finish
+    # Seconds one admitted request holds its slot, from the cost estimate and the batch it
+    # joins: what the drain prediction uses before it has observed any (0: unknown).
+    service_s_hint: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,6 +94,47 @@ def retry_after_for(wait: float, tier: TierSpec) -> float:
     return max(0.0, wait - tier.queue_timeout_s)
 
 
+def drain_wait(position: int, running: int, allowed: int, service_s: float) -> float:
+    """Seconds until the ``position``-th request in line (1: the head) could start: after
+    ``running - allowed + position`` releases, which come ``running / service_s`` per second
+    (half an interval is already gone on average when the prediction is made)."""
+    releases = max(0, running - allowed + position)
+    if releases == 0:
+        return 0.0
+    if service_s <= 0:
+        return math.inf
+    return max(0.0, releases - 0.5) * service_s / max(running, allowed, 1)
+
+
+@dataclass(slots=True)
+class RetryBudget:
+    """Balancer-side retries (another instance after a refused connection) may add at most
+    ``ratio`` of the requests received, plus ``min_per_s``: when a whole pool fails, retries
+    must not double the load on what is left (a budget, as Finagle and Envoy keep)."""
+
+    ratio: float = 0.2
+    min_per_s: float = 5.0
+    tokens: float = 0.0
+    updated: float = -1.0
+
+    def _refill(self, now: float) -> None:
+        if self.updated >= 0:
+            self.tokens += (now - self.updated) * self.min_per_s
+        self.updated = now
+        self.tokens = min(self.tokens, max(10.0, self.min_per_s))
+
+    def deposit(self, now: float) -> None:
+        self._refill(now)
+        self.tokens = min(self.tokens + self.ratio, max(10.0, self.min_per_s))
+
+    def withdraw(self, now: float) -> bool:
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
 def retry_after_header(seconds: float) -> str:
     """HTTP Retry-After is whole seconds; round up so a client never comes back too early."""
     if not math.isfinite(seconds):
@@ -99,9 +153,19 @@ class _Waiter:
 class AdmissionController:
     tiers: dict[str, TierSpec]
     load: Callable[[], PoolLoad]
+    clock: Callable[[], float] = time.monotonic
+    jitter: float = 0.0  # Retry-After is spread by this share either way
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
     running: int = 0
     queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)
+    # Learned seconds a slot is held (exponentially weighted), and how many samples it has.
+    service_s: float = 0.0
+    service_samples: int = 0
+    # When requests refused so far were told to come back (sorted): those due back before a
+    # newly refused request would be are ahead of it in line.
+    promised: list[float] = field(default_factory=list)
+    max_promised: int = 10_000  # rule 8: a bound, whatever the refusal rate
 
     def __post_init__(self) -> None:
         for name in self.tiers:
@@ -123,27 +187,67 @@ class AdmissionController:
     def _can_start(self, tier: TierSpec, slots: int) -> bool:
         return self.running < allowed_running(tier, slots)
 
-    def _reject(self, tier: TierSpec, wait: float, why: str) -> Overloaded:
+    def service_time(self, load: PoolLoad) -> float:
+        """Seconds a slot is held: observed once a few requests have finished, else the
+        pool's estimate, else the work in flight over the pool's capacity."""
+        if self.service_samples >= 3:
+            return self.service_s
+        if load.service_s_hint > 0:
+            return load.service_s_hint
+        if self.service_samples:
+            return self.service_s
+        if load.capacity > 0 and load.outstanding > 0:
+            return load.outstanding / load.capacity
+        return 0.0
+
+    def _forget_due(self, now: float) -> None:
+        due = bisect.bisect_right(self.promised, now)
+        if due:
+            del self.promised[:due]
+
+    def _wait_at(self, tier: TierSpec, position: int, load: PoolLoad) -> float:
+        allowed = allowed_running(tier, load.slots)
+        return drain_wait(position, self.running, allowed, self.service_time(load))
+
+    def _reject(self, tier: TierSpec, position: int, load: PoolLoad, why: str) -> Overloaded:
+        """Refuse, telling the client when its turn would come: behind the queue and the
+        refused requests still due back."""
         self.rejected[tier.name] += 1
+        now = self.clock()
+        self._forget_due(now)
+        # Fixed point: the refused requests due back before this one's turn are ahead of it,
+        # which pushes its turn later, which may put more of them ahead.
+        place = position
+        wait = self._wait_at(tier, place, load)
+        for _ in range(64):
+            if not math.isfinite(wait):
+                break
+            ahead = position + bisect.bisect_right(self.promised, now + wait)
+            if ahead <= place:
+                break
+            place, wait = ahead, self._wait_at(tier, ahead, load)
+        if not math.isfinite(wait):
+            wait = tier.queue_timeout_s
+        wait *= 1.0 + self.jitter * (2.0 * self.rng.random() - 1.0)
+        bisect.insort(self.promised, now + wait)
+        if len(self.promised) > self.max_promised:
+            del self.promised[0]
         return Overloaded(f"{why} (tier {tier.name})", retry_after=wait)
 
-    async def acquire(self, tier_name: str, cost: float) -> None:
+    async def acquire(self, tier_name: str, cost: float) -> float:
+        """Wait for a slot; returns when it was granted (the clock's time), which
+        :meth:`release` takes back to learn how long slots are held."""
         tier = self.tiers[tier_name]
         load = self.load()
-        ahead, ahead_work = self._ahead(tier)
+        ahead, _ = self._ahead(tier)
         if ahead == 0 and self._can_start(tier, load.slots):
             self.running += 1
-            return
-        wait = predicted_wait(tier, self.running, ahead_work, cost, load)
+            return self.clock()
         queue = self.queues[tier.name]
         if len(queue) >= tier.queue_limit:
-            # Come back when the head of the queue should have started: a place frees then.
-            head = predicted_wait(tier, self.running, 0.0, queue[0].cost if queue else 0.0, load)
-            raise self._reject(tier, head, "queue full")
-        if wait > tier.queue_timeout_s:
-            raise self._reject(
-                tier, retry_after_for(wait, tier), "predicted wait exceeds the queue timeout"
-            )
+            raise self._reject(tier, ahead + 1, load, "queue full")
+        if self._wait_at(tier, ahead + 1, load) > tier.queue_timeout_s:
+            raise self._reject(tier, ahead + 1, load, "predicted wait exceeds the queue timeout")
         waiter = _Waiter(tier, cost, asyncio.get_running_loop().create_future())
         queue.append(waiter)
         task = asyncio.current_task()
@@ -155,15 +259,15 @@ class AdmissionController:
                 # when the client goes away in the instant its slot is granted: stop here
                 # (the slot is handed back below) rather than run a request nobody awaits.
                 raise asyncio.CancelledError
+            return self.clock()
         except TimeoutError:
             if waiter.future.done():
-                return  # woken as the timer fired: the slot is already counted
+                return self.clock()  # woken as the timer fired: the slot is already counted
+            # Waited the full timeout: its turn is as far as its place in line says.
+            position = self._ahead_of(waiter)
             queue.remove(waiter)
             waiter.future.cancel()
-            # Waited the full timeout: retry when the work still ahead should have drained.
-            _, ahead_work = self._ahead(tier)
-            wait = predicted_wait(tier, self.running, ahead_work, cost, self.load())
-            raise self._reject(tier, wait, "queue timeout") from None
+            raise self._reject(tier, position, self.load(), "queue timeout") from None
         except asyncio.CancelledError:
             # The client went away while waiting: leave the queue, and hand back a slot
             # that was granted in the same instant.
@@ -175,8 +279,26 @@ class AdmissionController:
                 waiter.future.cancel()
             raise
 
-    def release(self) -> None:
+    def _ahead_of(self, waiter: _Waiter) -> int:
+        """1 + the requests that start before ``waiter`` (higher tiers, then its own queue)."""
+        count = 1
+        for other in self.tiers.values():
+            if other.rank < waiter.tier.rank:
+                count += len(self.queues[other.name])
+        for w in self.queues[waiter.tier.name]:
+            if w is waiter:
+                break
+            count += 1
+        return count
+
+    def release(self, granted_at: float | None = None) -> None:
         self.running = max(0, self.running - 1)
+        if granted_at is not None:
+            held = max(0.0, self.clock() - granted_at)
+            # A memory of ~10 requests: the drain rate follows a change of request mix fast.
+            self.service_samples += 1
+            gain = max(0.1, 1.0 / self.service_samples)
+            self.service_s += gain * (held - self.service_s)
         self.wake()
 
     def wake(self) -> None:
@@ -195,8 +317,8 @@ class AdmissionController:
 
     @asynccontextmanager
     async def slot(self, tier_name: str, cost: float) -> AsyncIterator[None]:
-        await self.acquire(tier_name, cost)
+        granted = await self.acquire(tier_name, cost)
         try:
             yield
         finally:
-            self.release()
+            self.release(granted)

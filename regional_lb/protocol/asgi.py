@@ -94,5 +94,8 @@ async def respond_error(
     extra = []
     if retry_after is not None:
         extra.append((b"retry-after", retry_after_header(retry_after).encode()))
+        # Whole seconds are too coarse to spread retries; the OpenAI SDKs read this first.
+        if 0 < retry_after < 3600:
+            extra.append((b"retry-after-ms", str(max(1, round(retry_after * 1000))).encode()))
     body = json.dumps(error_body(message, type_, code, param)).encode()
     await respond(send, status, body, extra=extra)

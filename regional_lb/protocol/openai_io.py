@@ -16,6 +16,7 @@ from regional_lb.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_CHOICES = 128
 
 PATHS: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
@@ -95,6 +96,17 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return DEFAULT_MAX_TOKENS
 
 
+def _n(body: dict[str, Any]) -> int:
+    """Choices asked for: each decodes its own tokens, so the cost scales with them (the
+    shape's ``max_tokens`` is the total the request may produce)."""
+    value = body.get("n", 1)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or not (1 <= value <= MAX_CHOICES):
+        raise _bad(f"'n' must be an integer between 1 and {MAX_CHOICES}", "n")
+    return value
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -114,11 +126,12 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
     if endpoint == "chat":
-        prompt, max_tokens = _message_tokens(body.get("messages")), _max_tokens(body)
+        prompt, max_tokens = _message_tokens(body.get("messages")), _max_tokens(body) * _n(body)
     elif endpoint == "completion":
         if "prompt" not in body:
             raise _bad("'prompt' is required", "prompt")
-        prompt, max_tokens = _text_tokens(body["prompt"], "prompt"), _max_tokens(body)
+        prompt = _text_tokens(body["prompt"], "prompt")
+        max_tokens = _max_tokens(body) * _n(body)
     else:
         if "input" not in body:
             raise _bad("'input' is required", "input")

@@ -7,13 +7,17 @@ OpenAI endpoints themselves are served by :mod:`regional_lb.proxy.app` without i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from regional_lb.balancing.admission import retry_after_header
 from regional_lb.balancing.health import end_drain, start_drain
@@ -36,6 +40,42 @@ def error_response(
     return JSONResponse(error_body(message, type_, code), status_code=status, headers=headers)
 
 
+def _loopback(request: Request) -> bool:
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_guard(
+    token: str | None,
+) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
+    """/admin/* needs ``Authorization: Bearer <admin token>``; with no token configured, only
+    loopback callers are served (an operator's shell or a sidecar on the same host)."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    async def guard(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.url.path.startswith("/admin"):
+            if expected is not None:
+                given = request.headers.get("authorization", "").encode("latin-1", "replace")
+                if not hmac.compare_digest(given, expected):
+                    return error_response(
+                        401, "the admin API needs the admin token", code="invalid_api_key"
+                    )
+            elif not _loopback(request):
+                return error_response(
+                    403,
+                    "the admin API is served on loopback only unless admin.token is set",
+                    code="forbidden",
+                )
+        return await call_next(request)
+
+    return guard
+
+
 def create_admin_app(
     pool: Pool,
     metrics: BalancerMetrics,
@@ -45,19 +85,52 @@ def create_admin_app(
 ) -> FastAPI:
     app = FastAPI(title="GTM regional balancer", lifespan=lifespan)
     config = pool.config
+    app.middleware("http")(admin_guard(config.admin.token.read() if config.admin.token else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        # OpenAI clients parse every error body: never FastAPI's {"detail": ...}.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = "Not found" if exc.status_code == 404 else str(exc.detail)
+        return error_response(exc.status_code, message, code=code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, str(exc.errors()[0].get("msg", "invalid request")))
+
+    def cards() -> dict[str, dict[str, Any]]:
+        """Every model the region serves, with the fields its servers gave (max_model_len,
+        owned_by, ...), the first serving instance's card winning."""
+        out: dict[str, dict[str, Any]] = {}
+        for inst in pool.serving():
+            for name, card in pool.model_cards.get(inst.id, {}).items():
+                if name in inst.loaded or name in inst.servable:
+                    out.setdefault(name, {k: v for k, v in card.items() if k != "loaded"})
+            for name in [*inst.loaded, *inst.servable]:
+                out.setdefault(name, {"id": name, "object": "model", "owned_by": config.region})
+        for name in config.models:
+            out.setdefault(name, {"id": name, "object": "model", "owned_by": config.region})
+        return out
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        names: set[str] = set(config.models)
-        for inst in pool.serving():
-            names.update(inst.loaded)
-            names.update(inst.servable)
-        return {
-            "object": "list",
-            "data": [
-                {"id": n, "object": "model", "owned_by": config.region} for n in sorted(names)
-            ],
-        }
+        listed = cards()
+        return {"object": "list", "data": [listed[n] for n in sorted(listed)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        card = cards().get(model)
+        if card is None:
+            return error_response(
+                404, f"The model `{model}` does not exist.", code="model_not_found"
+            )
+        return JSONResponse(card)
+
+    @app.get("/health")
+    async def health() -> Response:
+        # vLLM's path, for clients and load balancers that check it: 200 when work is taken.
+        ready = bool(pool.serving()) and not pool.draining
+        return Response(status_code=200 if ready else 503)
 
     @app.get("/gtm/capacity")
     async def capacity() -> Response:

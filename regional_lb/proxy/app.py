@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from regional_lb.balancing.affinity import key_of, prompt_prefix
 from regional_lb.balancing.cost import Endpoint, RequestShape
 from regional_lb.balancing.instance import InstanceState
-from regional_lb.config import BalancerConfig
+from regional_lb.config import BalancerConfig, body_limit
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
 from regional_lb.metrics import BalancerMetrics
 from regional_lb.protocol.asgi import (
@@ -43,7 +43,13 @@ from regional_lb.protocol.asgi import (
 )
 from regional_lb.protocol.openai_io import PATHS, parse_request
 from regional_lb.proxy.admin import create_admin_app
-from regional_lb.upstream.forward import completion_tokens, relay, upstream_headers
+from regional_lb.proxy.identity import Caller, Identities
+from regional_lb.upstream.forward import (
+    completion_tokens,
+    relay,
+    relayed_headers,
+    upstream_headers,
+)
 from regional_lb.upstream.h1client import ConnectFailed, H1Client, HopError, HopResponse, HopTimeout
 from regional_lb.upstream.pool import Lease, Pool
 from regional_lb.upstream.probes import Background
@@ -108,7 +114,7 @@ class Balancer:
         self.upstream = H1Client(connect_timeout=t.connect_s)
         self._seq = 0
         # ASGI header names arrive lower-cased, as bytes.
-        self._tenant_h = config.tenant_header.lower().encode("latin-1")
+        self.identities = Identities(config)
         self._tier_h = config.tier_header.lower().encode("latin-1")
         self._session_h = config.affinity.session_header.lower().encode("latin-1")
         # Counters resolved once: a labels() lookup per request is measurable here.
@@ -139,6 +145,18 @@ class Balancer:
         )
         async with httpx.AsyncClient(transport=transport, timeout=timeouts) as client:
             background = Background(self.pool, client, self.metrics, self.secret, self.next_report)
+            spec = self.config.clients.jwt
+            verifier = self.identities.jwt
+            if spec is not None and spec.jwks_url is not None and verifier is not None:
+                url = spec.jwks_url
+
+                async def refresh_jwks() -> None:
+                    r = await client.get(url)
+                    r.raise_for_status()
+                    verifier.load(r.json())
+
+                await refresh_jwks()  # fails start-up when the provider's keys are unreachable
+                background.every(spec.refresh_s, refresh_jwks, "jwks")
             background.start()
             try:
                 yield
@@ -152,7 +170,7 @@ class Balancer:
             if endpoint is not None:
                 if scope["method"] != "POST":
                     message = f"{scope['method']} is not allowed here; use POST"
-                    await respond_error(send, 405, message)
+                    await respond_error(send, 405, message, code="method_not_allowed")
                     return
                 await self.handle(scope, receive, send, endpoint)
                 return
@@ -180,7 +198,7 @@ class Balancer:
         self, tier: str, cost: float, shape: RequestShape, affinity: int | None
     ) -> Lease:
         pool = self.pool
-        await pool.admission.acquire(tier, cost)
+        granted = await pool.admission.acquire(tier, cost)
         try:
             t0 = time.perf_counter()
             lease = pool.route(shape, cost, affinity)  # the routing decision: pick() + lease
@@ -188,19 +206,31 @@ class Balancer:
         except BaseException:
             pool.admission.release()
             raise
-        lease.on_end.append(pool.admission.release)
+        lease.on_end.append(lambda: pool.admission.release(granted))
         return lease
+
+    async def _refuse(self, send: Send, exc: Overloaded) -> None:
+        self._r429.inc()
+        await respond_error(
+            send, 429, str(exc), "requests", "rate_limit_exceeded", retry_after=exc.retry_after
+        )
+
+    async def _unavailable(self, send: Send, exc: NoInstanceError) -> None:
+        self._r503.inc()
+        await respond_error(
+            send, 503, str(exc), "server_error", "service_unavailable", retry_after=1.0
+        )
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         started = time.perf_counter()
         self._handled.inc()
         config, pool = self.config, self.pool
         try:
-            raw = await read_body(scope, receive, config.max_body_bytes)
+            caller = self.identities.identify(scope)
+            raw = await read_body(scope, receive, body_limit(config, endpoint))
             parsed = parse_request(endpoint, raw)
-            tenant = text_header(scope, self._tenant_h)
-            pool.check_rate(tenant)
-            tier = pool.tier_for(text_header(scope, self._tier_h), tenant)
+            pool.check_rate(caller.bucket, caller.spec, caller.label)
+            tier = pool.tier_for(text_header(scope, self._tier_h), caller.spec)
             served = pool.resolve_model(parsed.shape.model)
             shape = parsed.shape
             if served != shape.model:
@@ -227,17 +257,23 @@ class Balancer:
             await respond_error(send, exc.status, str(exc), code=exc.code, param=exc.param)
             return
         except Overloaded as exc:
-            self._r429.inc()
-            await respond_error(
-                send, 429, str(exc), "rate_limit_exceeded", retry_after=exc.retry_after
-            )
+            await self._refuse(send, exc)
             return
         except NoInstanceError as exc:
-            self._r503.inc()
-            await respond_error(send, 503, str(exc), "service_unavailable", retry_after=1.0)
+            await self._unavailable(send, exc)
             return
         await self._route_and_forward(
-            scope, receive, send, tier, cost, shape, content, parsed.stream, started, affinity
+            scope,
+            receive,
+            send,
+            tier,
+            cost,
+            shape,
+            content,
+            parsed.stream,
+            started,
+            caller,
+            affinity,
         )
 
     async def _route_and_forward(
@@ -251,6 +287,7 @@ class Balancer:
         content: bytes,
         stream: bool,
         started: float,
+        caller: Caller,
         affinity: int | None = None,
     ) -> None:
         # Waiting in the admission queue and waiting for the instance are both abandoned
@@ -259,13 +296,16 @@ class Balancer:
         lease: Lease | None = None
         try:
             resp: HopResponse | None = None
-            headers = upstream_headers(scope)
             first_byte = self.config.timeouts.first_byte_s
             sent = started
+            budget = self.pool.retry_budget
+            budget.deposit(self.pool.clock())
             for attempt in (1, 2):
                 # A retry goes where the load says: the affine instance just failed.
                 key = affinity if attempt == 1 else None
                 lease = await self._admit_and_route(tier, cost, shape, key)
+                upstream = self.pool.upstreams[lease.instance.id]
+                headers = upstream_headers(scope, upstream, caller.key_used)
                 sent = time.perf_counter()
                 try:
                     resp = await self.upstream.post(
@@ -273,10 +313,11 @@ class Balancer:
                     )
                     break
                 except ConnectFailed:
-                    # Nothing reached the instance: safe to try another one once.
+                    # Nothing reached the instance: safe to try another one once, within
+                    # the retry budget (a dead pool must not see its load doubled).
                     lease.end("upstream_error")
                     self._failure(lease.instance, "connect")
-                    if attempt == 2:
+                    if attempt == 2 or not budget.withdraw(self.pool.clock()):
                         raise
             assert resp is not None
             assert lease is not None
@@ -293,22 +334,22 @@ class Balancer:
             if lease is not None:
                 lease.end("client_gone")
         except Overloaded as exc:
-            self._r429.inc()
-            await respond_error(
-                send, 429, str(exc), "rate_limit_exceeded", retry_after=exc.retry_after
-            )
+            await self._refuse(send, exc)
         except NoInstanceError as exc:
-            self._r503.inc()
-            await respond_error(send, 503, str(exc), "service_unavailable", retry_after=1.0)
+            await self._unavailable(send, exc)
         except RequestError as exc:
             self._bad.inc()
             await respond_error(send, exc.status, str(exc), code=exc.code, param=exc.param)
         except HopTimeout as exc:
             self._end_failed(lease, "timeout")
-            await respond_error(send, 504, f"the instance timed out: {exc}", "upstream_error")
+            await respond_error(
+                send, 504, f"the instance timed out: {exc}", "server_error", "upstream_timeout"
+            )
         except HopError as exc:
             self._end_failed(lease, "transport")
-            await respond_error(send, 502, f"the instance failed: {exc}", "upstream_error")
+            await respond_error(
+                send, 502, f"the instance failed: {exc}", "server_error", "upstream_error"
+            )
         except BaseException:
             if lease is not None:
                 lease.end("cancelled")
@@ -342,7 +383,9 @@ class Balancer:
             lease.end("upstream_error")
             self._failure(lease.instance, f"http_{status}")
             watch.done = True
-            await respond_error(send, 502, f"instance answered {status}", "upstream_error")
+            await respond_error(
+                send, 502, f"instance answered {status}", "server_error", "upstream_error"
+            )
             return
         lease.end("client_error" if status >= 400 else "ok", completion_tokens(body))
         watch.done = True
@@ -351,18 +394,23 @@ class Balancer:
             status,
             body,
             resp.header(b"content-type") or b"application/json",
-            [(b"x-regional-instance", lease.instance.id.encode())],
+            [*relayed_headers(resp), (b"x-regional-instance", lease.instance.id.encode())],
         )
         self.metrics.overhead_seconds.observe(before_hop + time.perf_counter() - answered)
 
     async def _stream(
         self, send: Send, resp: HopResponse, lease: Lease, watch: _DisconnectWatch
     ) -> None:
+        inst = lease.instance
         chunks = relay(
             resp,
             lease,
-            lambda kind: self._failure(lease.instance, kind),
+            lambda kind: self._failure(inst, kind),
             self.config.health.stall_timeout_s,
+            self.config.health.first_token_timeout_s,
+            # The server's own waiting count (fresh scrapes only), or more of ours in flight
+            # than its batch holds: the request is queued there, not stuck.
+            lambda: bool(inst.scraped_waiting) or inst.in_flight > inst.speed.slots,
         )
         try:
             await send(
@@ -372,6 +420,7 @@ class Balancer:
                     "headers": [
                         (b"content-type", resp.header(b"content-type") or _SSE),
                         (b"cache-control", b"no-cache"),
+                        *relayed_headers(resp),
                         (b"x-regional-instance", lease.instance.id.encode()),
                     ],
                 }

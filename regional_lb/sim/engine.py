@@ -53,6 +53,9 @@ class EngineConfig:
     kv_tokens: int = 0  # 0: derived from the GPU memory
     speedup: float = 1.0
     seed: int = 0
+    kind: str = "vllm"  # the server it plays: health path and metric names (sim.metrics)
+    api_key: str | None = None  # like `vllm serve --api-key`: /v1 routes need it
+    max_model_len: int = 8192
 
 
 class Engine:

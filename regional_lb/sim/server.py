@@ -1,32 +1,38 @@
 """``regional-lb sim-backend``: an OpenAI-compatible inference server without a GPU.
 
 Serves ``/v1/chat/completions``, ``/v1/completions`` (streamed or not), ``/v1/embeddings``,
-``/v1/models``, ``/health`` and ``/metrics`` with vLLM's metric names, on top of
-:class:`regional_lb.sim.engine.Engine`. ``POST /sim/faults`` injects failures for tests and
-demos: the next N requests answer 500, or token generation stalls for some seconds.
+``/v1/models`` and ``/v1/models/{id}``, on top of :class:`regional_lb.sim.engine.Engine`, and
+plays one kind of server (``EngineConfig.kind``): its readiness path (``/health``, Triton's
+``/v2/health/ready``) and its metrics (:mod:`regional_lb.sim.metrics`; Triton's on a port of
+their own through :func:`create_metrics_app`). Like ``vllm serve --api-key``, an
+``api_key`` guards every ``/v1`` route. Streams send their headers before the first token,
+as real servers do, so a request waiting in the engine's queue has headers and no tokens.
+``POST /sim/faults`` injects failures for tests and demos: the next N requests answer 500, or
+token generation stalls for some seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from regional_lb.errors import RequestError
 from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
 from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
 from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
+from regional_lb.sim.metrics import EngineCollector
 
 
 def _chunk(
@@ -50,30 +56,42 @@ def _usage(seq: Sequence) -> dict[str, int]:
     }
 
 
-class _EngineCollector(Collector):
-    """Exports the engine's state under vLLM's metric names at scrape time."""
+class _ApiKey:
+    """``vllm serve --api-key``: every /v1 route needs ``Authorization: Bearer <key>``;
+    health and metrics do not."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
 
-    def collect(self) -> Iterable[Metric]:
-        e = self.engine
-        model = next(iter(e.loaded), "none")
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Sequences in the batch", len(e.running)),
-            ("vllm:num_requests_waiting", "Sequences queued", len(e.waiting)),
-            ("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", e.kv_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([model], float(value))
-            yield g
-        for name, doc, total in (
-            ("vllm:prompt_tokens", "Prompt tokens processed", e.prompt_total),
-            ("vllm:generation_tokens", "Tokens generated", e.generation_total),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([model], float(total))
-            yield c
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = json.dumps({"error": "Unauthorized"}).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_metrics_app(engine: Engine, kind: str = "triton") -> FastAPI:
+    """The simulated server's metrics alone, for a kind that serves them on their own port
+    (Triton's 8002), read from a running server's engine."""
+    metrics_app = FastAPI(title="GTM simulated server metrics")
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, kind))
+
+    @metrics_app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics_app
 
 
 def create_app(config: EngineConfig) -> FastAPI:
@@ -85,7 +103,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         engine = Engine(config)
         app.state.engine = engine
         registry = CollectorRegistry()
-        registry.register(_EngineCollector(engine))
+        registry.register(EngineCollector(engine, config.kind))
         app.state.registry = registry
         engine.start()
         try:
@@ -108,20 +126,32 @@ def create_app(config: EngineConfig) -> FastAPI:
     ) -> JSONResponse:
         return JSONResponse(error_body(message, type_, code, param), status_code=status)
 
-    @app.get("/health")
+    @app.get("/v2/health/ready" if config.kind == "triton" else "/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    def card(e: Engine, m: str) -> dict[str, Any]:
+        return {
+            "id": m,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sim",
+            "root": m,
+            "max_model_len": config.max_model_len,
+            "loaded": m in e.loaded,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         e = eng()
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "owned_by": "sim", "loaded": m in e.loaded}
-                for m in e.catalog
-            ],
-        }
+        return {"object": "list", "data": [card(e, m) for m in e.catalog]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        e = eng()
+        if model not in e.catalog:
+            return err(404, f"The model `{model}` does not exist.", code="model_not_found")
+        return JSONResponse(card(e, model))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -141,6 +171,12 @@ def create_app(config: EngineConfig) -> FastAPI:
         }
 
     async def generate(request: Request, path: str) -> Response:
+        response = await _generate(request, path)
+        # Servers give each request an id (vLLM and OpenAI echo or make an x-request-id).
+        response.headers["x-request-id"] = request.headers.get("x-request-id", uuid.uuid4().hex)
+        return response
+
+    async def _generate(request: Request, path: str) -> Response:
         e = eng()
         try:
             parsed = parse_request(PATHS[path], await request.body())
@@ -225,6 +261,8 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     for path in PATHS:
         app.add_api_route(path, _bind(generate, path), methods=["POST"])
+    if config.api_key:
+        app.add_middleware(_ApiKey, key=config.api_key)
     return app
 
 

@@ -232,6 +232,17 @@ class HopResponse:
             else:
                 await conn.wait(read_timeout, "read")
 
+    async def next_chunk(self, read_timeout: float) -> bytes | None:
+        """The next body bytes, or None at the end; :class:`HopTimeout` after
+        ``read_timeout`` without any (each call has its own budget)."""
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                return conn.take()
+            if conn.complete:
+                return None
+            await conn.wait(read_timeout, "read")
+
     async def read(self, read_timeout: float) -> bytes:
         parts = [chunk async for chunk in self.chunks(read_timeout)]
         return b"".join(parts)

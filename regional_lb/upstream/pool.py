@@ -12,20 +12,31 @@ import itertools
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from regional_lb.balancing.admission import AdmissionController, PoolLoad, TierSpec, TokenBucket
+from regional_lb.balancing.admission import (
+    AdmissionController,
+    PoolLoad,
+    RetryBudget,
+    TierSpec,
+    TokenBucket,
+)
 from regional_lb.balancing.cost import CostEstimator, ModelCoefficients, RequestShape
-from regional_lb.balancing.gpus import GPUS, profile
+from regional_lb.balancing.gpus import GPUS, batch_slowdown, profile
 from regional_lb.balancing.health import EjectionParams, record_failure, record_success
 from regional_lb.balancing.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
 from regional_lb.balancing.pick import PickParams, PickRequest, pick
 from regional_lb.balancing.utilisation import pool_utilisation
 from regional_lb.capacity_report import CapacityReport, ModelAvailability
-from regional_lb.config import BalancerConfig, InstanceConfig, ModelConfig
+from regional_lb.config import BalancerConfig, InstanceConfig, ModelConfig, TenantConfig
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
+from regional_lb.upstream.profiles import Upstream, upstream_for
+
+# Rule 8: one bucket per caller without a key (by address) is a table attackers can grow.
+MAX_ANONYMOUS_BUCKETS = 10_000
 
 # ok: completed (its actual cost teaches the estimator and the speed learner);
 # upstream_error: 5xx, timeout, stall or broken stream (counts towards ejection);
@@ -130,7 +141,11 @@ class Pool:
     _mean_cost: float = 0.0
     _costs_seen: int = 0
     _speed_anchor: float = 0.0  # instance.speed_anchor, refreshed on each completion
-    _buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    _buckets: OrderedDict[str, TokenBucket] = field(default_factory=OrderedDict)
+    # Per instance id: endpoints, server kind and credential (regional_lb.upstream.profiles),
+    # and the model cards its /v1/models listed (served back with their own fields).
+    upstreams: dict[str, Upstream] = field(default_factory=dict)
+    model_cards: dict[str, dict[str, dict[str, object]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -138,6 +153,7 @@ class Pool:
         for ic in cfg.instances:
             # Configured instances start in service; slow start is for joins and returns.
             self.instances.append(instance_from_config(ic, joined_at=now - cfg.health.slow_start_s))
+            self.upstreams[ic.id] = upstream_for(ic, cfg)
         self.estimator = CostEstimator(
             coefficients={name: _coefficients(m) for name, m in cfg.models.items()}
         )
@@ -154,7 +170,11 @@ class Pool:
             t.name: TierSpec(t.name, rank, t.max_utilisation, t.queue_limit, t.queue_timeout_s)
             for rank, t in enumerate(cfg.tiers)
         }
-        self.admission = AdmissionController(tiers, self.load)
+        bp = cfg.backpressure
+        self.admission = AdmissionController(
+            tiers, self.load, clock=self.clock, jitter=bp.jitter, rng=random.Random()
+        )
+        self.retry_budget = RetryBudget(bp.retry_budget_ratio, bp.retry_budget_min_per_s)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -163,6 +183,7 @@ class Pool:
         if any(i.id == ic.id for i in self.instances):
             raise RequestError(409, f"instance {ic.id!r} already exists", code="conflict")
         inst = instance_from_config(ic, joined_at=self.clock())
+        self.upstreams[ic.id] = upstream_for(ic, self.config)
         self.instances.append(inst)
         self.admission.wake()
         return inst
@@ -177,6 +198,8 @@ class Pool:
                 code="conflict",
             )
         self.instances.remove(inst)
+        self.upstreams.pop(instance_id, None)
+        self.model_cards.pop(instance_id, None)
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -186,27 +209,28 @@ class Pool:
                 return inst
         raise KeyError(instance_id)
 
-    def tier_for(self, header: str | None, tenant: str | None) -> str:
-        names = self.admission.tiers
-        if header and header in names:
-            return header
-        spec = self.config.tenants.get(tenant or "")
-        if spec is not None and spec.tier is not None:
-            return spec.tier
-        return self.config.default_tier
+    def tier_for(self, asked: str | None, spec: TenantConfig) -> str:
+        """The verified tenant's tier; the caller may ask for a lower one (a batch job of a
+        realtime tenant), never a higher one: priority is granted, not claimed."""
+        tiers = self.admission.tiers
+        granted = tiers[spec.tier or self.config.default_tier]
+        if asked and asked in tiers and tiers[asked].rank >= granted.rank:
+            return asked
+        return granted.name
 
-    def check_rate(self, tenant: str | None) -> None:
-        """Per-tenant token bucket; raises Overloaded with the time until a token is due."""
-        spec = self.config.tenants.get(tenant or "") or self.config.default_tenant
-        if spec is None:
-            return
-        key = tenant or ""
+    def check_rate(self, key: str, spec: TenantConfig, who: str) -> None:
+        """Token bucket per tenant (``key``), or per address for callers without a key;
+        raises Overloaded with the time until a token is due."""
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = TokenBucket(spec.rate, spec.burst)
+            while len(self._buckets) > MAX_ANONYMOUS_BUCKETS:
+                self._buckets.popitem(last=False)  # the least recently used
+        else:
+            self._buckets.move_to_end(key)
         wait = bucket.take(self.clock())
         if wait > 0:
-            raise Overloaded(f"rate limit for tenant {tenant!r}", retry_after=wait)
+            raise Overloaded(f"rate limit for {who}", retry_after=wait)
 
     def resolve_model(self, name: str) -> str:
         """Canary or blue/green: the served model a request for ``name`` goes to."""
@@ -313,7 +337,20 @@ class Pool:
             slots=slots,
             outstanding=sum(i.outstanding for i in self.instances),
             capacity=sum(i.speed.speed for i in live),
+            service_s_hint=self._service_hint(live),
         )
+
+    def _service_hint(self, live: list[InstanceState]) -> float:
+        """Seconds a typical request holds its slot when the pool is full: its estimated cost
+        (reference seconds alone) slowed by the batch it shares, on the instance's speed."""
+        if not live or self._mean_cost <= 0:
+            return 0.0
+        total = 0.0
+        for i in live:
+            n = max(1, min(i.max_concurrency, i.speed.slots))
+            # unit_speed: one sequence alone (speed is a full batch's drain rate).
+            total += self._mean_cost * batch_slowdown(n, i.speed.penalty) / i.speed.unit_speed
+        return total / len(live)
 
     def utilisation(self) -> float:
         """The region's utilisation (:mod:`regional_lb.balancing.utilisation`)."""

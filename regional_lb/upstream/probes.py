@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,16 +27,23 @@ from regional_lb.upstream.pool import Pool
 log = structlog.get_logger("regional_lb")
 
 
-def apply_models(inst: InstanceState, listing: Any, now: float) -> None:
+def apply_models(
+    inst: InstanceState, listing: Any, now: float, cards: dict[str, dict[str, Any]] | None = None
+) -> None:
     """Update which models are loaded from an OpenAI ``/v1/models`` answer. Servers that say
     which models are resident (the simulator's ``loaded``) are believed; otherwise every model
-    listed is taken as loaded (vLLM and TGI list only what they serve)."""
+    listed is taken as loaded (vLLM and TGI list only what they serve). ``cards`` receives
+    each listed model's entry as the server gave it (max_model_len and all)."""
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return
     loaded = {}
+    if cards is not None:
+        cards.clear()
     for entry in data:
         ok = isinstance(entry, dict) and isinstance(entry.get("id"), str)
+        if ok and cards is not None:
+            cards[entry["id"]] = entry
         if ok and entry.get("loaded", True):
             loaded[entry["id"]] = inst.loaded.get(entry["id"], now)
     # Models with requests in flight stay: the listing can lag behind a load.
@@ -65,6 +73,7 @@ class Background:
         self.pool, self.client, self.metrics = pool, client, metrics
         self.secret, self.next_report = secret, next_report
         self.signals: dict[str, LoadSignal] = {}
+        self.model_probed_at: dict[str, float] = {}  # instance id -> last model check
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -73,6 +82,12 @@ class Background:
         self._spawn(self._every(cfg.scrape.interval_s, self.scrape_all), "scrape")
         if cfg.gtm_urls:
             self._spawn(self._every(cfg.report_interval_s, self.push), "push")
+
+    def every(
+        self, interval: float, job: Callable[[], Coroutine[Any, Any, None]], name: str
+    ) -> None:
+        """Run another job on this schedule (the balancer's JWKS refresh)."""
+        self._spawn(self._every(interval, job), name)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self.tasks.append(asyncio.create_task(coro, name=f"regional-lb-{name}"))
@@ -96,25 +111,44 @@ class Background:
     # -- health -------------------------------------------------------------------------------
 
     async def probe(self, inst: InstanceState) -> bool:
+        """Readiness at the server kind's own path (no inference), then its model list; both
+        with the instance's credential. The model check is opt-in and rate-limited: it
+        would otherwise add an inference every probe interval per instance per replica."""
         h = self.pool.config.health
         timeout = httpx.Timeout(h.probe_timeout_s)
         first_byte_s = self.pool.config.timeouts.first_byte_s
+        up = self.pool.upstreams.get(inst.id)
+        if up is None:
+            return False  # left the pool while being probed
+        auth = dict(up.auth)
         try:
-            r = await self.client.get(f"{inst.url}/health", timeout=timeout)
+            r = await self.client.get(up.health_url, headers=auth, timeout=timeout)
             if r.status_code != 200:
                 return False
-            r = await self.client.get(f"{inst.url}/v1/models", timeout=timeout)
-            if r.status_code != 200:
-                return False
-            apply_models(inst, r.json(), self.pool.clock())
-            if h.probe_model and inst.loaded:
-                # The port answering is not enough: ask a loaded model for one token.
+            if up.health_url != up.models_url:
+                r = await self.client.get(up.models_url, headers=auth, timeout=timeout)
+                if r.status_code != 200:
+                    return False
+            cards = self.pool.model_cards.setdefault(inst.id, {})
+            apply_models(inst, r.json(), self.pool.clock(), cards)
+            now = self.pool.clock()
+            due = now - self.model_probed_at.get(inst.id, -math.inf) >= h.model_probe_interval_s
+            if h.probe_model and inst.loaded and due:
+                self.model_probed_at[inst.id] = now
+                # The port answering is not enough: ask a loaded model for one token (or,
+                # on an embedding server, one embedding: it has no completions route).
                 model = next(iter(inst.loaded))
+                body: dict[str, Any]
+                if up.task == "embed":
+                    path, body = "/v1/embeddings", {"model": model, "input": "ping"}
+                else:
+                    path, body = (
+                        "/v1/completions",
+                        {"model": model, "prompt": "ping", "max_tokens": 1},
+                    )
                 try:
                     r = await self.client.post(
-                        f"{inst.url}/v1/completions",
-                        json={"model": model, "prompt": "ping", "max_tokens": 1},
-                        timeout=timeout,
+                        f"{inst.url}{path}", json=body, headers=auth, timeout=timeout
                     )
                 except httpx.TimeoutException:
                     # A full batch queues the probe like any request, and marking a saturated
@@ -143,12 +177,17 @@ class Background:
     # -- load signals ---------------------------------------------------------------------------
 
     async def scrape(self, inst: InstanceState) -> None:
+        up = self.pool.upstreams.get(inst.id)
+        if up is None or up.metrics_url is None:
+            return
         try:
             r = await self.client.get(
-                f"{inst.url}/metrics", timeout=httpx.Timeout(self.pool.config.scrape.interval_s)
+                up.metrics_url,
+                headers=dict(up.auth),
+                timeout=httpx.Timeout(self.pool.config.scrape.interval_s),
             )
             if r.status_code == 200:
-                self.signals[inst.id] = parse_metrics(r.text, time.monotonic())
+                self.signals[inst.id] = parse_metrics(r.text, time.monotonic(), up.kind)
         except (httpx.HTTPError, ValueError):
             pass  # the old sample ages out below
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from regional_lb.balancing.admission import (
     AdmissionController,
     PoolLoad,
+    RetryBudget,
     TierSpec,
     TokenBucket,
     predicted_wait,
@@ -150,11 +151,70 @@ async def test_queue_full_and_predicted_timeout_are_429s_with_retry_after() -> N
     queued.cancel()  # a client that leaves the queue takes nothing with it
     await asyncio.gather(queued, return_exceptions=True)
     assert ctl.depth()["s"] == 0 and ctl.running == 1
-    with pytest.raises(Overloaded) as slow:
-        await ctl.acquire("s", 5.0)  # 6 s predicted > 2 s timeout: refused at once
-    assert math.isclose(slow.value.retry_after, (1.0 + 5.0) / 1.0 - 2.0)
     ctl.release()
     assert ctl.running == 0
+
+
+async def test_retry_after_is_the_drain_time_of_the_line_and_refusals_spread() -> None:
+    # Premise changed with issue 19: Retry-After is when a slot would be free for the refused
+    # request (its place in line x the time a slot is held / the slots), not a constant.
+    tiers = {"s": TierSpec("s", 0, 1.0, queue_limit=5, queue_timeout_s=2.0)}
+    load = PoolLoad(slots=1, outstanding=1.0, capacity=1.0, service_s_hint=1.5)
+    now = [0.0]
+    ctl = AdmissionController(tiers, lambda: load, clock=lambda: now[0])
+    await ctl.acquire("s", 1.0)
+    queued = asyncio.create_task(ctl.acquire("s", 1.0))  # 0.75 s predicted: it waits
+    await asyncio.sleep(0.01)
+    assert ctl.depth()["s"] == 1
+    refusals = []
+    for _ in range(3):  # second, third and fourth in line: past the 2 s timeout
+        with pytest.raises(Overloaded) as slow:
+            await ctl.acquire("s", 1.0)
+        refusals.append(slow.value.retry_after)
+    # 1.5 releases (half of one already gone), then 2.5, 3.5: each refusal promised a
+    # return, and the next refused request is told to come after it.
+    assert refusals == pytest.approx([1.5 * 1.5, 2.5 * 1.5, 3.5 * 1.5])
+    now[0] = 10.0  # the promises are due: the backlog they stood for is gone
+    with pytest.raises(Overloaded) as later:
+        await ctl.acquire("s", 1.0)
+    assert later.value.retry_after == pytest.approx(1.5 * 1.5)
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+
+
+async def test_retry_after_learns_how_long_slots_are_held_and_jitters() -> None:
+    tiers = {"s": TierSpec("s", 0, 1.0, queue_limit=0, queue_timeout_s=1.0)}
+    now = [0.0]
+    ctl = AdmissionController(
+        tiers,
+        lambda: PoolLoad(slots=2, outstanding=0.0, capacity=1.0),
+        clock=lambda: now[0],
+        jitter=0.2,
+    )
+    for _ in range(4):  # slots held 4 s each, observed
+        a, b = await ctl.acquire("s", 1.0), await ctl.acquire("s", 1.0)
+        now[0] += 4.0
+        ctl.release(a)
+        ctl.release(b)
+    assert ctl.service_s == pytest.approx(4.0)
+    await ctl.acquire("s", 1.0)
+    await ctl.acquire("s", 1.0)
+    told = []
+    for _ in range(20):
+        with pytest.raises(Overloaded) as full:
+            await ctl.acquire("s", 1.0)
+        told.append(full.value.retry_after)
+        ctl.promised.clear()  # the same place in line every time: only the jitter differs
+    assert all(0.8 * 1.0 <= t <= 1.2 * 1.0 for t in told)  # half of one 4 s slot over 2 slots
+    assert len(set(told)) > 10
+
+
+def test_retry_budget_bounds_balancer_retries() -> None:
+    budget = RetryBudget(ratio=0.25, min_per_s=0.0)
+    for _ in range(20):
+        budget.deposit(0.0)
+    granted = sum(budget.withdraw(0.0) for _ in range(100))
+    assert granted == 5  # a quarter of the 20 requests received
 
 
 def test_capacity_report_sign_and_verify() -> None:
@@ -193,7 +253,8 @@ def test_load_signals_vllm_tgi_and_percentages() -> None:
     assert (s.running, s.waiting, s.kv_usage) == (3, 4, 0.7)
     assert s.fresh(12.0, 3.0) and not s.fresh(14.0, 3.0)
     tgi = "tgi_batch_current_size 5\ntgi_queue_size 1\n"
-    assert parse_metrics(tgi, 0).running == 5
+    assert (parse_metrics(tgi, 0, "tgi").running, parse_metrics(tgi, 0, "tgi").waiting) == (5, 1)
+    assert parse_metrics(tgi, 0, "vllm").running is None  # each kind reads its own names
     pct = "vllm:kv_cache_usage_perc 85\n"
     assert parse_metrics(pct, 0).kv_usage == 0.85
     assert parse_metrics("other_metric 1\n", 0).running is None
@@ -242,9 +303,12 @@ def test_pool_canary_share_tiers_and_known_models() -> None:
     picks = [pool.resolve_model("m") for _ in range(2000)]
     assert 0.07 < picks.count("m-v2") / len(picks) < 0.13
     assert pool.resolve_model("other") == "other"
-    assert pool.tier_for(None, "acme") == "realtime"
-    assert pool.tier_for("batch", "acme") == "batch"  # an explicit header wins
-    assert pool.tier_for(None, None) == "standard"
+    acme = pool.config.tenants["acme"]
+    assert pool.tier_for(None, acme) == "realtime"
+    assert pool.tier_for("batch", acme) == "batch"  # a tenant may ask for less
+    assert pool.tier_for(None, pool.config.default_tenant) == "standard"
+    # ...never for more: the header cannot raise a tier (rule 6).
+    assert pool.tier_for("realtime", pool.config.default_tenant) == "standard"
     assert pool.known_model("m-v2") and not pool.known_model("zzz")
     report = pool.capacity_report(1)
     assert report.models[0].name == "m" and report.models[0].versions == ["m", "m-v2"]

@@ -78,7 +78,7 @@ async def test_instance_death_mid_stream_gives_clean_error_and_releases(
                         if len(lines) == 5:
                             proc.kill()
             last = json.loads(lines[-1][len("data: ") :])
-            assert "error" in last and last["error"]["type"] == "upstream_error"
+            assert "error" in last and last["error"]["code"] == "upstream_error"
             assert "data: [DONE]" not in lines
             await eventually(lambda: idle(pool))
             dead = pool.by_id("i0")
@@ -258,8 +258,12 @@ async def _until_ready(c: httpx.AsyncClient) -> None:
 async def test_a_saturated_instance_is_busy_not_down() -> None:
     # A KV cache that holds two sequences: the rest, and the model probe, queue at the instance
     # for longer than the probe timeout. Requests keep completing, so it stays in service.
+    # The model probe is opt-in since issue 19 (readiness costs no inference): on here.
+    probing = {"probe_model": True, "model_probe_interval_s": 0.05}
     async with sim(gpu="T4", kv_tokens=400) as (u1, engine):
-        cfg = balancer_config([u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1})
+        cfg = balancer_config(
+            [u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1, **probing}
+        )
         async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url, timeout=30) as c:
             inst = pool.by_id("i0")
             # In service after a probe that succeeded: on a loaded machine the first 0.1 s probe
@@ -285,6 +289,8 @@ async def test_a_saturated_instance_is_busy_not_down() -> None:
         # The same instance silent (nothing completes, no tokens): the probe timing out is a
         # failure, and the instance leaves service.
         engine.stalled_until = float("inf")
-        cfg = balancer_config([u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1})
+        cfg = balancer_config(
+            [u1], health={"probe_interval_s": 0.05, "probe_timeout_s": 0.1, **probing}
+        )
         async with balancer(cfg) as (url, pool):
             await eventually(lambda: not pool.by_id("i0").healthy, within=3.0)

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from prometheus_client.parser import text_string_to_metric_families
 
 from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, verify
+from regional_lb.credentials import key_digest
 from regional_lb.protocol.serving import running
 from tests.regional_lb.conftest import (
     balancer,
@@ -209,7 +210,7 @@ async def test_overload_gives_429_with_retry_after() -> None:
             r = await c.post(CHAT, json=chat(max_tokens=400))
             assert r.status_code == 429
             assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error"]["type"] == "rate_limit_exceeded"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
             assert (await first).status_code == 200
             await eventually(lambda: idle(pool))
 
@@ -237,17 +238,18 @@ async def test_queued_request_waits_then_runs_and_timeout_gives_429() -> None:
 
 
 async def test_tenant_rate_limit() -> None:
+    # The tenant is whoever holds its key; since issue 19 an X-Tenant header names nobody.
+    t1 = {"rate": 0.5, "burst": 2, "key_sha256": [key_digest("sk-t1-secret")]}
     async with sim() as (u1, _):
-        cfg = balancer_config([u1], tenants={"t1": {"rate": 0.5, "burst": 2}})
+        cfg = balancer_config([u1], tenants={"t1": t1})
         async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url) as c:
-            codes = [
-                (await c.post(CHAT, json=chat(max_tokens=2), headers={"X-Tenant": "t1"}))
-                for _ in range(3)
-            ]
+            as_t1 = {"Authorization": "Bearer sk-t1-secret"}
+            codes = [(await c.post(CHAT, json=chat(max_tokens=2), headers=as_t1)) for _ in range(3)]
             assert [r.status_code for r in codes] == [200, 200, 429]
             assert int(codes[2].headers["retry-after"]) == 2  # 1 token at 0.5/s
-            other = await c.post(CHAT, json=chat(max_tokens=2), headers={"X-Tenant": "t2"})
-            assert other.status_code == 200
+            assert codes[2].json()["error"]["code"] == "rate_limit_exceeded"
+            other = await c.post(CHAT, json=chat(max_tokens=2), headers={"X-Tenant": "t1"})
+            assert other.status_code == 200  # not t1's bucket: the header proves nothing
             await eventually(lambda: idle(pool))
 
 
