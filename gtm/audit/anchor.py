@@ -150,8 +150,12 @@ class Anchor:
         written = 0
         for chain, seq, digest, answers in heads:
             last = self._last.get(chain)
-            idle = last is not None and last[:2] == (seq, digest)
-            if not force and idle and last is not None and now - last[2] < self.heartbeat_s:
+            if (
+                not force
+                and last is not None
+                and last[:2] == (seq, digest)  # the chain did not move
+                and now - last[2] < self.heartbeat_s
+            ):
                 continue
             signed = sign(
                 Checkpoint(

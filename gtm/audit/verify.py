@@ -147,6 +147,12 @@ class _Checker:
             for cp, location in self._by_seq.get(0, []):
                 self._match(cp, location, GENESIS, 0)
 
+    @property
+    def after(self) -> int:
+        """Only rows after the base are read: one at or before a cut is not evidence, and
+        one at or before a start point was verified by an earlier pass."""
+        return -1 if self.base is None else self.base.seq
+
     def _break(self, seq: int, problem: str) -> None:
         self.breaks.append(ChainBreak(self.result.chain, seq, problem))
 
@@ -249,7 +255,7 @@ async def verify_store(
             chain, anchors.get(chain, []), row_hash, "node_seq", True, start.get(chain)
         )
         async for row in _pages(
-            engine, decisions, decisions.c.node_seq, decisions.c.node == chain, _after(checker)
+            engine, decisions, decisions.c.node_seq, decisions.c.node == chain, checker.after
         ):
             checker.feed(row)
         checker.finish()
@@ -266,7 +272,7 @@ async def verify_store(
         start.get(EVENTS_CHAIN),
     )
     async for row in _pages(
-        engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None), _after(events)
+        engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None), events.after
     ):
         events.feed(row)
     if events.result.rows or anchors.get(EVENTS_CHAIN):
@@ -274,11 +280,6 @@ async def verify_store(
         out.chains[EVENTS_CHAIN] = events.result
         out.breaks.extend(events.breaks)
     return out
-
-
-def _after(checker: _Checker) -> int:
-    # Only the rows after the base are read; a retained row at or before a cut is not evidence.
-    return -1 if checker.base is None else checker.base.seq
 
 
 def starts_at(checkpoints: Iterable[tuple[Signed, str]], since: float) -> dict[str, Checkpoint]:

@@ -19,6 +19,7 @@ from gtm.node import Node, run_node
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
 from tests.support.ports import free_tcp_udp_port
+from tests.support.waiting import eventually
 
 PREFIX = "192.0.2.53/32"
 WITHIN_S = 60.0  # a condition polled for; BGP sessions take a few seconds to come up
@@ -119,15 +120,6 @@ def peering(tmp_path: Path) -> Iterator[Peering]:
             proc.wait(timeout=30)
 
 
-async def _until(cond: object, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WITHIN_S
-    while not (await asyncio.to_thread(cond) if callable(cond) else cond):
-        if loop.time() > deadline:
-            raise AssertionError(f"not reached: {what}")
-        await asyncio.sleep(0.1)
-
-
 async def test_the_route_follows_drain_health_and_the_database(
     peering: Peering, tmp_path: Path
 ) -> None:
@@ -147,20 +139,8 @@ async def test_the_route_follows_drain_health_and_the_database(
     )
 
     async def step_until(expected: bool, what: str) -> None:
-        # The speaker's control socket comes up with the daemon: retry until it takes orders.
-        async def settled() -> bool:
-            try:
-                return await announcer.step() == expected
-            except OSError:
-                return False
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WITHIN_S
-        while not await settled():
-            if loop.time() > deadline:
-                raise AssertionError(f"speaker never took: {what}")
-            await asyncio.sleep(0.1)
-        await _until(lambda: peering.sees_prefix() == expected, what)
+        assert await announcer.step() == expected
+        await eventually(lambda: peering.sees_prefix() == expected, WITHIN_S, what)
 
     await _step_ready(announcer)
     await step_until(True, "announced while healthy")
@@ -180,7 +160,7 @@ async def test_the_route_follows_drain_health_and_the_database(
     db_lost[0] = 0.0
     await step_until(True, "back with the database")
     await announcer.stop()
-    await _until(lambda: not peering.sees_prefix(), "withdrawn when the node stops")
+    await eventually(lambda: not peering.sees_prefix(), WITHIN_S, "withdrawn when the node stops")
 
 
 async def _step_ready(announcer: Announcer) -> None:
@@ -231,14 +211,14 @@ async def test_a_node_announces_when_serving_and_withdraws_on_drain_and_stop(
     tmp_path: Path,
 ) -> None:
     _, stop, task = node_with_anycast
-    await _until(peering.sees_prefix, "a serving node announces the prefix")
+    await eventually(peering.sees_prefix, WITHIN_S, "a serving node announces the prefix")
     (tmp_path / "drain").touch()
-    await _until(lambda: not peering.sees_prefix(), "a drained node withdraws it")
+    await eventually(lambda: not peering.sees_prefix(), WITHIN_S, "a drained node withdraws it")
     (tmp_path / "drain").unlink()
-    await _until(peering.sees_prefix, "announced again after the drain")
+    await eventually(peering.sees_prefix, WITHIN_S, "announced again after the drain")
     stop.set()
     await task
-    await _until(lambda: not peering.sees_prefix(), "a stopped node has withdrawn it")
+    await eventually(lambda: not peering.sees_prefix(), WITHIN_S, "a stopped node has withdrawn it")
 
 
 def test_the_shipped_bird_config_parses() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from regional_lb.proxy.app import create_app
 from regional_lb.sim.engine import Engine, EngineConfig
 from regional_lb.sim.server import create_app as create_sim
 from regional_lb.upstream.pool import Pool
+from tests.support.waiting import eventually
 
 SPEEDUP = 20.0  # a simulated A100 token takes 1 ms
 
@@ -66,14 +66,6 @@ async def balancer(
     app = create_app(config, secret)
     async with running(app) as url:
         yield url, app.state.pool
-
-
-async def eventually(cond: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 def idle(pool: Pool) -> bool:
@@ -150,3 +142,6 @@ def sim_process() -> Iterator[SimProcess]:
 
 
 SimFactory = Callable[..., AbstractAsyncContextManager[tuple[str, Engine]]]
+
+
+__all__ = ["eventually"]  # the regional tests import it from here

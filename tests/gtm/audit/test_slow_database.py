@@ -21,22 +21,9 @@ from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.decision.snapshot import Snapshot
 from tests.gtm.audit.test_audit import records
+from tests.support.waiting import eventually
 
 WITHIN_S = 60.0  # generous: a condition polled for, not a timing the test measures
-
-
-async def _until(check: object, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WITHIN_S
-    while True:
-        value = check() if callable(check) else check
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"not reached: {what}")
-        await asyncio.sleep(0.02)
 
 
 def _spooled(spool: Spool) -> int:
@@ -65,23 +52,20 @@ async def test_windows_reach_the_spool_while_inserts_wait(
                 for window in range(4):
                     for n, record in enumerate(records(snapshot)):
                         writer.count(record, n=window + n + 1)
-                    counted = writer.counted
-                    await _until(
-                        lambda c=counted: _spooled(spool) == c,  # type: ignore[misc]
+                    await eventually(
+                        lambda: _spooled(spool) == writer.counted,
+                        WITHIN_S,
                         f"window {window} on disk while the database is locked",
                     )
             finally:
                 await conn.rollback()  # the inserts go through now
-        await _until(lambda: _total_is(engine, writer.counted), "every answer in the database")
-        await _until(lambda: spool.size() == 0, "the spool emptied once the rows are in")
+
+        async def all_in() -> bool:
+            return await query.total_count(engine) == writer.counted
+
+        await eventually(all_in, WITHIN_S, "every answer in the database")
+        await eventually(lambda: spool.size() == 0, WITHIN_S, "the spool emptied")
     finally:
         await asyncio.wait_for(writer.stop(), WITHIN_S)
         await engine.dispose()
         await blocker.dispose()
-
-
-async def _total_is(engine: object, expected: int) -> bool:
-    from sqlalchemy.ext.asyncio import AsyncEngine
-
-    assert isinstance(engine, AsyncEngine)
-    return await query.total_count(engine) == expected
