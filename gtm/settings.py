@@ -33,10 +33,16 @@ class Settings(BaseSettings):
     geoip_poll_interval_s: float = Field(default=2.0, gt=0)
     # DNS listeners, "HOST:PORT" or "[V6]:PORT", each served over UDP and TCP.
     dns_listen: tuple[str, ...] = ()
-    # Response rate limiting per client /24 (/56): responses per second, 0 = off (as in BIND and
-    # Knot, it must be sized for the deployment's traffic before it is switched on).
-    dns_rate_limit: float = Field(default=0.0, ge=0)
+    # Response rate limiting per client /24 (/56) over UDP: responses per second, 0 = off. On by
+    # default at a rate no real resolver network reaches against one authority for long (their
+    # caches hold our answers for a TTL) and that caps what a spoofed victim is sent. Networks
+    # in the exempt list are never limited: loopback cannot be spoofed from outside the host.
+    dns_rate_limit: float = Field(default=1000.0, ge=0)
     dns_rate_slip: int = Field(default=2, ge=0)
+    dns_rate_limit_exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    # Memory for the DNS path's caches and per-client tables, per worker process, in MiB: the
+    # answer caches, the rate limiter's buckets and the parse memos share it (gtm.geodns.budget).
+    dns_cache_budget_mb: float = Field(default=64.0, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
     # Worker processes sharing the DNS and HTTP ports (SO_REUSEPORT), each with its own caches
@@ -76,6 +82,16 @@ class Settings(BaseSettings):
     ops_allow: tuple[IPv4Network | IPv6Network, ...] = ()
     # HTTP front: peers whose Forwarded / X-Forwarded-For headers are believed.
     trusted_proxies: tuple[IPv4Network | IPv6Network, ...] = ()
+    # HTTP front connections (gtm.front.connections), per worker: open at most, and per client
+    # address (trusted proxies exempt; 0: no per-client cap); a request head (and a TLS
+    # handshake) must arrive whole within the timeout, else 408 and the connection is closed.
+    http_max_connections: int = Field(default=10_000, gt=0)
+    http_max_connections_per_client: int = Field(default=512, ge=0)
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    # HTTP front over TLS: a PEM certificate chain and its key (mode 0600 or stricter), both or
+    # neither; reloaded when either file changes (gtm.front.tls).
+    http_tls_cert: Path | None = None
+    http_tls_key: Path | None = None
     # Region probing (each region's probe_url) and capacity reports.
     probes: bool = True
     probe_interval_s: float = Field(default=1.0, gt=0)
@@ -130,18 +146,42 @@ class Settings(BaseSettings):
     admin_oidc_issuer: str | None = None
     admin_oidc_audience: str | None = None
     admin_oidc_jwks_url: str | None = None
+    # The console's session cookies are encrypted with a key derived from this file (mode 0600,
+    # 32+ random bytes, the same on every admin node behind one name); unset: a key per process,
+    # so sessions end when it restarts. Idle sessions end after the timeout.
+    console_session_key_file: Path | None = None
+    console_idle_timeout_s: float = Field(default=900.0, gt=0)
+    # Console sign-in through the identity provider (authorization code flow with PKCE). The
+    # access tokens it returns must be ones the admin API accepts (GTM_ADMIN_OIDC_* above).
+    console_oidc_client_id: str | None = None
+    console_oidc_client_secret: SecretStr | None = None  # confidential clients only
+    console_oidc_authorize_url: str | None = None
+    console_oidc_token_url: str | None = None
+    console_oidc_scope: str = "openid"
     # Where the CLI's control-plane commands (gtm proposal ...) find the admin API, and the
     # bearer token they send (from the environment or a 0600 file, never a flag or YAML).
     admin_url: str | None = None
     admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # OpenTelemetry traces (gtm.tracing): off unless a collector's OTLP/HTTP base URL is given
+    # here or in the standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT. Unset name and ratio: the
+    # standard OTEL_SERVICE_NAME (else "gtm") and OTEL_TRACES_SAMPLER (else every request).
+    otel_endpoint: str | None = Field(default=None, pattern=r"^https?://")
+    otel_service_name: str | None = Field(default=None, min_length=1)
+    otel_sample_ratio: float | None = Field(default=None, ge=0, le=1)
 
     @property
     def checkpoint_dir(self) -> Path:
         if self.audit_checkpoint_dir is not None:
             return self.audit_checkpoint_dir
         return self.spool_dir.parent / "checkpoints"
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.http_tls_cert is None) != (self.http_tls_key is None):
+            raise ValueError("http_tls_cert and http_tls_key go together: set both or neither")
+        return self
 
     @model_validator(mode="after")
     def _quorum_reachable(self) -> Settings:

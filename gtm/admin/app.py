@@ -15,12 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from gtm.admin import console
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.errors import LifecycleError
 from gtm.admin.oidc import IdentityProviderUnavailable
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import audit, documents, identity, regions
 from gtm.admin.seals import CannotSeal
+from gtm.admin.traces import TraceRequests
+from gtm.tracing import tracer
 
 
 def _error(status: int, code: str, message: str, problems: list[dict[str, Any]]) -> JSONResponse:
@@ -50,6 +53,15 @@ def create_app(ctx: AdminContext) -> FastAPI:
             raise RuntimeError(
                 f"{route.path}: operation {route.operation_id!r} is not in the permission table"
             )
+
+    # After the check: the console's pages are no API operations; each is a client of them.
+    console.mount(
+        app, key_file=ctx.console_key_file, idle_s=ctx.console_idle_s, oidc=ctx.console_oidc
+    )
+
+    traces = tracer("gtm.admin")
+    if traces is not None:  # tracing off: no middleware at all
+        app.add_middleware(TraceRequests, tracer=traces)
 
     @app.get("/livez", include_in_schema=False)
     async def livez() -> dict[str, str]:

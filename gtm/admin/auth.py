@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,8 +26,12 @@ from gtm.admin.principals import Principal, authenticate, by_oidc_subject
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import Signer
 from gtm.admin.tokens import parse_token
+from gtm.admin.traces import PRINCIPAL_STATE
 from gtm.decision.snapshot import Snapshot
 from gtm.metrics import ADMIN_AUTH_FAILURES
+
+if TYPE_CHECKING:
+    from gtm.admin.console.oidc_signin import ConsoleOidc
 
 
 @dataclass
@@ -52,6 +56,11 @@ class AdminContext:
     checkpoints: Path | None = None
     # OIDC access tokens are accepted when an issuer is configured.
     oidc: OidcVerifier | None = None
+    # The console's session cookie key (None: one per process) and its idle timeout.
+    console_key_file: Path | None = None
+    console_idle_s: float = 900.0
+    # Sign-in through the identity provider (authorization code + PKCE); None: tokens only.
+    console_oidc: ConsoleOidc | None = None
 
 
 class Unauthenticated(Exception):
@@ -89,6 +98,8 @@ async def current_principal(request: Request, ctx: Ctx) -> Principal:
         # to make the service write to the database.
         ADMIN_AUTH_FAILURES.inc()
         raise Unauthenticated()
+    # Who asked, for the request's span while tracing is on (gtm.admin.traces); never the token.
+    setattr(request.state, PRINCIPAL_STATE, principal.id)
     return principal
 
 

@@ -60,6 +60,16 @@ def _loopback(host: str | None) -> bool:
         return False
 
 
+def insecure_url(setting: str, url: str) -> Problem | None:
+    """A problem when ``url`` is not https (plain http is allowed on loopback only, for tests
+    and a provider on the same machine): an identity provider's answers must not be forgeable
+    on the network path."""
+    parts = urlsplit(url)
+    if parts.scheme == "https" or (parts.scheme == "http" and _loopback(parts.hostname)):
+        return None
+    return Problem(setting, "", "must be https (http only on loopback)")
+
+
 def config_from(
     issuer: str | None, audience: str | None, jwks_url: str | None
 ) -> OidcConfig | None:
@@ -72,12 +82,8 @@ def config_from(
     problems = [
         Problem(k, "", "required when OIDC is configured") for k, v in given.items() if not v
     ]
-    if jwks_url:
-        url = urlsplit(jwks_url)
-        if url.scheme != "https" and not (url.scheme == "http" and _loopback(url.hostname)):
-            problems.append(
-                Problem("GTM_ADMIN_OIDC_JWKS_URL", "", "must be https (http only on loopback)")
-            )
+    if jwks_url and (problem := insecure_url("GTM_ADMIN_OIDC_JWKS_URL", jwks_url)):
+        problems.append(problem)
     if problems:
         raise ConfigError(problems)
     assert issuer
@@ -158,4 +164,5 @@ __all__ = [
     "OidcConfig",
     "OidcVerifier",
     "config_from",
+    "insecure_url",
 ]

@@ -17,6 +17,7 @@ import uvicorn
 from gtm.admin import oidc, scheduler
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
+from gtm.admin.console.oidc_signin import ConsoleOidc
 from gtm.admin.oidc import OidcVerifier
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
@@ -26,6 +27,7 @@ from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
 from gtm.listen import EmbeddedServer, parse_listen
 from gtm.runtime import Runtime
+from gtm.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +57,32 @@ def context_for(runtime: Runtime) -> AdminContext:
         live_within_s=max(5.0, 4 * settings.state_sync_interval_s),
         oidc=None if oidc_config is None else OidcVerifier(oidc_config),
         checkpoints=settings.checkpoint_dir,
+        console_key_file=settings.console_session_key_file,
+        console_idle_s=settings.console_idle_timeout_s,
+        console_oidc=console_oidc(settings),
+    )
+
+
+def console_oidc(settings: Settings) -> ConsoleOidc | None:
+    """The console's identity-provider sign-in, when configured (all of it, and the admin API
+    must accept the provider's access tokens, else no one could sign in that way)."""
+    if settings.console_oidc_client_id is None:
+        return None
+    problems = [
+        Problem(f"GTM_{name.upper()}", "", "required with GTM_CONSOLE_OIDC_CLIENT_ID")
+        for name in ("console_oidc_authorize_url", "console_oidc_token_url", "admin_oidc_issuer")
+        if getattr(settings, name) is None
+    ]
+    authorize, token = settings.console_oidc_authorize_url, settings.console_oidc_token_url
+    if problems or authorize is None or token is None:
+        raise ConfigError(problems)
+    secret = settings.console_oidc_client_secret
+    return ConsoleOidc(
+        settings.console_oidc_client_id,
+        authorize,
+        token,
+        None if secret is None else secret.get_secret_value(),
+        settings.console_oidc_scope,
     )
 
 
@@ -109,6 +137,8 @@ async def serve_admin(
     settings = runtime.settings
     if settings.audit_verify_interval_s > 0:
         watch = VerificationWatch(settings.database_url, DirectorySink(settings.checkpoint_dir))
+        # GET /v1/audit/chains shows this node's latest pass (kept in memory, not in a table).
+        app.state.audit_watch = watch
         background.append(asyncio.ensure_future(watch.run(stop, settings.audit_verify_interval_s)))
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

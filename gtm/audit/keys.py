@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from gtm.errors import ConfigError, Problem
+from gtm.secret_files import read_owner_only
 
 KEY_NAME = "audit-signing.key"
 
@@ -80,13 +81,7 @@ def _load(path: Path) -> ChainKey:
 def load_private_key(path: Path, what: str) -> Ed25519PrivateKey:
     """The Ed25519 private key in ``path`` (PEM); :class:`ConfigError` when it is unreadable,
     not Ed25519, or readable by anyone but its owner. ``what`` names it in the error."""
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError([Problem(str(path), "", f"cannot read {what}: {exc}")]) from None
-    if mode & 0o077:
-        raise ConfigError([Problem(str(path), "", f"mode {mode & 0o777:o}: {what} must be 0600")])
+    data = read_owner_only(path, what)
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:

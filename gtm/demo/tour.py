@@ -36,6 +36,7 @@ from gtm.cli.main import render_decision
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology
+from gtm.demo import scenario
 from gtm.demo.local_fleet import Fleet
 from gtm.demo.ports import free_port, on_free_ports
 from gtm.fleet import operator, shared_state
@@ -86,7 +87,9 @@ async def main(once: bool) -> None:
     configure("console", "warning")
     var = Path(os.environ.get("GTM_DEMO_VAR", "var"))  # where the demo keeps its state
     settings = Settings(
-        database_url=f"sqlite:///{var / 'demo.sqlite3'}",
+        # The CLI's default database when run from the checkout (GTM_DEMO_VAR unset): every
+        # `gtm ...` command the demo suggests reads what the demo wrote, without options.
+        database_url=f"sqlite:///{var / 'gtm.sqlite3'}",
         spool_dir=var / "demo-spool",
         node_id="demo-node",
         audit_flush_interval_s=0.2,
@@ -198,10 +201,16 @@ async def live(settings: Settings, once: bool) -> None:
 async def serve_live(
     settings: Settings, once: bool, fleet: Fleet, dns_port: int, http_port: int
 ) -> None:
+    var = Path(os.environ.get("GTM_DEMO_VAR", "var"))
+    private_key, public_key = scenario.signing_keys(var / "demo-keys")
+    admin_port = free_port(8081)
     live_settings = settings.model_copy(
         update={
             "dns_listen": (f"127.0.0.1:{dns_port}",),
             "http_listen": f"127.0.0.1:{http_port}",
+            "admin_listen": f"127.0.0.1:{admin_port}",
+            "document_signing_key": private_key,
+            "document_keys": (public_key,),
             "probes": True,
             "probe_interval_s": 0.5,
             "probe_timeout_s": 0.4,
@@ -217,17 +226,12 @@ async def serve_live(
     if task.done():
         task.result()  # the node could not start: say why
     node = ready.result()
+    engine = node.runtime.engine
+    regions = list(fleet.balancers)
     try:
-        # The store outlives a run, and so would the drain the last run ended with (it holds
-        # for an hour): undo it, on the record, so a second run starts from a whole fleet.
-        for region in fleet.balancers:
-            await operator.clear(
-                node.runtime.engine,
-                region,
-                actor="demo",
-                reason="a new demo run starts from the whole fleet",
-                now=time.time(),
-            )
+        # The store outlives a run, and so could an override an earlier run left: undo it, on
+        # the record, so a run starts from a whole fleet.
+        await scenario.restore(fleet, engine, regions)
         await until_up(node, len(fleet.balancers))
         await asyncio.sleep(1.5)  # a round of pushed reports
         accepted = REGISTRY.get_sample_value(
@@ -237,23 +241,96 @@ async def serve_live(
         await show_dns(dns_port)
         await show_http(http_port, settings.database_url)
         await show_failover(node, fleet, dns_port)
+        heading("Back to a whole fleet: eu-central's balancer restarted, eu-west undrained")
+        await scenario.restore(fleet, engine, regions)
+        await until_up(node, len(fleet.balancers), within=30)
+        await show_console(node, (dns_port, http_port, admin_port), private_key, var)
+        database = (
+            "" if "GTM_DEMO_VAR" not in os.environ else (f" --database-url {settings.database_url}")
+        )
         print(
             f"\nTry: dig @127.0.0.1 -p {dns_port} chat.eu.gtm.example A "
             "+subnet=203.0.113.0/24\n"
             f"     curl -sS -L -H 'Host: chat.eu.gtm.example' -H 'X-Forwarded-For: 8.8.8.8'"
             f' -d \'{{"model":"llama-3-8b","messages":[{{"role":"user",'
             f'"content":"hi"}}]}}\' http://127.0.0.1:{http_port}/v1/chat/completions\n'
-            f"     .venv/bin/gtm audit tail --database-url {settings.database_url}"
+            f"     .venv/bin/gtm audit tail{database}\n"
+            f"     .venv/bin/gtm region status{database}"
         )
         if not once:
-            print("Serving until Ctrl-C.")
+            print(
+                "\nServing until Ctrl-C. Client traffic flows on the map; every 20 s the "
+                "scenario moves on\n(ap-south fails and returns, us-east fills and spills)."
+            )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+            watched = [
+                asyncio.create_task(scenario.client_traffic(dns_port, stop)),
+                asyncio.create_task(
+                    scenario.scenario(
+                        fleet,
+                        engine,
+                        lambda r: node.runtime.store.current.health[r].state.value,
+                        stop,
+                        print,
+                    )
+                ),
+            ]
             await stop.wait()
+            await asyncio.gather(*watched, return_exceptions=True)
+            await scenario.restore(fleet, engine, regions)
+            print("Stopped with the fleet whole: no balancer left down, no override left set.")
     finally:
         stop.set()
         await task
+
+
+async def show_console(
+    node: Node, ports: tuple[int, int, int], private_key: Path, var: Path
+) -> None:
+    dns_port, http_port, admin_port = ports
+    heading("The console: sign in as one of the demo's people")
+    engine = node.runtime.engine
+    tokens = await scenario.issue_tokens(engine, private_key, time.time())
+    scenario.write_tokens(var / "demo-tokens", tokens)
+    url = f"http://127.0.0.1:{admin_port}/console/"
+    print(f"console: {url}")
+    print(
+        f"  (admin API docs: http://127.0.0.1:{admin_port}/docs; Prometheus metrics: "
+        f"http://127.0.0.1:{http_port}/metrics)"
+    )
+    for name, (roles, token) in tokens.items():
+        print(f"  {name:<14} {', '.join(roles):<32} {token}")
+    print(f"  (the same tokens are in {var / 'demo-tokens'}, mode 0600; valid for 24 h)")
+    proposal = await scenario.propose(f"http://127.0.0.1:{admin_port}", tokens["demo-author"][1])
+    if proposal is not None:
+        print(
+            f"demo-author proposed letting EU personal data into the US (proposal #{proposal}); "
+            f"it waits for demo-approver, whose impact view shows what would leave the EU: "
+            f"{url}policies/{proposal}"
+        )
+    # A moment of traffic, so the first look at the map has flows on it.
+    burst = asyncio.Event()
+    sending = asyncio.create_task(scenario.client_traffic(dns_port, burst, per_s=100))
+    await asyncio.sleep(2.0)
+    burst.set()
+    sent = await sending
+    auditor = tokens["demo-auditor"][1]
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{admin_port}",
+        headers={"authorization": f"Bearer {auditor}"},
+    ) as api:
+        for _ in range(50):  # the writer flushes about every second
+            flows = (await api.get("/v1/traffic", params={"window_s": 30})).json()
+            if flows["answers"] >= sent:
+                break
+            await asyncio.sleep(0.2)
+    countries = {f["country"] for f in flows["flows"] if f["country"]}
+    print(
+        f"live traffic on the map: {flows['answers']} answers in the last 30 s from "
+        f"{len(countries)} countries ({', '.join(sorted(countries))})"
+    )
 
 
 async def until_up(node: Node, count: int, within: float = 20.0) -> None:
@@ -277,7 +354,10 @@ async def ask_dns(port: int, name: str, rdtype: str, subnet: str) -> dns.message
 
 def shown(reply: dns.message.Message) -> str:
     items = [item.to_text().split()[0] for rrset in reply.answer for item in rrset]
-    return ",".join(items) or dns.rcode.to_text(reply.rcode())
+    if items:
+        return ",".join(items)
+    # An empty NOERROR is how a residency rule fails closed over DNS (dns_failure: nodata).
+    return "NODATA" if reply.rcode() == dns.rcode.NOERROR else dns.rcode.to_text(reply.rcode())
 
 
 async def show_dns(port: int) -> None:

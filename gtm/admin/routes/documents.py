@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
@@ -186,6 +186,32 @@ async def get_active_version(
         created_at=v.created_at,
         created_by=v.created_by,
     )
+
+
+class CurrentOut(DocumentsIn):
+    source: Literal["version", "files"] = Field(
+        description="version: the active version; files: none activated yet, this node's files"
+    )
+    version: str | None
+
+
+@router.get("/documents/current", operation_id="get_current_documents", response_model=CurrentOut)
+async def get_current_documents(
+    ctx: Ctx, _: Annotated[Principal, Depends(require("get_current_documents"))]
+) -> CurrentOut:
+    """What a new proposal starts from: the active version's documents, or, before the first
+    activation, the files this node answers from (what the first proposal is diffed against)."""
+    async with ctx.engine.connect() as conn:
+        active = await versions.active_version(conn)
+        if active is not None:
+            v = await versions.get_version(conn, active)
+            return CurrentOut(
+                source="version", version=v.id, topology=v.topology, policies=dict(v.policies)
+            )
+    if ctx.files is None:
+        raise NotFound("no version has been activated and this node has no files to start from")
+    topology, policies = ctx.files
+    return CurrentOut(source="files", version=None, topology=topology, policies=dict(policies))
 
 
 @router.get("/versions/{version_id}", operation_id="get_version", response_model=VersionOut)

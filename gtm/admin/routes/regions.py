@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from gtm.admin import events
@@ -18,6 +18,7 @@ from gtm.admin.auth import AdminContext, Ctx, Forbidden, require
 from gtm.admin.errors import Conflict, Invalid, NotFound
 from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
+from gtm.audit import traffic
 from gtm.errors import Problem
 from gtm.fleet import operator, safety, shared_state
 from gtm.fleet.operator import parse_duration
@@ -34,6 +35,29 @@ class RegionOut(BaseModel):
     override_by: str | None
     out_of_service: bool
     nodes: dict[str, str] = Field(description="node -> state as that live node holds it")
+    name: str
+    jurisdiction: str
+    lat: float
+    lon: float
+    utilisation: float | None = Field(description="the last fresh capacity report; null: none")
+    headroom: float | None = Field(description="to the high watermark; null: no fresh report")
+    spilling: bool
+    report_age_s: float | None
+    admitted: float = Field(description="share of its clients a readmitted region takes back")
+
+
+class FlowOut(BaseModel):
+    country: str | None = Field(description="ISO 3166-1 alpha-2; null: not located")
+    region: str | None = Field(description="null: nothing was answered")
+    outcome: str
+    per_s: float
+
+
+class TrafficOut(BaseModel):
+    window_s: float
+    at: float
+    answers: int
+    flows: list[FlowOut]
 
 
 class NodeOut(BaseModel):
@@ -95,13 +119,31 @@ async def list_regions(
     live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
     out = safety.out_of_service(snapshot, overrides, now)
     rows = []
-    for region in snapshot.regions:
+    spill = snapshot.topology.routing.spillover
+    described = {r.id: r for r in snapshot.topology.regions}
+    for region, view in snapshot.regions.items():
         health = snapshot.health.get(region)
         held = overrides.get(region)
         override = held.effective(now) if held is not None else None
+        capacity = snapshot.capacity.get(region)
+        age = None if capacity is None else now - capacity.reported_at
+        fresh = capacity if age is not None and age <= spill.stale_after_s else None
         rows.append(
             RegionOut(
                 region=region,
+                name=described[region].name,
+                jurisdiction=described[region].jurisdiction,
+                lat=view.lat,
+                lon=view.lon,
+                utilisation=None if fresh is None else round(fresh.utilisation, 4),
+                headroom=(
+                    None
+                    if fresh is None
+                    else round(max(0.0, spill.high_watermark - fresh.utilisation), 4)
+                ),
+                spilling=fresh is not None and fresh.spilling,
+                report_age_s=None if age is None else round(age, 3),
+                admitted=health.admitted if health is not None else 1.0,
                 state=health.state.value if health is not None else "unknown",
                 detail=health.detail if health is not None else "",
                 override=override.describe() if override else None,
@@ -111,6 +153,32 @@ async def list_regions(
             )
         )
     return rows
+
+
+@router.get("/traffic", operation_id="get_traffic", response_model=TrafficOut)
+async def get_traffic(
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("get_traffic"))],
+    window_s: Annotated[float, Query(ge=1, le=3600)] = 10.0,
+) -> TrafficOut:
+    """Answers per second over the last ``window_s`` from each client country to each region,
+    summed over every node writing to the audit store (no client networks: countries only)."""
+    now = ctx.clock()
+    found = await traffic.flows(ctx.engine, round((now - window_s) * 1e6))
+    return TrafficOut(
+        window_s=window_s,
+        at=now,
+        answers=sum(f.answers for f in found),
+        flows=[
+            FlowOut(
+                country=f.country,
+                region=f.region,
+                outcome=f.outcome,
+                per_s=round(f.answers / window_s, 3),
+            )
+            for f in sorted(found, key=lambda f: -f.answers)
+        ],
+    )
 
 
 @router.get("/nodes", operation_id="list_nodes", response_model=list[NodeOut])

@@ -21,6 +21,7 @@ from gtm.admin.server import bind, serve_admin
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
+from tests.support.browser import browser  # noqa: F401 (the console tests' fixture)
 
 
 @dataclass
@@ -82,6 +83,8 @@ def start_admin(tmp_path: Path, geoip_path: Path) -> AdminFactory:
         trusted_keys: Iterable[Path] | None = None,
         database_url: str | None = None,
         oidc: tuple[str, str, str] | None = None,  # issuer, audience, JWKS URL
+        console_key_file: Path | None = None,
+        **extra: Any,  # any other setting
     ) -> AsyncIterator[Admin]:
         keys = tmp_path / "keys"
         if not (keys / signer.PRIVATE_NAME).exists():
@@ -104,6 +107,8 @@ def start_admin(tmp_path: Path, geoip_path: Path) -> AdminFactory:
             admin_oidc_issuer=oidc and oidc[0],
             admin_oidc_audience=oidc and oidc[1],
             admin_oidc_jwks_url=oidc and oidc[2],
+            console_session_key_file=console_key_file,
+            **extra,
         )
         runtime = Runtime(settings)
         await runtime.start()

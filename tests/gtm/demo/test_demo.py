@@ -45,7 +45,32 @@ def test_demo_once(tmp_path: Path) -> None:
     )
     assert "answer moved 192.0.2.40 -> 192.0.2.30" in text
     # The operator drains eu-west as well: EU personal data fails closed, the rest goes on.
-    assert "Berlin asks chat.eu.gtm.example.   -> REFUSED" in text
+    assert "Berlin asks chat.eu.gtm.example.   -> NODATA" in text
     assert "Berlin asks chat.gtm.example.      -> 192.0.2.50" in text
     assert "override  set: drained" in text and "by demo-operator: GPU driver upgrade" in text
-    assert (tmp_path / "demo.sqlite3").exists()
+    # It ends with the fleet whole again: no region left down or drained.
+    assert "Back to a whole fleet" in text
+    assert text.count("all 6 regions up") == 2
+    # The console: its URL, a token for each demo person, traffic on the map, a proposal.
+    assert "console: http://127.0.0.1:" in text
+    for person in ("demo-operator", "demo-author", "demo-approver", "demo-auditor"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(person))
+        assert line.split()[-1].startswith("gtm_")
+    assert (tmp_path / "demo-tokens").stat().st_mode & 0o777 == 0o600
+    live = next(line for line in text.splitlines() if line.startswith("live traffic on the map"))
+    assert int(live.split()[5]) > 0
+    assert "it waits for demo-approver" in text
+    # The CLI reads the demo's database: the commands it suggests work as printed.
+    assert (tmp_path / "gtm.sqlite3").exists()
+    for suggested in ("gtm audit tail", "gtm region status"):
+        line = next(line for line in text.splitlines() if suggested in line)
+        args = line.split(".venv/bin/gtm ", 1)[1].split()
+        run = subprocess.run(
+            [sys.executable, "-m", "gtm", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip()
