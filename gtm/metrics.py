@@ -8,6 +8,12 @@ from prometheus_client import Counter, Gauge, Histogram
 DECISIONS_COUNTED = Counter(
     "gtm_audit_decisions_counted", "Answers counted towards audit rows", ["channel"]
 )
+ANSWERS_BY_JURISDICTION = Counter(
+    "gtm_answers_by_jurisdiction",
+    "Answers counted towards audit rows, by the jurisdiction of the region answered (the "
+    "policy's groups; none: no region answered) and residency class (gtm.answer_labels)",
+    ["channel", "jurisdiction", "residency_class"],
+)
 AUDIT_ROWS_WRITTEN = Counter("gtm_audit_rows_written", "Audit rows committed to the database")
 AUDIT_FLUSH_FAILURES = Counter(
     "gtm_audit_flush_failures", "Flushes that could not reach the database (rows stay spooled)"

@@ -22,6 +22,7 @@ import structlog
 from prometheus_client import start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
+from gtm import tracing
 from gtm.admin.server import bind as bind_admin
 from gtm.admin.server import serve_admin
 from gtm.anycast import Announcer, Bird, Rules, self_check
@@ -88,6 +89,8 @@ async def run_node(
     *,
     reuse_port: bool = False,
 ) -> None:
+    # Before anything is built: the listeners take their tracers (or None) when they are made.
+    traced = tracing.configure(settings)
     runtime = Runtime(settings)
     await runtime.start()
     tune_for_latency()
@@ -166,6 +169,8 @@ async def run_node(
             await node.dns.stop()
         unregister(collector)
         await runtime.stop()
+        if traced is not None:
+            tracing.shutdown()  # exports the spans still buffered
 
 
 def worker_settings(settings: Settings, index: int) -> Settings:

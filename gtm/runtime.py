@@ -20,6 +20,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import metrics
+from gtm.answer_labels import AnswersByJurisdiction
 from gtm.audit import migrate
 from gtm.audit.anchor import Anchor, read_store_id
 from gtm.audit.checkpoints import DirectorySink
@@ -105,6 +106,7 @@ class Runtime:
             flush_interval=settings.audit_flush_interval_s,
             max_pending=settings.audit_max_pending,
             spool_max_bytes=settings.audit_spool_max_bytes,
+            on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
         )
         self.anchor = Anchor(
             self.engine,

@@ -8,8 +8,8 @@
                 leased request, probes, model servers' metrics, the pool of instances
 ``sim/``        the simulated inference server (engine and its HTTP server)
 ``proxy/``      the balancer's HTTP surface: the OpenAI endpoints and the admin endpoints
-``capacity_report``, ``config``, ``metrics``, ``errors``, ``logs``, ``cli``: shared by all
-of them (the report is the interface the global tier reads).
+``capacity_report``, ``config``, ``metrics``, ``tracing``, ``errors``, ``logs``, ``cli``: shared
+by all of them (the report is the interface the global tier reads).
 
 Layers, checked by import-linter in ``make check``: ``proxy`` above ``upstream`` above
 ``protocol`` above ``balancing``; ``sim`` uses ``protocol`` and ``balancing`` only.

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
+from regional_lb import tracing
 from regional_lb.balancing.gpus import GPUS, profile
 from regional_lb.config import ReportSettings, load_config, split_listen
 from regional_lb.errors import ConfigError
@@ -88,6 +89,12 @@ def serve(
         host, port = _listen(listen or cfg.listen)
     except ConfigError as exc:
         raise _fail(exc) from None
+    try:
+        traced = tracing.configure(cfg.region, tracing.from_environment())
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    except ValueError as exc:  # an OTEL_* value the SDK refuses outright
+        raise _fail(ConfigError([f"tracing: {exc}"])) from None
     secret = ReportSettings().report_secret
     if cfg.gtm_urls and secret is None:
         typer.echo(
@@ -95,7 +102,11 @@ def serve(
             "refuses them (set this region's key: gtm report-key REGION)",
             err=True,
         )
-    run(_serve(cfg, host, port, secret.get_secret_value().encode() if secret else None, grace))
+    try:
+        run(_serve(cfg, host, port, secret.get_secret_value().encode() if secret else None, grace))
+    finally:
+        if traced is not None:
+            tracing.shutdown()  # exports the spans still buffered
 
 
 async def _serve(cfg: object, host: str, port: int, secret: bytes | None, grace: float) -> None:

@@ -20,9 +20,12 @@ or a proxied exchange (:mod:`gtm.front.proxy`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import structlog
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
+from gtm import tracing
 from gtm.decision.model import Decision, IPAddress, Outcome, Status
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.decision.snapshot import Snapshot
@@ -76,6 +79,8 @@ class FrontApp:
         self.ops = OpsEndpoints(self.store, self.stats)
         self.capacity = CapacityEndpoint(runtime)
         self.ops_allow = runtime.settings.ops_allow
+        # Proxied exchanges are traced while tracing is on (gtm.tracing); redirects never are.
+        self.tracer = tracing.tracer("gtm.front")
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -315,6 +320,45 @@ class FrontApp:
         # Counted at the decision's time, however long the exchange takes: the id names it.
         at = self.ledger.clock()
         decision_id = self.ledger.decision_id(decision, host, at)
+        exchange = _Exchange(decision, targets, client, host, tenant, at, decision_id)
+        if self.tracer is None:
+            await self._exchange(scope, receive, send, exchange, None)
+            return
+        span = self.tracer.start_span(
+            f"proxy {decision.service}",
+            context=tracing.ROOT,
+            kind=SpanKind.SERVER,
+            links=tracing.client_links(scope["headers"]),
+            attributes={
+                "http.request.method": method,
+                "gtm.decision_id": decision_id.decode(),
+                "gtm.service": decision.service,
+                "gtm.outcome": decision.outcome.value,
+                "gtm.policy_version": decision.versions.policy,
+                "gtm.snapshot_version": decision.versions.snapshot,
+            },
+        )
+        if decision.region is not None:  # none when failing static: every allowed region
+            span.set_attribute("gtm.region", decision.region)
+        try:
+            status, served = await self._exchange(scope, receive, send, exchange, span)
+            span.set_attribute("http.response.status_code", status)
+            if served is not None and served != decision.region:
+                span.set_attribute("gtm.region.served", served)  # the retry's region
+            if status >= 500:
+                span.set_status(StatusCode.ERROR)
+        finally:
+            span.end()
+
+    async def _exchange(
+        self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange, span: Span | None
+    ) -> tuple[int, str | None]:
+        """Read the body and forward it, counting the response at the decision's time; the
+        status sent (499: none, the client went away) and the region that answered."""
+        assert self.forwarder is not None
+        decision, host, tenant, at = exchange.decision, exchange.host, exchange.tenant, exchange.at
+        client, decision_id = exchange.client, exchange.decision_id
+        method: str = scope["method"]
         try:
             body = await read_body(receive, self.forwarder.limits.max_body_bytes)
         except BodyTooLarge:
@@ -326,12 +370,12 @@ class FrontApp:
                 [],
             )
             self.ledger.count(decision, host, tenant, method, 413, None, at=at)
-            return
+            return 413, None
         except ClientGone:
             self.ledger.count(
                 decision, host, tenant, method, 499, None, "499 client went away", at=at
             )
-            return
+            return 499, None
         upstream_headers = [
             (b"x-forwarded-for", str(client).encode()),
             (b"x-forwarded-host", host.encode()),
@@ -345,10 +389,11 @@ class FrontApp:
                 scope,
                 receive,
                 send,
-                targets=targets,
+                targets=exchange.targets,
                 body=body,
                 upstream_headers=upstream_headers,
                 response_headers=[(b"x-gtm-decision-id", decision_id)],
+                span=span,
             )
         finally:
             # Counted however the exchange ended, cancellation included (rule 2).
@@ -368,6 +413,20 @@ class FrontApp:
                 self.ledger.count(
                     served, host, tenant, method, result.status, result.base_url, response, at=at
                 )
+        assert result is not None  # else what interrupted the exchange propagates
+        return result.status, result.region
+
+
+class _Exchange(NamedTuple):
+    """A proxied request once decided: what forwarding it and counting its response need."""
+
+    decision: Decision
+    targets: list[Target]
+    client: IPAddress
+    host: str
+    tenant: str | None
+    at: float  # the decision's time: the response is counted at it, and its id names it
+    decision_id: bytes
 
 
 def proxy_targets(decision: Decision, snapshot: Snapshot) -> list[Target]:

@@ -23,6 +23,9 @@ from typing import Any, NamedTuple
 
 import httpx
 import structlog
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
+
+from gtm import tracing
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +59,9 @@ _NOT_FORWARDED = _HOP_BY_HOP | {
     b"expect",
 }
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
+# While tracing, the front's own trace context replaces the client's (gtm.tracing: the client's
+# is linked, not continued).
+_NOT_FORWARDED_TRACED = _NOT_FORWARDED | tracing.TRACE_HEADERS
 
 
 def end_to_end(
@@ -168,6 +174,7 @@ class Forwarder:
             follow_redirects=False,
             trust_env=False,  # an HTTP_PROXY in the environment must not reroute regions
         )
+        self.tracer = tracing.tracer("gtm.front")  # None while tracing is off
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -182,13 +189,19 @@ class Forwarder:
         body: bytes,
         upstream_headers: list[tuple[bytes, bytes]],
         response_headers: list[tuple[bytes, bytes]],
+        span: Span | None = None,
     ) -> ProxyResult:
-        """Forward to ``targets[0]``, retrying ``targets[1]`` once before the first byte."""
+        """Forward to ``targets[0]``, retrying ``targets[1]`` once before the first byte.
+        ``span``: the request's span while tracing; each attempt is a child of it, and the
+        region continues the attempt's trace context."""
         self.budget.deposit()
         method = scope["method"]
         path = scope["raw_path"] or scope["path"].encode()
         query = scope["query_string"]
-        headers = end_to_end(scope["headers"], _NOT_FORWARDED)
+        tracer = self.tracer if span is not None else None
+        headers = end_to_end(
+            scope["headers"], _NOT_FORWARDED if tracer is None else _NOT_FORWARDED_TRACED
+        )
         headers.extend(upstream_headers)
         notes: list[str] = []
         for attempt, target in enumerate(targets[:2]):
@@ -198,32 +211,58 @@ class Forwarder:
             url = target.base_url + path.decode("latin-1")
             if query:
                 url += "?" + query.decode("latin-1")
-            request = self.client.build_request(method, url, headers=headers, content=body)
+            hop = None
+            sent = headers
+            if tracer is not None:
+                hop = tracer.start_span(
+                    f"{method} {target.region}",
+                    context=set_span_in_context(span) if span is not None else None,
+                    kind=SpanKind.CLIENT,
+                    attributes={"gtm.region": target.region, "gtm.attempt": attempt + 1},
+                )
+                sent = [*headers, *tracing.traceparent(hop)]
             try:
-                response = await self.client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                notes.append(f"{target.region}: connect failed ({type(exc).__name__})")
-                continue
-            except httpx.TimeoutException as exc:
-                # The region accepted the request and did not answer in time: it may be
-                # working on it, so it is not sent elsewhere as well.
-                notes.append(f"{target.region}: {type(exc).__name__}")
-                await _send_error(send, 504, "upstream timed out", response_headers)
-                return ProxyResult(504, target.region, target.base_url, "; ".join(notes), False)
-            except httpx.HTTPError as exc:
-                notes.append(f"{target.region}: {type(exc).__name__}")
-                await _send_error(send, 502, "upstream failed", response_headers)
-                return ProxyResult(502, target.region, target.base_url, "; ".join(notes), False)
-            if (
-                response.status_code >= 500
-                and attempt == 0
-                and len(targets) > 1
-                and self.budget.tokens >= 1.0
-            ):
-                notes.append(f"{target.region}: {response.status_code}")
-                await response.aclose()
-                continue
-            return await self._stream(receive, send, response, target, response_headers, notes)
+                request = self.client.build_request(method, url, headers=sent, content=body)
+                try:
+                    response = await self.client.send(request, stream=True)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    notes.append(f"{target.region}: connect failed ({type(exc).__name__})")
+                    _failed(hop, notes[-1])
+                    continue
+                except httpx.TimeoutException as exc:
+                    # The region accepted the request and did not answer in time: it may be
+                    # working on it, so it is not sent elsewhere as well.
+                    notes.append(f"{target.region}: {type(exc).__name__}")
+                    _failed(hop, notes[-1])
+                    await _send_error(send, 504, "upstream timed out", response_headers)
+                    return ProxyResult(504, target.region, target.base_url, "; ".join(notes), False)
+                except httpx.HTTPError as exc:
+                    notes.append(f"{target.region}: {type(exc).__name__}")
+                    _failed(hop, notes[-1])
+                    await _send_error(send, 502, "upstream failed", response_headers)
+                    return ProxyResult(502, target.region, target.base_url, "; ".join(notes), False)
+                if hop is not None:
+                    hop.set_attribute("http.response.status_code", response.status_code)
+                    if response.status_code >= 500:
+                        hop.set_status(StatusCode.ERROR)
+                if (
+                    response.status_code >= 500
+                    and attempt == 0
+                    and len(targets) > 1
+                    and self.budget.tokens >= 1.0
+                ):
+                    notes.append(f"{target.region}: {response.status_code}")
+                    await response.aclose()
+                    continue
+                result = await self._stream(
+                    receive, send, response, target, response_headers, notes
+                )
+                if result.aborted:
+                    _failed(hop, result.note)
+                return result
+            finally:
+                if hop is not None:
+                    hop.end()
         await _send_error(send, 502, "no region could be reached", response_headers)
         return ProxyResult(502, None, None, "; ".join(notes), False)
 
@@ -274,6 +313,11 @@ class Forwarder:
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _failed(span: Span | None, why: str) -> None:
+    if span is not None:
+        span.set_status(StatusCode.ERROR, why)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
+from regional_lb import tracing
 from regional_lb.balancing.affinity import key_of, prompt_prefix
 from regional_lb.balancing.cost import Endpoint, RequestShape
 from regional_lb.balancing.instance import InstanceState
@@ -33,6 +35,7 @@ from regional_lb.errors import NoInstanceError, Overloaded, RequestError
 from regional_lb.metrics import BalancerMetrics
 from regional_lb.protocol.asgi import (
     Disconnected,
+    Message,
     Receive,
     Scope,
     Send,
@@ -55,6 +58,8 @@ from regional_lb.upstream.pool import Lease, Pool
 from regional_lb.upstream.probes import Background
 
 _SSE = b"text/event-stream"
+# The global front names its decision to the region in proxy mode (gtm.front.app).
+_DECISION_ID = b"x-gtm-decision-id"
 
 
 class _DisconnectWatch:
@@ -112,6 +117,8 @@ class Balancer:
         pool.on_ejected = lambda inst: metrics.ejections.labels(inst.id).inc()
         t = config.timeouts
         self.upstream = H1Client(connect_timeout=t.connect_s)
+        # None while tracing is off (regional_lb.tracing): the request path checks only that.
+        self.tracer = tracing.tracer("regional_lb.proxy")
         self._seq = 0
         # ASGI header names arrive lower-cased, as bytes.
         self.identities = Identities(config)
@@ -172,9 +179,42 @@ class Balancer:
                     message = f"{scope['method']} is not allowed here; use POST"
                     await respond_error(send, 405, message, code="method_not_allowed")
                     return
-                await self.handle(scope, receive, send, endpoint)
+                if self.tracer is None:
+                    await self.handle(scope, receive, send, endpoint)
+                else:
+                    await self._traced(self.tracer, scope, receive, send, endpoint)
                 return
         await self.admin(scope, receive, send)
+
+    async def _traced(
+        self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
+    ) -> None:
+        """:meth:`handle` inside a server span that continues the caller's trace context."""
+        path: str = scope["path"]  # one of the OpenAI paths: a bounded set of span names
+        attributes: dict[str, str] = {
+            "http.request.method": "POST",
+            "http.route": path,
+            "gtm.region": self.config.region,
+        }
+        decision = text_header(scope, _DECISION_ID)
+        if decision:
+            attributes["gtm.decision_id"] = decision[:128]  # a header: bounded before keeping
+        with tracer.start_as_current_span(
+            f"POST {path}",
+            context=tracing.incoming(scope),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+        ) as span:
+
+            async def traced_send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status: int = message["status"]
+                    span.set_attribute("http.response.status_code", status)
+                    if status >= 500:
+                        span.set_status(StatusCode.ERROR)
+                await send(message)
+
+            await self.handle(scope, receive, traced_send, endpoint)
 
     # -- the request path --------------------------------------------------------------------
 
@@ -193,6 +233,20 @@ class Balancer:
             prefix = prompt_prefix(body, spec.prefix_chars)
             return key_of(f"{body.get('model')}\x00{prefix}") if prefix else None
         return None
+
+    async def _traced_pick(
+        self, tracer: Tracer, tier: str, cost: float, shape: RequestShape, affinity: int | None
+    ) -> Lease:
+        """:meth:`_admit_and_route` as a span: the queue wait, the cost and the instance."""
+        with tracer.start_as_current_span(
+            "pick",
+            attributes={"gtm.tier": tier, "gtm.estimated_cost": cost, "gtm.model": shape.model},
+        ) as span:
+            queued = time.perf_counter()
+            lease = await self._admit_and_route(tier, cost, shape, affinity)
+            span.set_attribute("gtm.queue_wait_s", time.perf_counter() - queued)
+            span.set_attribute("gtm.instance", lease.instance.id)
+            return lease
 
     async def _admit_and_route(
         self, tier: str, cost: float, shape: RequestShape, affinity: int | None
@@ -294,6 +348,8 @@ class Balancer:
         # (and the upstream request aborted) if the client goes away.
         watch = _DisconnectWatch(receive)
         lease: Lease | None = None
+        tracer = self.tracer
+        hop: Span | None = None  # the call to the instance, while tracing is on
         try:
             resp: HopResponse | None = None
             first_byte = self.config.timeouts.first_byte_s
@@ -303,9 +359,24 @@ class Balancer:
             for attempt in (1, 2):
                 # A retry goes where the load says: the affine instance just failed.
                 key = affinity if attempt == 1 else None
-                lease = await self._admit_and_route(tier, cost, shape, key)
-                upstream = self.pool.upstreams[lease.instance.id]
-                headers = upstream_headers(scope, upstream, caller.key_used)
+                if tracer is None:
+                    lease = await self._admit_and_route(tier, cost, shape, key)
+                    headers = upstream_headers(
+                        scope, self.pool.upstreams[lease.instance.id], caller.key_used
+                    )
+                else:
+                    lease = await self._traced_pick(tracer, tier, cost, shape, key)
+                    hop = tracer.start_span(
+                        "upstream",
+                        kind=SpanKind.CLIENT,
+                        attributes={"gtm.instance": lease.instance.id, "gtm.attempt": attempt},
+                    )
+                    headers = upstream_headers(
+                        scope,
+                        self.pool.upstreams[lease.instance.id],
+                        caller.key_used,
+                        tracing.traceparent(hop),
+                    )
                 sent = time.perf_counter()
                 try:
                     resp = await self.upstream.post(
@@ -315,12 +386,17 @@ class Balancer:
                 except ConnectFailed:
                     # Nothing reached the instance: safe to try another one once, within
                     # the retry budget (a dead pool must not see its load doubled).
+                    if hop is not None:
+                        _end_hop(hop, None, "connect failed")
+                        hop = None
                     lease.end("upstream_error")
                     self._failure(lease.instance, "connect")
                     if attempt == 2 or not budget.withdraw(self.pool.clock()):
                         raise
             assert resp is not None
             assert lease is not None
+            if hop is not None:
+                hop.set_attribute("http.response.status_code", resp.status)
             if stream and resp.status < 400:
                 await self._stream(send, resp, lease, watch)
             else:
@@ -341,11 +417,17 @@ class Balancer:
             self._bad.inc()
             await respond_error(send, exc.status, str(exc), code=exc.code, param=exc.param)
         except HopTimeout as exc:
+            if hop is not None:
+                _end_hop(hop, None, "timeout")
+                hop = None
             self._end_failed(lease, "timeout")
             await respond_error(
                 send, 504, f"the instance timed out: {exc}", "server_error", "upstream_timeout"
             )
         except HopError as exc:
+            if hop is not None:
+                _end_hop(hop, None, str(exc))
+                hop = None
             self._end_failed(lease, "transport")
             await respond_error(
                 send, 502, f"the instance failed: {exc}", "server_error", "upstream_error"
@@ -356,6 +438,8 @@ class Balancer:
             raise
         finally:
             watch.stop()
+            if hop is not None:
+                _end_hop(hop, lease, None)
 
     def _end_failed(self, lease: Lease | None, kind: str) -> None:
         if lease is not None and not lease.ended:
@@ -432,6 +516,17 @@ class Balancer:
         finally:
             await chunks.aclose()  # ends the lease and closes the upstream on every path
             resp.close()
+
+
+def _end_hop(hop: Span, lease: Lease | None, error: str | None) -> None:
+    """End the span of a call to an instance: failed with ``error``, or as its lease ended."""
+    outcome = lease.outcome if lease is not None else None
+    if outcome is not None:
+        hop.set_attribute("gtm.outcome", outcome)
+    # A client that left, or a busy instance, is no failure of the call.
+    if error is not None or outcome == "upstream_error":
+        hop.set_status(StatusCode.ERROR, error)
+    hop.end()
 
 
 def create_app(

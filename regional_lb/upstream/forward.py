@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from regional_lb.protocol.asgi import Scope
 from regional_lb.protocol.openai_io import error_body
@@ -42,11 +42,16 @@ _NOT_RELAYED = frozenset(
 
 
 def upstream_headers(
-    scope: Scope, upstream: Upstream, client_key_used: bool
+    scope: Scope,
+    upstream: Upstream,
+    client_key_used: bool,
+    trace: Sequence[tuple[bytes, bytes]] = (),
 ) -> list[tuple[bytes, bytes]]:
     """The headers sent to an instance. Its credential replaces the client's Authorization
     (or fills in for a missing one, in pass mode); a client key the balancer verified is
-    the balancer's, never an instance's, so it is not passed on."""
+    the balancer's, never an instance's, so it is not passed on. ``trace``: the balancer's
+    own W3C trace context (``traceparent``) while tracing is on; a client's is never passed
+    on (it is not in :data:`FORWARD_HEADERS`), since the instance's spans belong under ours."""
     ours = upstream.auth_header_name
     out: list[tuple[bytes, bytes]] = []
     client_auth = False
@@ -62,6 +67,7 @@ def upstream_headers(
     if ours is not None and not client_auth:
         out.extend(upstream.auth_bytes)
     out.append(_JSON_TYPE)
+    out.extend(trace)
     return out
 
 

@@ -101,7 +101,7 @@ def test_the_dashboard_covers_the_fleet() -> None:
     board = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"] for p in board["panels"]).lower()
     for topic in ("region state", "answers", "spill", "failover", "audit spool", "verification",
-                  "queue depth", "utilisation", "429"):  # fmt: skip
+                  "queue depth", "utilisation", "429", "jurisdiction"):  # fmt: skip
         assert topic in titles, topic
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
