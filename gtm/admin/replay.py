@@ -54,6 +54,11 @@ def replay(row: dict[str, Any], snapshot: Snapshot, now: float) -> Replayed:
     }
     if any(c["reason"] in _CAPACITY for c in row["candidates"]):
         notes.append("capacity reports shaped this decision and are not recorded: approximate")
+    if any(c["reason"] == Reason.UNTRUSTED_ECS.value for c in row["candidates"]):
+        # The row keeps the ECS, not the address of the untrusted resolver that sent it.
+        notes.append(
+            "residency was judged on the resolver's address too, not recorded: approximate"
+        )
     if snapshot.geo.build != row["geoip_build"]:
         notes.append(
             f"GeoIP {snapshot.geo.build} replays a decision made with {row['geoip_build']}"

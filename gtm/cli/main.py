@@ -138,6 +138,9 @@ def decision_json(decision: Decision) -> dict[str, Any]:
         },
         "client_network": str(decision.client_network),
         "scope_prefix": decision.scope_prefix,
+        # Which address rules on client geography were judged on: "address", "ecs" (a trusted
+        # resolver's) or "ecs+address" (an untrusted resolver's ECS, with its own address).
+        "residency_basis": decision.residency_basis.value,
         "candidates": [
             {
                 "region": c.region,
@@ -229,7 +232,8 @@ def render_decision(decision: Decision, name: str) -> str:
         f"  client {d['client_network']} located {loc['country'] or '??'}/"
         f"{loc['continent'] or '??'} via {loc['network'] or 'no GeoIP network'}"
         f"  scope /{d['scope_prefix']}",
-        f"  classes {d['residency_classes'] or '-'}  rules {d['matched_rules'] or '-'}",
+        f"  classes {d['residency_classes'] or '-'}  rules {d['matched_rules'] or '-'}"
+        f"  residency judged on {d['residency_basis']}",
     ]
     for c in d["candidates"]:
         dist = f"{c['distance_km']:>8.0f} km" if c["distance_km"] is not None else " " * 11

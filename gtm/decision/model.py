@@ -46,6 +46,9 @@ class Reason(StrEnum):
     SPILLED = "spilled"  # ranked first but over its watermark: this client moved on
     OVERLOADED_NO_HEADROOM = "overloaded-no-headroom"
     RESIDENCY = "residency"
+    # Allowed by the rules the ECS's place matches, dropped by those of the address it came
+    # from: a resolver outside the policy's trusted_resolvers cannot loosen residency.
+    UNTRUSTED_ECS = "untrusted-ecs"
     DOWN = "down"
     DRAINING = "draining"
     UNKNOWN_HEALTH = "unknown-health"
@@ -55,6 +58,16 @@ class Reason(StrEnum):
     READMITTING = "readmitting"  # back from an outage, this client not re-admitted yet
     READMIT_HOLD = "readmit-hold"  # keeps the client while its best region is re-admitted
     FENCED = "fenced"  # this node is cut off from the fleet: restricted traffic fails closed
+
+
+class Basis(StrEnum):
+    """Which address residency rules on client geography were judged on."""
+
+    ADDRESS = "address"  # the connection's own address: no ECS
+    ECS = "ecs"  # the ECS, sent by a trusted resolver
+    # The ECS and the address of the resolver that sent it, which is not trusted: a rule that
+    # either place matches applies (or refuses, per rule), so the ECS never loosens residency.
+    ECS_AND_ADDRESS = "ecs+address"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +112,4 @@ class Decision(NamedTuple):
     # depend on where the client is.
     scope_prefix: int
     versions: Versions
+    residency_basis: Basis = Basis.ADDRESS

@@ -1,7 +1,8 @@
 """Routing plans: steps 1-4 of a decision, worked out once per snapshot and reused.
 
 Within one snapshot, candidates, residency, health and ranking depend only on the service, the
-residency classes, the tenant and the client's location, never on the individual client. A
+residency classes, the tenant and the client's location (and, for an ECS the policy does not
+trust, the place of the resolver that sent it), never on the individual client. A
 :class:`Plan` holds their result; :func:`plan_for` memoises plans on the snapshot so a query
 pays for a dictionary lookup instead of policy evaluation and great-circle arithmetic. Only
 capacity spillover, which hashes the client network, is left to each query
@@ -20,7 +21,7 @@ from typing import NamedTuple
 from gtm.decision.geoip import Location
 from gtm.decision.geometry import UnitVector, chord_km, unit_vector
 from gtm.decision.model import Candidate, Outcome, Reason, Status
-from gtm.decision.policy import DnsFailure, Verdict
+from gtm.decision.policy import DnsFailure, Place, Verdict
 from gtm.decision.snapshot import HealthState, RegionView, Snapshot
 from gtm.decision.topology import Service
 
@@ -103,7 +104,10 @@ def plan_for(
     tenant: str | None,
     location: Location,
     now: float,
+    resolver: Place | None = None,
 ) -> Plan:
+    """The plan for one kind of request; ``resolver``: the place of a resolver whose ECS the
+    policy does not trust, when it differs from the ECS's (residency is judged on both)."""
     key = (
         service.id,
         classes,
@@ -112,10 +116,11 @@ def plan_for(
         location.continent,
         location.lat,
         location.lon,
+        resolver,
     )
     plan: Plan | None = snapshot.plans.get(key)
     if plan is None or not (plan.valid_after < now <= plan.valid_until):
-        plan = _with_head(make_plan(snapshot, service, classes, tenant, location, now))
+        plan = _with_head(make_plan(snapshot, service, classes, tenant, location, now, resolver))
         if len(snapshot.plans) >= _PLAN_LIMIT:
             snapshot.plans.clear()  # bounded memory; the working set refills at once
         snapshot.plans[key] = plan
@@ -129,11 +134,12 @@ def make_plan(
     tenant: str | None,
     location: Location,
     now: float,
+    resolver: Place | None = None,
 ) -> Plan:
     """Steps 1-4 of DESIGN.md "The decision" for one kind of request; on a fenced snapshot,
     restricted traffic fails closed or gets the degraded TTL, as the fence says (a node cut off
     from the fleet may hold a residency policy the fleet has since tightened)."""
-    plan = _make_plan(snapshot, service, extra_classes, tenant, location, now)
+    plan = _make_plan(snapshot, service, extra_classes, tenant, location, now, resolver)
     if snapshot.fence is None or not plan.verdict.restricted:
         return plan
     if snapshot.fence == "short_ttl":
@@ -156,11 +162,15 @@ def _make_plan(
     tenant: str | None,
     location: Location,
     now: float,
+    resolver: Place | None,
 ) -> Plan:
     classes = (
         extra_classes | {service.residency_class} if service.residency_class else extra_classes
     )
-    verdict = _verdict(snapshot, classes, tenant, location)
+    verdict = _verdict(snapshot, classes, tenant, location, resolver)
+    # What the ECS's place alone allows: a region it allows that the verdict drops was dropped
+    # because the ECS was not believed, and its reason says so.
+    believed = verdict if resolver is None else _verdict(snapshot, classes, tenant, location, None)
     sorted_classes = tuple(sorted(classes))
 
     # 1-2. Candidates, then residency: the hard filter. Nothing later adds a region back.
@@ -170,8 +180,15 @@ def _make_plan(
     candidates: dict[str, Candidate] = {}
     if verdict.allowed is not None:
         detail = _residency_detail(verdict)
+        untrusted = _untrusted_detail(verdict, resolver) if resolver is not None else ""
         for region_id in service.regions:
-            if region_id not in verdict.allowed:
+            if region_id in verdict.allowed:
+                continue
+            if resolver is not None and (believed.allowed is None or region_id in believed.allowed):
+                candidates[region_id] = Candidate(
+                    region_id, Status.DROPPED, Reason.UNTRUSTED_ECS, untrusted
+                )
+            else:
                 candidates[region_id] = Candidate(
                     region_id, Status.DROPPED, Reason.RESIDENCY, detail
                 )
@@ -277,14 +294,20 @@ def _make_plan(
 
 
 def _verdict(
-    snapshot: Snapshot, classes: frozenset[str], tenant: str | None, location: Location
+    snapshot: Snapshot,
+    classes: frozenset[str],
+    tenant: str | None,
+    location: Location,
+    resolver: Place | None,
 ) -> Verdict:
     # Verdicts depend on the policy and a few request attributes only: a few hundred distinct
     # keys, kept across snapshots that keep the policy.
-    key = (classes, tenant, location.country, location.continent)
+    key = (classes, tenant, location.country, location.continent, resolver)
     verdict: Verdict | None = snapshot.verdicts.get(key)
     if verdict is None:
-        verdict = snapshot.policy.evaluate(classes, tenant, location.country, location.continent)
+        verdict = snapshot.policy.evaluate(
+            classes, tenant, location.country, location.continent, resolver
+        )
         if len(snapshot.verdicts) >= _PLAN_LIMIT:
             snapshot.verdicts.clear()
         snapshot.verdicts[key] = verdict
@@ -295,6 +318,17 @@ def _residency_detail(verdict: Verdict) -> str:
     if verdict.unknown_classes:
         return "class named by no rule: " + ",".join(verdict.unknown_classes)
     return "not allowed by " + ",".join(verdict.matched_rules)
+
+
+def _untrusted_detail(verdict: Verdict, resolver: Place) -> str:
+    """Why a region the ECS's place allows is dropped: the resolver that sent the ECS is not
+    trusted, so residency was judged on its address too."""
+    place = f"{resolver[0] or '??'}/{resolver[1] or '??'}"
+    if verdict.refused:
+        why = "refused by " + ",".join(verdict.refused) + " (ECS and resolver disagree)"
+    else:
+        why = "not allowed by " + ",".join(verdict.disputed or verdict.matched_rules)
+    return f"{why}; judged on the ECS and the resolver's address ({place}): ECS not trusted"
 
 
 class Ranking(NamedTuple):

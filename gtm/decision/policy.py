@@ -9,15 +9,24 @@ What happens when no allowed region is available is the strictest action among t
 rules (``reject`` beats ``fail_static``), else the default's. A rule that matches a residency
 class must reject: a restricted class has no catch-all answer (DESIGN.md rule 1). A class that no
 rule names is allowed nowhere, so a typo in a header or a service fails closed, never open.
+
+Client geography comes from the EDNS Client Subnet when a DNS query carries one, and anyone can
+send one. The set names the resolvers whose ECS it believes (``client_subnet.trusted_resolvers``);
+for a query from any other sender a geographic rule applies when it matches the ECS *or* the
+sender's own address, so the places' rules compose by intersection like any others and an ECS can
+narrow residency but never loosen it, or, for a rule with ``untrusted_ecs: refuse``, a request on
+which the two places disagree is allowed nowhere.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import Any, Self
 
@@ -39,6 +48,20 @@ class DnsFailure(StrEnum):
     REFUSED = "refused"
     NODATA = "nodata"
     SERVFAIL = "servfail"
+
+
+class UntrustedEcs(StrEnum):
+    """What a geographic rule does with an ECS from a resolver that is not trusted."""
+
+    # The rule applies when the ECS or the resolver's address matches it: with every other rule
+    # that matches either place, allowed sets intersect (the stricter of the two places).
+    STRICTER = "stricter"
+    # When exactly one of the two places matches the rule, the request is allowed nowhere.
+    REFUSE = "refuse"
+
+
+# A client's place as residency rules read it: (country, continent), either unknown.
+Place = tuple[str | None, str | None]
 
 
 class _Strict(BaseModel):
@@ -76,6 +99,12 @@ class Rule(_Strict):
     allow: Allow
     on_unavailable: Action = Action.REJECT
     dns_failure: DnsFailure = DnsFailure.REFUSED
+    untrusted_ecs: UntrustedEcs = Field(
+        default=UntrustedEcs.STRICTER,
+        description="when a DNS query's ECS comes from a resolver outside"
+        " client_subnet.trusted_resolvers: stricter (the rule applies if the ECS or the"
+        " resolver's address matches it) or refuse (allowed nowhere when only one of them does)",
+    )
 
     @model_validator(mode="after")
     def _restricted_fails_closed(self) -> Self:
@@ -83,6 +112,11 @@ class Rule(_Strict):
             raise ValueError(
                 f"rule {self.id} matches a residency class and must use on_unavailable: reject"
                 " (a restricted class never fails open)"
+            )
+        if self.untrusted_ecs is UntrustedEcs.REFUSE and not self.match.uses_location:
+            raise ValueError(
+                f"rule {self.id}: untrusted_ecs: refuse needs a rule that matches client_country"
+                " or client_continent (a rule that ignores the client's place cannot disagree)"
             )
         return self
 
@@ -94,6 +128,16 @@ class Default(_Strict):
     dns_failure: DnsFailure = DnsFailure.SERVFAIL
 
 
+class ClientSubnet(_Strict):
+    """Whose EDNS Client Subnet (RFC 7871) geographic rules believe."""
+
+    trusted_resolvers: tuple[IPv4Network | IPv6Network, ...] = Field(
+        default=(),
+        description="networks of resolvers whose ECS is believed for rules on client geography;"
+        " from any other sender the ECS may steer proximity but never loosens residency",
+    )
+
+
 class PolicyDocument(_Strict):
     """One YAML document under ``policies/``."""
 
@@ -102,6 +146,7 @@ class PolicyDocument(_Strict):
     jurisdictions: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     rules: tuple[Rule, ...] = ()
     default: Default | None = None
+    client_subnet: ClientSubnet | None = None
 
 
 def json_schema() -> dict[str, Any]:
@@ -110,6 +155,40 @@ def json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "GTM residency policy document"
     return schema
+
+
+class NetworkSet:
+    """A set of IP networks with an O(log n) membership test (merged, sorted ranges)."""
+
+    __slots__ = ("_ends", "_starts", "networks")
+
+    def __init__(self, networks: Iterable[IPv4Network | IPv6Network] = ()) -> None:
+        self.networks = tuple(networks)
+        ranges = sorted(
+            (n.version, int(n.network_address), int(n.broadcast_address)) for n in self.networks
+        )
+        merged: list[list[int]] = []
+        for version, first, last in ranges:
+            start, end = (version << 128) | first, (version << 128) | last
+            if merged and start <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._starts = [m[0] for m in merged]
+        self._ends = [m[1] for m in merged]
+
+    def __contains__(self, address: IPv4Address | IPv6Address) -> bool:
+        if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a v4 peer on a dual-stack socket
+        key = (address.version << 128) | int(address)
+        i = bisect_right(self._starts, key) - 1
+        return i >= 0 and key <= self._ends[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.networks)
+
+    def __repr__(self) -> str:
+        return f"NetworkSet({[str(n) for n in self.networks]})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +226,10 @@ class Verdict:
     action: Action
     dns_failure: DnsFailure
     unknown_classes: tuple[str, ...]  # classes no rule names: allowed nowhere
+    # Judged on two places (an untrusted ECS and its resolver's address): the rules only one
+    # of them matched, and of those the ones that refuse on such a disagreement.
+    disputed: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
 
     @property
     def restricted(self) -> bool:
@@ -164,6 +247,8 @@ class PolicySet:
     version: str
     known_classes: frozenset[str]
     uses_location: bool  # some rule matches on client geography
+    # Resolvers whose ECS geographic rules believe (client_subnet.trusted_resolvers).
+    trusted_resolvers: NetworkSet = field(default_factory=NetworkSet)
 
     def evaluate(
         self,
@@ -171,8 +256,13 @@ class PolicySet:
         tenant: str | None,
         country: str | None,
         continent: str | None,
+        resolver: Place | None = None,
     ) -> Verdict:
         """Apply every matching rule; allowed sets intersect.
+
+        ``resolver``: the place of a resolver whose ECS (``country``, ``continent``) is not
+        trusted. A rule then matches when either place matches it (the stricter of the two),
+        and a rule with ``untrusted_ecs: refuse`` that only one place matches allows nothing.
 
         >>> verdict = policy.evaluate(frozenset({"eu-personal"}), None, "DE", "EU")
         >>> sorted(verdict.allowed)
@@ -180,25 +270,41 @@ class PolicySet:
         """
         allowed: frozenset[str] | None = None
         matched: list[str] = []
+        disputed: list[str] = []
+        refused: list[str] = []
         action = self.default.on_unavailable
         dns_failure = self.default.dns_failure
         rejecting = False
         for compiled in self.rules:
-            if not compiled.matches(classes, tenant, country, continent):
+            here = compiled.matches(classes, tenant, country, continent)
+            there = here if resolver is None else compiled.matches(classes, tenant, *resolver)
+            if not (here or there):
                 continue
-            matched.append(compiled.rule.id)
-            allowed = compiled.allowed if allowed is None else allowed & compiled.allowed
-            if compiled.rule.on_unavailable is Action.REJECT and not rejecting:
+            rule = compiled.rule
+            matched.append(rule.id)
+            rule_allows = compiled.allowed
+            if here != there:
+                disputed.append(rule.id)
+                if rule.untrusted_ecs is UntrustedEcs.REFUSE:
+                    refused.append(rule.id)
+                    rule_allows = frozenset()
+            allowed = rule_allows if allowed is None else allowed & rule_allows
+            if rule.on_unavailable is Action.REJECT and not rejecting:
                 rejecting = True
                 action = Action.REJECT
-                dns_failure = compiled.rule.dns_failure
+                dns_failure = rule.dns_failure
+        if refused and not rejecting:
+            # Allowed nowhere is a refusal whatever the rule does when its regions are down.
+            action, dns_failure = Action.REJECT, DnsFailure.REFUSED
         unknown = tuple(sorted(classes - self.known_classes))
         if unknown:
             allowed = frozenset()
             action = Action.REJECT
             if not rejecting:
                 dns_failure = DnsFailure.REFUSED
-        return Verdict(allowed, tuple(matched), action, dns_failure, unknown)
+        return Verdict(
+            allowed, tuple(matched), action, dns_failure, unknown, tuple(disputed), tuple(refused)
+        )
 
 
 def compile_policy(documents: Sequence[tuple[str, PolicyDocument]]) -> PolicySet:
@@ -208,6 +314,8 @@ def compile_policy(documents: Sequence[tuple[str, PolicyDocument]]) -> PolicySet
     where_defined: dict[str, str] = {}
     default: Default | None = None
     default_source = ""
+    client_subnet: ClientSubnet | None = None
+    client_subnet_source = ""
     for source, doc in documents:
         for name, regions in doc.jurisdictions.items():
             group = frozenset(regions)
@@ -227,6 +335,18 @@ def compile_policy(documents: Sequence[tuple[str, PolicyDocument]]) -> PolicySet
                     Problem(source, "default", f"a default is already set in {default_source}")
                 )
             default, default_source = doc.default, source
+        if doc.client_subnet is not None:
+            # One place says whose ECS is believed, as one place holds the default: a list
+            # merged from several documents would let any of them widen the trust.
+            if client_subnet is not None:
+                problems.append(
+                    Problem(
+                        source,
+                        "client_subnet",
+                        f"client_subnet is already set in {client_subnet_source}",
+                    )
+                )
+            client_subnet, client_subnet_source = doc.client_subnet, source
 
     compiled: list[CompiledRule] = []
     seen_ids: dict[str, str] = {}
@@ -269,7 +389,7 @@ def compile_policy(documents: Sequence[tuple[str, PolicyDocument]]) -> PolicySet
         raise ConfigError(problems)
 
     canonical = json.dumps(
-        [doc.model_dump(mode="json") for _, doc in sorted(documents, key=lambda d: d[0])],
+        [_canonical(doc) for _, doc in sorted(documents, key=lambda d: d[0])],
         sort_keys=True,
     ).encode()
     return PolicySet(
@@ -280,7 +400,21 @@ def compile_policy(documents: Sequence[tuple[str, PolicyDocument]]) -> PolicySet
         version=hashlib.sha256(canonical).hexdigest()[:16],
         known_classes=frozenset(c for r in compiled for c in r.classes),
         uses_location=any(r.rule.match.uses_location for r in compiled),
+        trusted_resolvers=NetworkSet(client_subnet.trusted_resolvers if client_subnet else ()),
     )
+
+
+def _canonical(doc: PolicyDocument) -> dict[str, Any]:
+    """The document as its set's version hashes it. Fields added since versions were first
+    recorded are left out while they hold their defaults, so a document that does not use them
+    keeps the version its audit rows name (the compliance report finds policies by version)."""
+    data = doc.model_dump(mode="json")
+    if data.get("client_subnet") is None:
+        data.pop("client_subnet", None)
+    for rule in data["rules"]:
+        if rule.get("untrusted_ecs") == UntrustedEcs.STRICTER.value:
+            rule.pop("untrusted_ecs")
+    return data
 
 
 def topology_problems(policy: PolicySet, topology: Topology) -> list[Problem]:

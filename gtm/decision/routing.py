@@ -6,6 +6,8 @@ steps follow DESIGN.md "The decision":
 
 1. candidates  the regions that serve the service, in configured order
 2. residency   every matching policy rule narrows the allowed set; nothing adds a region back
+               (an ECS from a resolver the policy does not trust is judged together with the
+               resolver's own address: it can narrow the set, never widen it)
 3. health      down, draining, zero-weight and "cannot take work" regions drop out
 4. rank        a configured latency map first, then great-circle distance divided by weight
 5. capacity    a region being re-admitted after an outage takes back a growing share of its
@@ -28,6 +30,7 @@ from ipaddress import IPv4Network, IPv6Network
 from gtm.decision.geoip import Location
 from gtm.decision.geometry import great_circle_km
 from gtm.decision.model import (
+    Basis,
     Candidate,
     Channel,
     Decision,
@@ -39,6 +42,7 @@ from gtm.decision.model import (
     Status,
 )
 from gtm.decision.plan import Head, Plan, decision_head, plan_for
+from gtm.decision.policy import Place
 from gtm.decision.snapshot import RegionView, Snapshot
 
 # The client network recorded in the audit log and hashed for spillover: /24 and /56 by default
@@ -50,7 +54,8 @@ _V6_SHIFT = 128 - V6_CLIENT_PREFIX
 
 
 _NETWORKS: dict[tuple[int, int], IPNetwork] = {}
-_NETWORKS_LIMIT = 200_000
+# About 300 bytes a memoised network: at most some 15 MiB under a random-subnet flood.
+_NETWORKS_LIMIT = 50_000
 
 
 def client_network(address: IPAddress, ecs: IPNetwork | None) -> IPNetwork:
@@ -92,13 +97,45 @@ def spill_share(utilisation: float, low_watermark: float, max_share: float) -> f
     return min(max_share, (utilisation - low_watermark) / utilisation)
 
 
+def residency_basis(snapshot: Snapshot, client: IPAddress, ecs: IPNetwork | None) -> Basis:
+    """Which address residency is judged on for a request from ``client`` carrying ``ecs``."""
+    if ecs is None or ecs.prefixlen == 0:
+        return Basis.ADDRESS  # an ECS of prefix 0 says nothing about the client (RFC 7871 7.1.2)
+    return Basis.ECS if client in snapshot.policy.trusted_resolvers else Basis.ECS_AND_ADDRESS
+
+
+def resolver_place(
+    snapshot: Snapshot, client: IPAddress, ecs: IPNetwork | None, ecs_location: Location
+) -> Place | None:
+    """The place of the resolver ``client`` when residency must be judged on it as well as on
+    its ``ecs`` (located at ``ecs_location``): the ECS is not trusted, some rule reads client
+    geography, and the two places differ. None when the ECS's place alone decides.
+
+    Answer caches keyed by the ECS add this to their key: two resolvers sending the same ECS
+    may get different answers."""
+    return _resolver_place(snapshot, client, residency_basis(snapshot, client, ecs), ecs_location)
+
+
+def _resolver_place(
+    snapshot: Snapshot, client: IPAddress, basis: Basis, ecs_location: Location
+) -> Place | None:
+    if basis is not Basis.ECS_AND_ADDRESS or not snapshot.policy.uses_location:
+        return None
+    at = snapshot.geo.locate(client)
+    if at.country == ecs_location.country and at.continent == ecs_location.continent:
+        return None
+    return (at.country, at.continent)
+
+
 def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision:
     """Decide which region serves ``request``; see the module docstring for the steps."""
     ecs = request.ecs
     net = client_network(request.client, ecs)
+    basis = residency_basis(snapshot, request.client, ecs)
     location = snapshot.geo.locate(
-        ecs.network_address if ecs is not None and ecs.prefixlen > 0 else request.client
+        ecs.network_address if ecs is not None and basis is not Basis.ADDRESS else request.client
     )
+    resolver = _resolver_place(snapshot, request.client, basis, location)
     service = snapshot.services.get(request.service)
     if service is None:
         return Decision(
@@ -119,12 +156,15 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
             net,
             0,
             snapshot.versions,
+            basis,
         )
-    plan = plan_for(snapshot, service, request.residency_classes, request.tenant, location, now)
+    plan = plan_for(
+        snapshot, service, request.residency_classes, request.tenant, location, now, resolver
+    )
     head = plan.head
     assert head is not None  # plan_for always fills it
     if plan.outcome is not Outcome.ANSWER:
-        return Decision(*head, location, net, 0, snapshot.versions)
+        return Decision(*head, location, net, 0, snapshot.versions, basis)
 
     # 5. Re-admission, then capacity / spillover, per client network.
     chosen = plan.healthy[0]
@@ -139,7 +179,7 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
     ):
         held = _held_back_head(plan, health.admitted, snapshot)
         scope = _scope(location, net, ecs, plan.location_dependent, spilled=True)
-        return Decision(*held, location, net, scope, snapshot.versions)
+        return Decision(*held, location, net, scope, snapshot.versions, basis)
     spill = snapshot.topology.routing.spillover
     cap = snapshot.capacity.get(chosen.id)
     if (
@@ -150,11 +190,11 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
         >= spill_share(cap.utilisation, spill.low_watermark, spill.max_share)
     ):
         scope = _scope(location, net, ecs, plan.location_dependent, spilled=False)
-        return Decision(*head, location, net, scope, snapshot.versions)
+        return Decision(*head, location, net, scope, snapshot.versions, basis)
 
     spilled = _spilled_head(plan, cap.utilisation, snapshot, now)
     scope = _scope(location, net, ecs, plan.location_dependent, spilled=True)
-    return Decision(*spilled, location, net, scope, snapshot.versions)
+    return Decision(*spilled, location, net, scope, snapshot.versions, basis)
 
 
 def _spilled_head(plan: Plan, utilisation: float, snapshot: Snapshot, now: float) -> Head:
@@ -261,6 +301,7 @@ def _scope(
 
 
 __all__ = [
+    "Basis",
     "Candidate",
     "Channel",
     "Decision",
@@ -271,6 +312,8 @@ __all__ = [
     "client_network",
     "decide",
     "great_circle_km",
+    "residency_basis",
+    "resolver_place",
     "spill_point",
     "spill_share",
 ]

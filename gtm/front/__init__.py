@@ -13,13 +13,15 @@ For a request to a configured service host the front decides with the real clien
   when every allowed region is unavailable: never an answer from outside the allowed set;
 - ``404`` for an unknown host and a clear ``4xx`` for bad input (``400`` malformed headers,
   ``405`` methods outside the served set, ``413`` bodies over the proxy limit, ``414``/``431``
-  heads over the limits).
+  heads over the limits, ``408`` a head not whole by its deadline).
 
 Every one of those responses is counted in the audit store, and the decision id it names leads
 back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). ``gtm serve --http``
 runs the front, alone or beside the DNS responder.
 
 ``server``          uvicorn in the caller's loop; cached redirects answered in the protocol
+``connections``     the connection caps (total, per client) and the request-head deadline
+``tls``             TLS from certificate and key files (the key 0600), reloaded on change
 ``app``             ``FrontApp``: the units put together, and the general path (decide, redirect,
                     refuse, reject, proxy)
 ``answers``         the answer cache: redirects answered from memory (the hot path)

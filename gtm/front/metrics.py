@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
+
+if TYPE_CHECKING:
+    from gtm.front.connections import ConnectionBudget
+    from gtm.front.tls import TlsContexts
 
 
 class FrontStats:
@@ -22,6 +27,9 @@ class FrontStats:
         self.ops = 0
         # Redirects decided afresh rather than given from the answer cache (its misses).
         self.decided = 0
+        # Set by the server that serves the app (gtm.front.server).
+        self.connections: ConnectionBudget | None = None
+        self.tls: TlsContexts | None = None
         _LIVE.add(self)
 
     def count(self, status: int) -> None:
@@ -55,6 +63,43 @@ class _FrontCollector(Collector):
         yield responses
         yield ops
         yield decided
+        yield from _connection_metrics(list(_LIVE))
+
+
+def _connection_metrics(live: list[FrontStats]) -> Iterator[Metric]:
+    open_ = GaugeMetricFamily("gtm_front_connections_open", "Open HTTP front connections")
+    refused = CounterMetricFamily(
+        "gtm_front_connections_refused",
+        "Connections closed on arrival: over the front's cap, or over the client's",
+        labels=["reason"],
+    )
+    timeouts = CounterMetricFamily(
+        "gtm_front_head_timeouts",
+        "Connections closed because a request head did not arrive whole in time",
+    )
+    reloads = CounterMetricFamily("gtm_front_tls_reloads", "TLS certificate reloads")
+    failures = CounterMetricFamily(
+        "gtm_front_tls_reload_failures", "Changed TLS files that did not load (the last good stay)"
+    )
+    n_open = n_timeouts = n_reloads = n_failures = 0
+    by_reason: dict[str, int] = {}
+    for stats in live:
+        budget, tls = stats.connections, stats.tls
+        if budget is not None:
+            n_open += budget.open
+            n_timeouts += budget.head_timeouts
+            for reason, n in budget.refused.items():
+                by_reason[reason.value] = by_reason.get(reason.value, 0) + n
+        if tls is not None:
+            n_reloads += tls.reloads
+            n_failures += tls.failures
+    open_.add_metric([], n_open)
+    for label, n in sorted(by_reason.items()):
+        refused.add_metric([label], n)
+    timeouts.add_metric([], n_timeouts)
+    reloads.add_metric([], n_reloads)
+    failures.add_metric([], n_failures)
+    yield from (open_, refused, timeouts, reloads, failures)
 
 
 REGISTRY.register(_FrontCollector())

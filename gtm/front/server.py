@@ -17,6 +17,13 @@ uvicorn's httptools protocol has no limit of its own on header size, so a client
 buffer a head without end. Heads over the limits get 431 (414 for the target) and the connection
 is closed; uvicorn's own 400 for unparseable requests stays, and both are counted in the audit
 like every other response.
+
+Connections are bounded here too (:mod:`gtm.front.connections`): a cap in total and per client,
+taken when the connection is accepted, and a deadline for each request head (408 when a head is
+still incomplete at it). uvicorn bounds neither. With TLS (:mod:`gtm.front.tls`) a connection
+takes its slot before the handshake, which has the same deadline: the front runs the handshake
+itself (``loop.start_tls``) rather than through uvicorn's ``ssl`` option, under which a
+connection is invisible to the protocol until its handshake is done.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from asyncio import sslproto
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import httptools
 import structlog
@@ -34,11 +42,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from gtm.errors import ConfigError, Problem
 from gtm.front.app import FrontApp
-from gtm.front.client_address import parse_peer
+from gtm.front.client_address import TrustedProxies, parse_peer
+from gtm.front.connections import ConnectionBudget, ConnectionLimits, peer_host
 from gtm.front.proxy import Forwarder, ProxyLimits
+from gtm.front.tls import TlsContexts, TlsFiles
 from gtm.listen import EmbeddedServer
 from gtm.listen import parse_listen as listen_address
 from gtm.runtime import Runtime
+from gtm.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +69,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
         raise ConfigError([Problem("GTM_HTTP_LISTEN", "", str(exc))]) from None
 
 
-class _HeadTooLarge(httptools.HttpParserError):
+class _HeadRefused(httptools.HttpParserError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -85,17 +96,87 @@ class _Answered:
 _ANSWERED = cast(RequestResponseCycle, _Answered())
 
 
-def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with bounded request heads, counted protocol errors, and
-    cached redirects answered without an ASGI request cycle."""
+class SlotProtocol(HttpToolsProtocol):
+    """uvicorn's protocol holding a slot of the connection budget while its connection lasts."""
 
-    class FrontProtocol(HttpToolsProtocol):
+    _admitted = False  # holds a slot of the budget, released when the connection ends
+    _gated = False  # the TLS gate took the slot; this protocol takes it over when made
+    _took_over = False  # it did (set once: the gate's callback may run after the release)
+    _peer: str | None = None
+
+    def gated(self, peer: str | None) -> None:
+        self._gated, self._peer = True, peer
+
+    def took_over(self) -> bool:
+        return self._took_over
+
+
+def protocol_for(
+    app: FrontApp,
+    limits: HeadLimits,
+    budget: ConnectionBudget | None = None,
+) -> type[SlotProtocol]:
+    """uvicorn's httptools protocol with bounded request heads, counted protocol errors, and
+    cached redirects answered without an ASGI request cycle; with a ``budget``, connections
+    over its caps are closed at once and request heads have its deadline."""
+    header_timeout_s = budget.limits.header_timeout_s if budget is not None else None
+
+    class FrontProtocol(SlotProtocol):
         _head_bytes = 0
         _header_bytes = 0
-        _too_large: _HeadTooLarge | None = None
+        _refused_head: _HeadRefused | None = None
         _discarded = -1  # >= 0 once the answer is sent and the rest of the input is dropped
         _in_head = False  # a request head is being parsed
         _in_body = False  # a request's head is parsed and its body is not complete
+        _made = False  # uvicorn's connection_made ran (its connection_lost needs it)
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if self._gated:
+                # The handshake is done: the slot is this protocol's to release.
+                self._admitted = self._took_over = True
+            elif budget is not None:
+                # Plain TCP: the slot is taken here, before a byte is read.
+                peer = peer_host(transport.get_extra_info("peername"))
+                if budget.admit(peer) is not None:
+                    transport.close()
+                    return
+                self._admitted, self._peer = True, peer
+            self._made = True
+            super().connection_made(cast(asyncio.Transport, transport))
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            if self._admitted:
+                self._admitted = False
+                assert budget is not None
+                budget.release(self._peer)
+            if self._made:
+                super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if header_timeout_s is not None and self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            assert budget is not None
+            budget.head_timeouts += 1
+            if self._in_head:
+                # Part of a head came and the rest did not (slowloris): say so, and close.
+                self._refused_head = _HeadRefused(408, "request head timeout")
+                self.send_400_response(self._refused_head.message)
+            else:
+                # Nothing of a request came: there is no one to answer.
+                self.transport.close()
 
         def _discard(self, n: int) -> None:
             self._discarded += n
@@ -116,32 +197,34 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
                 self._head_bytes = 0
             elif (
                 self._head_bytes > limits.max_head_bytes
-                and self._too_large is None
+                and self._refused_head is None
                 and not self.transport.is_closing()
             ):
                 # Still inside a head that has outgrown the limit (one huge header without an
                 # end, say): the parser would buffer it all, so the connection ends here.
-                self._too_large = _HeadTooLarge(431, "request head too large")
-                self.send_400_response(self._too_large.message)
+                self._refused_head = _HeadRefused(431, "request head too large")
+                self.send_400_response(self._refused_head.message)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             n = len(self.headers)  # uvicorn's list of this request's headers so far
             size = (self._header_bytes if n else 0) + len(name) + len(value) + 4
             self._header_bytes = size
             if len(self.url) > limits.max_target_bytes:
-                self._too_large = _HeadTooLarge(414, "request target too long")
-                raise self._too_large
+                self._refused_head = _HeadRefused(414, "request target too long")
+                raise self._refused_head
             if n >= limits.max_headers:
-                self._too_large = _HeadTooLarge(431, "too many request headers")
-                raise self._too_large
+                self._refused_head = _HeadRefused(431, "too many request headers")
+                raise self._refused_head
             if size + len(self.url) > limits.max_head_bytes:
-                self._too_large = _HeadTooLarge(431, "request head too large")
-                raise self._too_large
+                self._refused_head = _HeadRefused(431, "request head too large")
+                raise self._refused_head
             super().on_header(name, value)
 
         def on_message_begin(self) -> None:
             self._in_head = True
             self._in_body = False
+            # A kept-alive connection's next head has the deadline from its first byte.
+            self._arm_head_timer()
             super().on_message_begin()
 
         def on_message_complete(self) -> None:
@@ -161,6 +244,7 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._in_body = True
+            self._cancel_head_timer()
             cycle = self.cycle
             parser = self.parser
             if (
@@ -194,9 +278,12 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
+            # This answer ends the connection: no deadline may answer again after it (the
+            # lingering close below keeps the transport open a while).
+            self._cancel_head_timer()
             status, message = 400, "invalid HTTP request"
-            if self._too_large is not None:
-                status, message = self._too_large.status, self._too_large.message
+            if self._refused_head is not None:
+                status, message = self._refused_head.status, self._refused_head.message
             code = message.replace(" ", "_").encode()
             body = b'{"error":"' + code + b'","message":"' + message.encode() + b'"}'
             head = (
@@ -206,7 +293,7 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
             )
             self.transport.write(head.encode() + body)
             idle = self.cycle is None or self.cycle.response_complete
-            if self._too_large is not None and idle and self.transport.can_write_eof():
+            if self._refused_head is not None and idle and self.transport.can_write_eof():
                 # Lingering close: the client may still be sending the head it was refused
                 # for; closing now would reset the connection and could destroy the answer in
                 # its receive buffer. Half-close, drop what still comes (bounded), close later.
@@ -224,9 +311,75 @@ def protocol_for(app: FrontApp, limits: HeadLimits) -> type[HttpToolsProtocol]:
     return FrontProtocol
 
 
+def tls_gate_for(
+    http: type[SlotProtocol],
+    budget: ConnectionBudget,
+    contexts: TlsContexts,
+    handshakes: set[asyncio.Transport],
+) -> type[asyncio.Protocol]:
+    """The protocol uvicorn makes for each accepted connection when the front serves TLS: it
+    takes the connection's slot, puts a TLS layer with the head deadline as its handshake
+    timeout between the socket and ``http`` (a :func:`protocol_for` class, which takes the slot
+    over once the handshake is done), and gives the slot back if the handshake never is.
+    Connections still in their handshake are kept in ``handshakes`` for a stopping server.
+
+    The layer is asyncio's own ``SSLProtocol``, the one ``loop.start_tls`` builds, put in place
+    here within ``connection_made``: ``start_tls`` can only begin a step later, and uvloop
+    starts reading a socket right after ``connection_made`` whatever the protocol paused, so a
+    ClientHello could reach this protocol instead and be lost. It works on both loops."""
+    timeout_s = budget.limits.header_timeout_s
+
+    class TlsGate(asyncio.Protocol):
+        def __init__(self, **kwargs: Any) -> None:
+            # uvicorn passes what its HTTP protocols take (config, server_state, app_state).
+            self._kwargs = kwargs
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            raw = cast(asyncio.Transport, transport)
+            peer = peer_host(raw.get_extra_info("peername"))
+            if budget.admit(peer) is not None:
+                raw.close()
+                return
+            protocol = http(**self._kwargs)
+            protocol.gated(peer)
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+            handshakes.add(raw)
+
+            def handshake_over(done: asyncio.Future[None]) -> None:
+                handshakes.discard(raw)
+                if not protocol.took_over():
+                    # The handshake failed or timed out: the HTTP protocol never started.
+                    budget.release(peer)
+                    if not done.cancelled() and done.exception() is not None:
+                        log.debug(
+                            "front.tls_handshake_failed", peer=peer, error=repr(done.exception())
+                        )
+
+            waiter.add_done_callback(handshake_over)
+            layer = sslproto.SSLProtocol(
+                loop,
+                protocol,
+                contexts.current,
+                waiter,
+                server_side=True,
+                # typeshed says int; asyncio takes any number of seconds.
+                ssl_handshake_timeout=timeout_s,  # type: ignore[arg-type]
+            )
+            raw.set_protocol(layer)
+            layer.connection_made(raw)
+
+    return TlsGate
+
+
 _LINGER_S = 2.0
 _LINGER_BYTES = 1024 * 1024
-_REASONS = {400: "Bad Request", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+}
 
 
 class FrontServer:
@@ -239,14 +392,30 @@ class FrontServer:
         *,
         head_limits: HeadLimits = HeadLimits(),
         proxy_limits: ProxyLimits = ProxyLimits(),
+        connection_limits: ConnectionLimits | None = None,
+        tls: TlsFiles | None = None,
+        tls_reload_interval_s: float = 2.0,
         reuse_port: bool = False,
         graceful_timeout_s: float = 30.0,
         keep_alive_s: int = 5,
     ) -> None:
+        """``connection_limits`` and ``tls``: the settings' when not given. A TLS key or
+        certificate that cannot be used is a :class:`ConfigError` here, before anything
+        listens."""
+        settings = runtime.settings
         self.runtime = runtime
         self.host, self.port = parse_listen(listen)
         self.head_limits = head_limits
         self.proxy_limits = proxy_limits
+        self.connection_limits = connection_limits or connection_limits_of(settings)
+        tls = tls or tls_files_of(settings)
+        self.tls = TlsContexts(tls) if tls is not None else None
+        self.tls_reload_interval_s = tls_reload_interval_s
+        trusted = TrustedProxies(settings.trusted_proxies)
+        # Every client behind a trusted proxy shares its address: no per-client cap for it.
+        self.budget = ConnectionBudget(
+            self.connection_limits, lambda host: parse_peer(host) in trusted
+        )
         self.reuse_port = reuse_port
         self.graceful_timeout_s = graceful_timeout_s
         self.keep_alive_s = keep_alive_s
@@ -278,12 +447,21 @@ class FrontServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         sock = self.bind()
         forwarder = Forwarder(self.proxy_limits)
         app = self.app = FrontApp(self.runtime, forwarder)
+        app.stats.connections = self.budget
+        front_protocol = protocol_for(app, self.head_limits, self.budget)
+        http: type[asyncio.Protocol] = front_protocol
+        handshakes: set[asyncio.Transport] = set()
+        watching: asyncio.Task[None] | None = None
+        if self.tls is not None:
+            app.stats.tls = self.tls
+            http = tls_gate_for(front_protocol, self.budget, self.tls, handshakes)
+            watching = asyncio.ensure_future(self.tls.watch(self.tls_reload_interval_s, stop))
 
         def started() -> None:
             app.ops.ready = True
@@ -294,7 +472,7 @@ class FrontServer:
         config = uvicorn.Config(
             app,
             loop="none",  # the caller's loop (uvloop under `gtm serve`)
-            http=protocol_for(app, self.head_limits),
+            http=http,
             ws="none",
             lifespan="off",
             proxy_headers=False,  # forwarding headers are judged by the front, not uvicorn
@@ -311,10 +489,16 @@ class FrontServer:
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             app.ops.draining = True
+            for transport in list(handshakes):  # no new connections join a stopping server
+                transport.abort()
             server.should_exit = True
             await serving
         finally:
             stopping.cancel()
+            if watching is not None:
+                watching.cancel()
+            for transport in list(handshakes):
+                transport.abort()
             if not serving.done():  # cancelled from outside: stop at once
                 server.should_exit = server.force_exit = True
                 with contextlib.suppress(asyncio.CancelledError):
@@ -344,4 +528,27 @@ async def serve_front(
     await FrontServer(runtime, listen, reuse_port=reuse_port).run(stop, ready)
 
 
-__all__ = ["FrontServer", "HeadLimits", "parse_listen", "serve_front"]
+def connection_limits_of(settings: Settings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=settings.http_max_connections,
+        max_per_client=settings.http_max_connections_per_client,
+        header_timeout_s=settings.http_header_timeout_s,
+    )
+
+
+def tls_files_of(settings: Settings) -> TlsFiles | None:
+    if settings.http_tls_cert is None or settings.http_tls_key is None:
+        return None
+    return TlsFiles(settings.http_tls_cert, settings.http_tls_key)
+
+
+__all__ = [
+    "ConnectionLimits",
+    "FrontServer",
+    "HeadLimits",
+    "TlsFiles",
+    "connection_limits_of",
+    "parse_listen",
+    "serve_front",
+    "tls_files_of",
+]

@@ -262,11 +262,14 @@ def test_same_client_network_same_answer(
     other_resolver: str,
     geo: GeoDatabase,
 ) -> None:
-    world = world | {"ecs": True}
+    # Every resolver trusted: an untrusted one's own place takes part in residency (the
+    # properties of that are tests/gtm/decision/test_ecs_trust.py's).
+    trusting = world["policy"] | {"client_subnet": {"trusted_resolvers": ["0.0.0.0/0", "::/0"]}}
+    world = world | {"ecs": True, "policy": trusting}
     snap, req = build(world, geo)
     first = decide(req, snap, NOW)
     assert decide(req, snap, NOW) == first
-    # Another resolver asking for the same client subnet gets the same answer.
+    # Another trusted resolver asking for the same client subnet gets the same answer.
     if ip_address(other_resolver).version == req.client.version:
         moved = DecisionRequest(
             req.channel,

@@ -10,16 +10,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 import yaml
 
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.front.app import FrontApp
+from gtm.front.connections import ConnectionLimits
 from gtm.front.proxy import ProxyLimits
 from gtm.front.server import FrontServer, HeadLimits
+from gtm.front.tls import TlsFiles
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
+
+# The front's own connection handling (caps, head deadline, TLS) meets the event loop's transports
+# directly, and `gtm serve` runs on uvloop, whose transports differ (they start reading after
+# connection_made whatever the protocol paused): those tests run on both loops.
+_BOTH_LOOPS = {"test_connections.py", "test_tls.py"}
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name in _BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
+
 
 # The demo's regions are not running here: health comes from the tests (runtime.swap), not
 # from probes that would find nothing listening.
@@ -57,6 +74,9 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         proxy_limits: ProxyLimits = ProxyLimits(connect_timeout_s=2.0, read_timeout_s=10.0),
         keep_alive_s: int = 5,
         ops_allow: tuple[str, ...] = (),
+        connection_limits: ConnectionLimits | None = None,
+        tls: TlsFiles | None = None,
+        tls_reload_interval_s: float = 2.0,
     ) -> AsyncIterator[Front]:
         config = DEMO
         if topology is not None:
@@ -83,6 +103,9 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
             proxy_limits=proxy_limits,
             graceful_timeout_s=5,
             keep_alive_s=keep_alive_s,
+            connection_limits=connection_limits,
+            tls=tls,
+            tls_reload_interval_s=tls_reload_interval_s,
         )
         server.bind()
         stop, ready = asyncio.Event(), asyncio.Event()
