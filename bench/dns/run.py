@@ -27,7 +27,8 @@ audit store after a graceful stop: they must be equal (DESIGN.md rule 2).
 
 GTM runs the full path: parse, decide (residency, health, capacity), render or reuse, and count
 into the SQLite audit store. Response rate limiting is off in every server, as it is by default
-in GTM (``GTM_DNS_RATE_LIMIT``), BIND and Knot (gdnsd and PowerDNS Authoritative have none):
+in BIND and Knot (gdnsd and PowerDNS Authoritative have none; GTM's, on by default, spares
+loopback, and is set to 0 here all the same):
 ``--rrl`` adds ``gtm-rrl``, GTM with the limiter on at a rate no single client network of the
 bench reaches (all of dnsperf's queries come from one /24), to show what checking it costs.
 ``--workers N`` adds ``gtm-Nw``: ``gtm serve --workers N`` on CPUs 0 to N-1, sharing the port

@@ -4,6 +4,7 @@
 ``render``     writing responses: the record types an authority for GTM serves, OPT, truncation
 ``zone``       the authoritative answer for a query, from the snapshot (pure)
 ``ratelimit``  response rate limiting per client network, with slip
+``budget``     the memory budget: entry limits for the tables above, kept in two generations
 ``stats``      counters, exported to Prometheus at scrape time
 ``responder``  the answering path: wire bytes in, wire bytes out, from the answer caches
 ``server``     the UDP and TCP listeners around one responder

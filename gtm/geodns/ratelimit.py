@@ -1,7 +1,13 @@
 """Response rate limiting (RRL) per client network, as authoritative servers do against
 reflection attacks: a token bucket per /24 (IPv6 /56); past the limit, one response in ``slip``
 is sent truncated (so a real client behind a spoofed flood retries over TCP, which cannot be
-spoofed) and the rest are dropped. TCP is never limited.
+spoofed) and the rest are dropped. TCP is never limited, and neither are the exempt networks
+(loopback by default: it cannot be spoofed from outside the host).
+
+The buckets live in two generations (:mod:`gtm.geodns.budget`): a network that keeps sending
+keeps its bucket, so a flood from spoofed random sources cannot push the limited networks'
+buckets out (before, a full table was cleared and every limited network started afresh with a
+full burst); a network dropped with its generation had not sent for a whole generation.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from enum import Enum
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 
 
 class Limit(Enum):
@@ -35,6 +41,7 @@ class ResponseRateLimiter:
         slip: int = 2,
         clock: Callable[[], float] = time.monotonic,
         max_entries: int = 100_000,
+        exempt: tuple[IPv4Network | IPv6Network, ...] = (),
     ) -> None:
         if rate <= 0:
             raise ValueError("rate must be positive")
@@ -42,14 +49,37 @@ class ResponseRateLimiter:
         self.burst = burst if burst is not None else rate
         self.slip = slip
         self._clock = clock
-        self._max = max_entries
-        # network key -> [tokens, last refill time, limited responses so far]
+        self._half = max(1, max_entries // 2)
+        self.exempt = exempt
+        # network key -> [tokens, last refill time, limited responses so far]; young and old.
         self._buckets: dict[tuple[int, int], list[float]] = {}
+        self._old: dict[tuple[int, int], list[float]] = {}
+        # Sender host string -> its network key, None when exempt. Bounded like the buckets.
+        self._keys: dict[str, tuple[int, int] | None] = {}
         self.limited = 0
         self.slipped = 0
 
+    def __len__(self) -> int:
+        return len(self._buckets) + len(self._old)
+
     def check(self, client: IPv4Address | IPv6Address) -> Limit:
+        if any(client in net for net in self.exempt):
+            return _ANSWER
         return self.check_key(network_key(client))
+
+    def check_host(self, host: str) -> Limit:
+        """:meth:`check` for a sender as the transport names it (memoised per host string)."""
+        keys = self._keys
+        if host in keys:
+            key = keys[host]
+        else:
+            if len(keys) >= self._half:
+                keys.clear()  # a pure memo: clearing costs a recomputation, not state
+            client = ip_address(host.split("%", 1)[0])
+            key = keys[host] = (
+                None if any(client in net for net in self.exempt) else network_key(client)
+            )
+        return _ANSWER if key is None else self.check_key(key)
 
     def check_key(self, key: tuple[int, int]) -> Limit:
         """:meth:`check` for a client whose :func:`network_key` the caller already knows.
@@ -60,10 +90,13 @@ class ResponseRateLimiter:
         now = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
-            if len(self._buckets) >= self._max:
-                self._purge(now)
-            self._buckets[key] = [self.burst - 1, now, 0]
-            return _ANSWER
+            bucket = self._old.pop(key, None)
+            if len(self._buckets) >= self._half:
+                self._old, self._buckets = self._buckets, {}
+            if bucket is None:
+                self._buckets[key] = [self.burst - 1, now, 0]
+                return _ANSWER
+            self._buckets[key] = bucket
         tokens = bucket[0] + (now - bucket[1]) * self.rate
         if tokens > self.burst:
             tokens = self.burst
@@ -78,13 +111,3 @@ class ResponseRateLimiter:
             self.slipped += 1
             return _SLIP
         return _DROP
-
-    def _purge(self, now: float) -> None:
-        # Buckets that have refilled completely carry no state worth keeping.
-        full = [
-            k for k, b in self._buckets.items() if b[0] + (now - b[1]) * self.rate >= self.burst
-        ]
-        for k in full:
-            del self._buckets[k]
-        if len(self._buckets) >= self._max:
-            self._buckets.clear()

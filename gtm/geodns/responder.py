@@ -26,22 +26,24 @@ from typing import Any
 
 import structlog
 
-from gtm.audit.record import AuditRecord, zone_record
+from gtm.audit.record import AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
-from gtm.decision.routing import client_network
+from gtm.decision.policy import Place
+from gtm.decision.routing import resolver_place
 from gtm.decision.snapshot import Snapshot
-from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
+from gtm.geodns.budget import Budget, Generations
+from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
-from gtm.geodns.zone import answer, qtype_name, zone_data
+from gtm.geodns.zone import aggregated_record, answer, stats_qtype, zone_data
 from gtm.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
-_CACHE_LIMIT = 200_000  # rendered answers, and exact-query entries, per snapshot
+DEFAULT_BUDGET = Budget.from_mb(64)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
@@ -96,6 +98,7 @@ class Responder:
         stats: DnsStats,
         rate_limiter: ResponseRateLimiter | None = None,
         clock: Callable[[], float] = time.time,
+        budget: Budget = DEFAULT_BUDGET,
     ) -> None:
         self.runtime = runtime
         self._store = runtime.store
@@ -104,12 +107,22 @@ class Responder:
         self.clock = clock  # replaceable, as in tests
         # The snapshot the caches below answer for, and until when (gtm.decision.answer_window).
         self._window = AnswerWindow()
-        self._cache: dict[tuple[object, ...], _Cached] = {}
+        self.budget = budget
+        # Second level: rendered answers, in two generations (gtm.geodns.budget).
+        self._cache: Generations[tuple[object, ...], _Cached] = Generations(budget.rendered_entries)
         # First level, per sender: the query bytes after the ID -> the entry. UDP senders by
-        # the host string the transport gives (cheaper to hash than an address object).
+        # the host string the transport gives (cheaper to hash than an address object). Two
+        # generations here too, counted together over every sender (``_entries``: the young
+        # generation's entries and sender tables): a hit in the old one moves back.
         self._udp: dict[str, dict[bytes, _Exact]] = {}
         self._tcp: dict[IPAddress, dict[bytes, _Exact]] = {}
+        self._udp_old: dict[str, dict[bytes, _Exact]] = {}
+        self._tcp_old: dict[IPAddress, dict[bytes, _Exact]] = {}
         self._entries = 0
+        self._exact_half = max(1, budget.exact_entries // 2)
+        # New decisions counted since the audit writer last drained this responder; past the
+        # budget's audit_records, queries needing another are shed (gtm.geodns.budget).
+        self._new_decisions = 0
         self._services: Mapping[str, object] = {}
         # Entries answered from since the last drain. They stay here when the caches are
         # dropped, so no tally is lost to a new snapshot.
@@ -123,6 +136,9 @@ class Responder:
         one answered from after its turn is listed again for the next drain. The response
         counters of these answers are folded into :class:`DnsStats` here too."""
         tallied, self._tallied = self._tallied, []
+        # The writer takes its pending records along with these tallies: the backlog the
+        # budget bounds starts again from here.
+        self._new_decisions = 0
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -143,17 +159,55 @@ class Responder:
         (the audit writer drains it) and the ID put in front of the stored response."""
         rrl = self.rrl
         if rrl is not None:
-            verdict = rrl.check_key(_network_key(host))
+            verdict = rrl.check_host(host)
             if verdict is not _ANSWER:
                 return self._limited(wire, host, verdict)
         out = self._repeat(self._udp.get(host), wire)
+        if out is None and self._promote(True, host, wire):
+            out = self._repeat(self._udp.get(host), wire)
         return out if out is not None else self._answer(wire, peer_address(host), True, host)
 
     def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
         """The response to one message over TCP (never rate limited), or None to send nothing
         (the connection is then closed). Never raises on input."""
         out = self._repeat(self._tcp.get(client), wire)
+        if out is None and self._promote(False, client, wire):
+            out = self._repeat(self._tcp.get(client), wire)
         return out if out is not None else self._answer(wire, client, False, client)
+
+    def _promote(self, udp: bool, sender: str | IPAddress, wire: bytes) -> bool:
+        """Move this sender's entry for these bytes from the old generation to the young one;
+        False when the old one has none."""
+        old: dict[Any, dict[bytes, _Exact]] = self._udp_old if udp else self._tcp_old
+        by_query = old.get(sender)
+        if by_query is None:
+            return False
+        exact = by_query.pop(wire[2:], None)
+        if exact is None:
+            return False
+        self._keep(udp, sender, wire[2:], exact)
+        return True
+
+    def _keep(self, udp: bool, sender: str | IPAddress, key: bytes, exact: _Exact) -> None:
+        """Store a first-level entry in the young generation, turning the generations over
+        first when it is full (the old one, and whatever in it was not used since, goes)."""
+        if self._entries >= self._exact_half:
+            self._udp_old, self._tcp_old = self._udp, self._tcp
+            self._udp, self._tcp, self._entries = {}, {}, 0
+        senders: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
+        by_query = senders.get(sender)
+        if by_query is None:
+            by_query = senders[sender] = {}
+            self._entries += 1  # a sender's table costs about an entry
+        by_query[key] = exact
+        self._entries += 1
+
+    def cached_entries(self) -> tuple[int, int]:
+        """(first-level entries and sender tables, rendered answers) held now, both
+        generations: never more than the budget's limits."""
+        exact = sum(len(t) + 1 for gen in (self._udp, self._tcp) for t in gen.values())
+        exact += sum(len(t) + 1 for gen in (self._udp_old, self._tcp_old) for t in gen.values())
+        return exact, len(self._cache)
 
     def _repeat(self, by_query: dict[bytes, _Exact] | None, wire: bytes) -> bytes | None:
         """The stored response to these exact bytes from this sender, tallied, while the answer
@@ -185,8 +239,9 @@ class Responder:
         (a successor in the same decision epoch: a routine capacity report). True when kept."""
         if self._window.advance(snapshot, now):
             return True
-        self._cache = {}
+        self._cache.clear()
         self._udp, self._tcp, self._entries = {}, {}, 0
+        self._udp_old, self._tcp_old = {}, {}
         self._services = zone_data(snapshot.topology).services
         return False
 
@@ -211,23 +266,32 @@ class Responder:
         key = self._key(query, client, limit, snapshot, self._services)
         cached = self._cache.get(key)
         if cached is None:
+            if (
+                self._new_decisions >= self.budget.audit_records
+                and query.qname_text in self._services
+            ):
+                # A new decision would be a new audit row, and the writer is that far behind:
+                # drop it unanswered (nothing answered, nothing to count; the resolver retries).
+                self.stats.shed += 1
+                return None
             self.stats.cache_misses += 1
             result = answer(query, client, snapshot, now, limit)
+            if result.decision is not None:
+                self._new_decisions += 1
             template = (
                 b"\x00\x00"
                 + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
                 + result.wire[4:]
             )
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
             truncated = bool(result.wire[2] & 0x02)
-            cached = self._cache[key] = _Cached(
+            cached = _Cached(
                 template,
                 int.from_bytes(template[2:4], "big"),
                 result.record,
                 result.record.response or rcode_name(result.rcode),
                 truncated,
             )
+            self._cache.put(key, cached)
             out = result.wire
         else:
             self.stats.cache_hits += 1
@@ -239,16 +303,11 @@ class Responder:
                 + query.qname
                 + template[12 + n :]
             )
-        stats_key = ("udp" if udp else "tcp", qtype_name(query.qtype), cached.rcode_name)
-        if self._entries >= _CACHE_LIMIT:
-            # Entries with answers not yet drained stay listed in self._tallied.
-            self._udp, self._tcp, self._entries = {}, {}, 0
-        senders: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
-        by_query = senders.get(sender)
-        if by_query is None:
-            by_query = senders[sender] = {}
-        by_query[wire[2:]] = _Exact(out[2:], cached.record, stats_key, cached.truncated)
-        self._entries += 1
+        stats_key = ("udp" if udp else "tcp", stats_qtype(query.qtype), cached.rcode_name)
+        # Entries dropped with their generation while their answers are not yet drained stay
+        # listed in self._tallied: no answer goes uncounted.
+        exact = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+        self._keep(udp, sender, wire[2:], exact)
         # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
         self.stats.queries[stats_key] += 1
@@ -285,13 +344,18 @@ class Responder:
             located = client
             bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
         geo: int | None = None
+        resolver: Place | None = None
         if query.qname_text in services:
             loc = snapshot.geo.locate(located)
             net = loc.network
             # A GeoIP network narrower than the client bucket splits it: key by the address.
             if net is not None and net.prefixlen > (24 if net.version == 4 else 56):
                 geo = int(located)
-        return (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo)
+            if ecs is not None and located is not client:
+                # An ECS from a resolver the policy does not trust is judged together with the
+                # resolver's own place: the same ECS from elsewhere may get another answer.
+                resolver = resolver_place(snapshot, client, ecs.network, loc)
+        return (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
 
     def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:
         if reject.drop:
@@ -308,21 +372,20 @@ class Responder:
             authoritative=False,
             question=question,
             opt=opt,
-            limit=512 if udp else None,
+            limit=udp_limit(reject.edns) if udp else None,
         )
         snapshot = self.runtime.store.current
         name = "-"
         if reject.qname is not None:
             name = name_to_text(reject.qname)[:255]
         self.runtime.count(
-            zone_record(
-                channel="dns",
-                name=name,
-                client_network=str(client_network(client, None)),
-                ecs=None,
-                query_type=qtype_name(reject.qtype) if reject.qname else None,
-                response=rcode_name(reject.rcode),
+            aggregated_record(
                 outcome="malformed" if reject.rcode == 1 else "rejected",
+                name=name,
+                apex=zone_data(snapshot.topology).apex,
+                client=client,
+                qtype=reject.qtype if reject.qname else None,
+                response=rcode_name(reject.rcode),
                 answer=(reject.reason[:200],),
                 versions=snapshot.versions,
             )
@@ -339,26 +402,24 @@ class Responder:
         )  # limit 0: always cut to the question (TC)
         snapshot = self.runtime.store.current
         self.runtime.count(
-            zone_record(
-                channel="dns",
-                name=query.qname_text,
-                client_network=str(client_network(client, None)),
-                ecs=None,
-                query_type=qtype_name(query.qtype),
-                response="NOERROR+TC",
+            aggregated_record(
                 outcome="rate-limited",
+                name=query.qname_text,
+                apex=zone_data(snapshot.topology).apex,
+                client=client,
+                qtype=query.qtype,
+                response="NOERROR+TC",
                 answer=(),
                 versions=snapshot.versions,
             )
         )
-        self.stats.queries["udp", qtype_name(query.qtype), "NOERROR+TC"] += 1
+        self.stats.queries["udp", stats_qtype(query.qtype), "NOERROR+TC"] += 1
         self.stats.truncated += 1
         return wire
 
 
 _ADDRESSES: dict[str, IPAddress] = {}
-_NETWORK_KEYS: dict[str, tuple[int, int]] = {}
-_MEMO_LIMIT = 100_000
+_MEMO_LIMIT = 16_384  # sender addresses: spoofed random sources must not grow it far
 
 
 def peer_address(host: str) -> IPAddress:
@@ -369,13 +430,3 @@ def peer_address(host: str) -> IPAddress:
             _ADDRESSES.clear()
         addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
     return addr
-
-
-def _network_key(host: str) -> tuple[int, int]:
-    """The rate limiter's key (the /24 or /56) of a sender, memoised by its host string."""
-    key = _NETWORK_KEYS.get(host)
-    if key is None:
-        if len(_NETWORK_KEYS) > _MEMO_LIMIT:
-            _NETWORK_KEYS.clear()
-        key = _NETWORK_KEYS[host] = network_key(peer_address(host))
-    return key

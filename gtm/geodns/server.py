@@ -13,10 +13,13 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable
+from ipaddress import ip_network
 from typing import Any
 
 import structlog
 
+from gtm.errors import ConfigError, Problem
+from gtm.geodns.budget import Budget
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder, peer_address
 from gtm.geodns.stats import DnsStats
@@ -196,13 +199,23 @@ def _widen_receive_buffer(transport: asyncio.BaseTransport) -> None:
 
 def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) -> DnsServer:
     s = runtime.settings
+    budget = Budget.from_mb(s.dns_cache_budget_mb)
+    try:
+        exempt = tuple(ip_network(n, strict=False) for n in s.dns_rate_limit_exempt)
+    except ValueError as exc:
+        raise ConfigError([Problem("settings", "GTM_DNS_RATE_LIMIT_EXEMPT", str(exc))]) from exc
     limiter = (
-        ResponseRateLimiter(s.dns_rate_limit, slip=s.dns_rate_slip)
+        ResponseRateLimiter(
+            s.dns_rate_limit,
+            slip=s.dns_rate_slip,
+            max_entries=budget.rate_buckets,
+            exempt=exempt,
+        )
         if s.dns_rate_limit > 0
         else None
     )
     return DnsServer(
-        Responder(runtime, stats, limiter),
+        Responder(runtime, stats, limiter, budget=budget),
         s.dns_listen,
         tcp_idle_s=s.dns_tcp_idle_s,
         tcp_max_connections=s.dns_tcp_max_connections,

@@ -43,6 +43,13 @@ class Qtype(IntEnum):
     NS = 2
     SOA = 6
     AAAA = 28
+    OPT = 41
+    TKEY = 249
+    TSIG = 250
+    IXFR = 251
+    AXFR = 252
+    MAILB = 253
+    MAILA = 254
     ANY = 255
 
 
@@ -109,6 +116,16 @@ class Reject:
 
 class _Malformed(Exception):
     """Internal: the packet breaks the format at this point."""
+
+
+class _MalformedOption(_Malformed):
+    """Internal: the OPT record itself is sound but one of its options is not (a bad ECS
+    option, say). The FORMERR still carries an OPT (RFC 6891 §6.1.1: a responder that
+    understood the query's OPT answers with one), so the record's own fields come along."""
+
+    def __init__(self, reason: str, edns: Edns) -> None:
+        super().__init__(reason)
+        self.edns = edns
 
 
 def _read_name(wire: bytes, offset: int) -> tuple[bytes, int]:
@@ -189,29 +206,35 @@ def _parse_ecs(data: bytes) -> ClientSubnet:
 def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength: int) -> Edns:
     version = (ttl >> 16) & 0xFF
     do = bool(ttl & 0x8000)
+    # Advertised sizes below 512 are treated as 512 (RFC 6891 §6.2.5).
+    udp_size = max(rr_class, 512)
     ecs: ClientSubnet | None = None
     pos, end = rdata_start, rdata_start + rdlength
-    while pos < end:
-        if pos + 4 > end:
-            raise _Malformed("truncated EDNS option header")
-        code, length = struct.unpack_from("!HH", wire, pos)
-        pos += 4
-        if pos + length > end:
-            raise _Malformed("EDNS option length runs past the OPT record")
-        if code == ECS_CODE:
-            if ecs is not None:
-                raise _Malformed("more than one ECS option")
-            ecs = _parse_ecs(wire[pos : pos + length])
-        # Other options (cookies, padding, unknown codes) are ignored and never echoed
-        # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
-        pos += length
-    # Advertised sizes below 512 are treated as 512 (RFC 6891 §6.2.5).
-    return Edns(max(rr_class, 512), version, do, ecs)
+    try:
+        while pos < end:
+            if pos + 4 > end:
+                raise _Malformed("truncated EDNS option header")
+            code, length = struct.unpack_from("!HH", wire, pos)
+            pos += 4
+            if pos + length > end:
+                raise _Malformed("EDNS option length runs past the OPT record")
+            if code == ECS_CODE:
+                if ecs is not None:
+                    raise _Malformed("more than one ECS option")
+                ecs = _parse_ecs(wire[pos : pos + length])
+            # Other options (cookies, padding, unknown codes) are ignored and never echoed
+            # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
+            pos += length
+    except _Malformed as exc:
+        raise _MalformedOption(str(exc), Edns(udp_size, version, do, None)) from None
+    return Edns(udp_size, version, do, ecs)
 
 
 _NAMES: dict[bytes, str] = {}
 _OPTS: dict[bytes, Edns] = {}
-_MEMO_LIMIT = 100_000
+# Decoded names and OPT records (an ECS OPT holds a network object: ~450 bytes): a few MiB at
+# most, as random names and subnets would otherwise fill them (DESIGN.md rule 8).
+_MEMO_LIMIT = 16_384
 
 
 def parse_query(wire: bytes) -> Query | Reject:
@@ -324,6 +347,8 @@ def _parse_general(wire: bytes) -> Query | Reject:
     except _Malformed as exc:
         if opcode != 0 and qname is None:
             return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}")
+        if isinstance(exc, _MalformedOption) and edns is None:
+            edns = exc.edns
         return Reject(qid, flags, Rcode.FORMERR, str(exc), qname, qtype, qclass, edns)
     if edns is not None and edns.version > 0:
         return Reject(

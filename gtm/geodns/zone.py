@@ -1,5 +1,6 @@
 """The authoritative answer for one query: pure, from the snapshot.
 
+* meta and transfer types first: AXFR/IXFR REFUSED, MAILA/MAILB/TKEY NOTIMP, TSIG/OPT FORMERR;
 * names outside the zone, or a class other than IN: REFUSED, never a referral;
 * the apex: SOA, NS with glue; ANY answered minimally with the SOA (RFC 8482);
 * service names: A / AAAA from ``decide()``; a failed-closed decision as its policy says
@@ -8,19 +9,21 @@
 * names that exist only as part of longer names (empty non-terminals): NODATA (RFC 8020);
 * anything else in the zone: NXDOMAIN, with the SOA in the authority section (RFC 2308).
 
-Every answer comes with its audit record (DESIGN.md rule 2).
+Every answer comes with its audit record (DESIGN.md rule 2); those whose name is the sender's
+to choose (NXDOMAIN, refusals, errors) share one per zone, outcome and sender's network bucket.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from gtm.audit.record import AuditRecord, record_of, zone_record
 from gtm.decision.model import Channel, Decision, DecisionRequest, Outcome
 from gtm.decision.policy import DnsFailure
 from gtm.decision.routing import client_network, decide
-from gtm.decision.snapshot import Snapshot
+from gtm.decision.snapshot import Snapshot, Versions
 from gtm.decision.topology import Service, Topology, in_zone
 from gtm.geodns.render import (
     QUESTION_POINTER,
@@ -37,6 +40,38 @@ from gtm.geodns.wire import QCLASS_ANY, QCLASS_IN, Qtype, Query, Rcode
 
 IPAddress = IPv4Address | IPv6Address
 
+# Meta and transfer query types (RFC 6895 §3.1), answered before the zone is looked at, as BIND
+# does (ns_query_start: meta types before the zone; transfers refused by the default ACL):
+# * AXFR, IXFR: REFUSED. This responder never transfers its zone (answers are per client; there
+#   is no zone to copy); BIND and NSD refuse a transfer no ACL allows (Knot says NOTAUTH,
+#   which resolvers and tools read as the same refusal).
+# * MAILA, MAILB (obsolete, RFC 883 mail queries) and TKEY (key negotiation, RFC 2930, which
+#   this server does not implement): NOTIMP. BIND answers MAILA/MAILB with NOTIMP; NSD, Knot and
+#   PowerDNS answer NODATA, which a client cannot tell from "no such records".
+# * TSIG and OPT: FORMERR, as BIND does. They are meta-records that only exist in the
+#   additional section (RFC 8945 §4.2, RFC 6891 §6.1.1), so a question for them is malformed.
+# * the unassigned rest of the meta range (128-248): NOTIMP, there is nothing to implement yet.
+# ANY is answered minimally (RFC 8482) below, as BIND's minimal-any and Knot do.
+_META_RCODE: dict[int, Rcode] = {
+    Qtype.AXFR: Rcode.REFUSED,
+    Qtype.IXFR: Rcode.REFUSED,
+    Qtype.MAILA: Rcode.NOTIMP,
+    Qtype.MAILB: Rcode.NOTIMP,
+    Qtype.TKEY: Rcode.NOTIMP,
+    Qtype.TSIG: Rcode.FORMERR,
+    Qtype.OPT: Rcode.FORMERR,
+}
+_META_OUTCOME = {Rcode.REFUSED: "refused", Rcode.NOTIMP: "notimp", Rcode.FORMERR: "malformed"}
+
+
+def meta_rcode(qtype: int) -> Rcode | None:
+    """The error a meta or transfer query type gets (see above), or None for a data type."""
+    rcode = _META_RCODE.get(qtype)
+    if rcode is None and 128 <= qtype <= 248:
+        return Rcode.NOTIMP
+    return rcode
+
+
 _FAILURE_RCODE = {
     DnsFailure.REFUSED: Rcode.REFUSED,
     DnsFailure.SERVFAIL: Rcode.SERVFAIL,
@@ -51,6 +86,10 @@ class ZoneData:
     apex: str
     soa: bytes  # the SOA record, owner the apex
     negative_soa: bytes  # the SOA for negative answers: TTL min(SOA TTL, minimum) (RFC 2308)
+    # The SOA of a fail-closed NODATA: TTL and minimum both the routing's degraded TTL, so a
+    # resolver caches the failure only that long (RFC 2308 §5: min(SOA TTL, minimum)) and asks
+    # again soon after the region is back. See answer() on why NODATA.
+    failure_soa: bytes
     ns: tuple[bytes, ...]  # NS records at the apex, owner the question name (apex)
     glue: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]]  # ns name -> (A rdata, AAAA)
     glue_records: tuple[bytes, ...]  # glue as additional records
@@ -98,10 +137,15 @@ def _build_zone(topology: Topology) -> ZoneData:
             if parent == zone.apex or not in_zone(parent, zone.apex):
                 break
             interior.add(parent)
+    failure_ttl = min(zone.ttl, soa.minimum, topology.routing.degraded_ttl)
+    failure_rdata = soa_rdata(
+        soa.mname, soa.rname, soa.serial, soa.refresh, soa.retry, soa.expire, failure_ttl
+    )
     return ZoneData(
         apex=zone.apex,
         soa=record(apex_wire, Qtype.SOA, zone.ttl, rdata),
         negative_soa=record(apex_wire, Qtype.SOA, min(zone.ttl, soa.minimum), rdata),
+        failure_soa=record(apex_wire, Qtype.SOA, failure_ttl, failure_rdata),
         ns=tuple(
             record(QUESTION_POINTER, Qtype.NS, zone.ttl, name_wire(ns.name))
             for ns in zone.nameservers
@@ -152,6 +196,81 @@ def qtype_name(qtype: int) -> str:
     return name if name is not None else f"TYPE{qtype}"
 
 
+def stats_qtype(qtype: int) -> str:
+    """The type as a metric label or an aggregated audit row says it: the types this server
+    knows by name, every other one "other" (a sender cycling through 65,536 types must not
+    make 65,536 label sets or rows)."""
+    name = _QTYPE_NAMES.get(qtype)
+    return name if name is not None else "other"
+
+
+# Answers that carry no routing decision and whose names are the sender's to choose (names that
+# do not exist, refusals, errors, rate-limited slips) are audited per (zone, outcome, response,
+# sender's network bucket) rather than per name: the audit grows with distinct decisions, not
+# with an attacker's entropy (issue 17: 500,000 random names made 500,000 rows). Every answer is
+# still counted (DESIGN.md rule 2), on the row of its bucket. The bucket is the sender's /16
+# (IPv6 /32): the resolver that asked, not the ECS subnet (these answers hold for every subnet),
+# coarse enough that spoofed random sources cannot make a row each either.
+AGGREGATED_OUTCOMES = frozenset(
+    {"nxdomain", "refused", "notimp", "malformed", "rejected", "rate-limited"}
+)
+BUCKET_V4, BUCKET_V6 = 16, 32
+_BUCKETS: dict[tuple[int, int], str] = {}
+
+
+def sender_bucket(client: IPAddress) -> str:
+    """The network bucket an aggregated row is counted under (memoised; at most 65,536 IPv4
+    buckets, and IPv6 ones bounded by clearing)."""
+    if client.version == 4:
+        key = (4, int(client) >> (32 - BUCKET_V4))
+    else:
+        key = (6, int(client) >> (128 - BUCKET_V6))
+    text = _BUCKETS.get(key)
+    if text is None:
+        if len(_BUCKETS) >= 100_000:
+            _BUCKETS.clear()
+        net = (
+            IPv4Network((key[1] << (32 - BUCKET_V4), BUCKET_V4))
+            if key[0] == 4
+            else IPv6Network((key[1] << (128 - BUCKET_V6), BUCKET_V6))
+        )
+        text = _BUCKETS[key] = str(net)
+    return text
+
+
+def aggregated_record(
+    *,
+    outcome: str,
+    name: str,
+    apex: str | None,
+    client: IPAddress,
+    qtype: int | None,
+    response: str,
+    answer: tuple[str, ...],
+    versions: Versions,
+) -> AuditRecord:
+    """The audit row an answer of an aggregated outcome is counted on: the name becomes "*."
+    under the zone it fell in ("*." alone outside it), the type a known name or "other"."""
+    if apex is not None and in_zone(name, apex):
+        label = "*." + apex if name != apex else apex
+    else:
+        label = "*."
+    return zone_record(
+        channel=Channel.DNS.value,
+        name=label,
+        client_network=sender_bucket(client),
+        ecs=None,
+        query_type=stats_qtype(qtype) if qtype is not None else None,
+        response=response,
+        outcome=outcome,
+        answer=tuple(_DIGITS.sub("N", a) for a in answer),
+        versions=versions,
+    )
+
+
+_DIGITS = re.compile(r"\d+")  # numbers in error reasons come from the packet: not row keys
+
+
 def answer(
     query: Query, client: IPAddress, snapshot: Snapshot, now: float, limit: int | None
 ) -> Answer:
@@ -174,14 +293,19 @@ def answer(
         located: bool = False,
         given: tuple[str, ...] = (),
         outcome: str = "zone",
+        echo_ecs: bool = True,
     ) -> Answer:
-        if opt is not None and ecs is not None:
+        if opt is not None and not echo_ecs:
+            # An error says nothing about any subnet: no ECS option (RFC 7871 §7.2.1 asks for
+            # one only with an answer that used it).
+            out_opt: OptOut | None = OptOut(opt.do, None)
+        elif opt is not None and ecs is not None:
             # RFC 7871 section 7.2.1: the scope is the prefix over which this answer holds.
             # ``located``: the answer came from the decision, whose scope is where the client's
             # location stops mattering; anything else (the apex, NODATA for a type no decision
             # gives) is the same from everywhere: scope 0.
             scope = decision.scope_prefix if located and decision is not None else 0
-            out_opt: OptOut | None = OptOut(opt.do, ecs, scope)
+            out_opt = OptOut(opt.do, ecs, scope)
         else:
             out_opt = opt
         wire = response(
@@ -197,7 +321,18 @@ def answer(
             limit=limit,
         )
         response_name = rcode_name(rcode) + ("+TC" if wire[2] & 0x02 else "")
-        if decision is not None:
+        if decision is None and outcome in AGGREGATED_OUTCOMES:
+            rec = aggregated_record(
+                outcome=outcome,
+                name=name,
+                apex=zone.apex,
+                client=client,
+                qtype=query.qtype,
+                response=response_name,
+                answer=given,
+                versions=snapshot.versions,
+            )
+        elif decision is not None:
             rec = record_of(
                 decision,
                 channel=Channel.DNS.value,
@@ -221,6 +356,9 @@ def answer(
             )
         return Answer(wire, rcode, rec, decision)
 
+    meta = meta_rcode(query.qtype)
+    if meta is not None:
+        return finish(meta, [], aa=False, outcome=_META_OUTCOME[meta], echo_ecs=False)
     if query.qclass not in (QCLASS_IN, QCLASS_ANY) or not in_zone(name, zone.apex):
         return finish(Rcode.REFUSED, [], aa=False, outcome="refused")
 
@@ -230,9 +368,14 @@ def answer(
             DecisionRequest(Channel.DNS, client, service.id, name, ecs=ecs_net), snapshot, now
         )
         if decision.outcome in (Outcome.FAIL_CLOSED, Outcome.DENIED):
+            # The policy's choice. NODATA is the one real resolvers recover from on time: it is
+            # an answer, cached for the failure SOA's short negative TTL and then asked again.
+            # REFUSED and SERVFAIL are server failures to a resolver: PowerDNS Recursor throttles
+            # the server and serves SERVFAIL from its packet cache for every client of the name
+            # (120 s after the region was back, with 2 s TTLs, PowerDNS Recursor 4.8).
             failure = decision.dns_failure or DnsFailure.REFUSED
             rcode = _FAILURE_RCODE[failure]
-            authority = [zone.negative_soa] if rcode == Rcode.NOERROR else []
+            authority = [zone.failure_soa] if rcode == Rcode.NOERROR else []
             # Which regions are allowed, and so whether any is up, can depend on where the
             # client is (rules match client geography): the failure is located too.
             return finish(

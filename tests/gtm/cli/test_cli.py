@@ -72,13 +72,16 @@ def test_explain_with_ecs_and_a_what_if_state(env: dict[str, str], tmp_path: Pat
     )
     d = json.loads(out.stdout)
     assert d["outcome"] == "fail_closed"
-    assert d["dns_failure"] == "refused"
+    assert d["dns_failure"] == "nodata"
     assert d["answer"]["ipv4"] == []
     assert d["location"]["country"] == "DE"
+    # The shipped policies trust no resolver: the ECS was judged with the sender's address.
+    assert d["residency_basis"] == "ecs+address"
     text = run(["explain", "--client", "198.51.100.3", "--name", "chat.gtm.example"], env)
     assert text.returncode == 0
     assert "-> eu-central" in text.stdout
     assert "nearest" in text.stdout
+    assert "residency judged on address" in text.stdout
 
 
 def test_bad_arguments_and_documents_exit_2_with_every_reason(
@@ -129,7 +132,8 @@ def test_serve_runs_until_sigterm_and_audit_commands_work(env: dict[str, str]) -
         if proc.stderr is not None:
             proc.stderr.close()
     # serve migrated the database: the audit commands work on it.
-    assert run(["db", "current"], env).stdout.strip() == "current 0007, newest 0007"
+    newest = max(p.name[:4] for p in (ROOT / "migrations" / "versions").glob("[0-9]*.py"))
+    assert run(["db", "current"], env).stdout.strip() == f"current {newest}, newest {newest}"
     verify = run(["audit", "verify"], env)
     assert verify.returncode == 0
     assert "0 decision row(s) and 0 region event(s) checked" in verify.stdout

@@ -39,7 +39,7 @@ def test_eu_personal_stays_in_eu(policy) -> None:  # type: ignore[no-untyped-def
     assert v.allowed == EU
     assert v.matched_rules == ("eu-personal-stays-in-eu",)
     assert v.restricted
-    assert v.dns_failure is DnsFailure.REFUSED
+    assert v.dns_failure is DnsFailure.NODATA
 
 
 def test_unrestricted_traffic_is_unconstrained_and_fails_static(policy) -> None:  # type: ignore[no-untyped-def]

@@ -81,7 +81,7 @@ def test_restricted_class_fails_closed_when_every_allowed_region_is_down(
     assert d.ipv4 == ()
     assert d.ipv6 == ()
     assert d.dns_failure is not None
-    assert d.dns_failure.value == "refused"
+    assert d.dns_failure.value == "nodata"
     # The unrestricted service still answers from elsewhere.
     assert ask(snap, DE).region == "us-east"
 

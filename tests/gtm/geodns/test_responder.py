@@ -140,7 +140,8 @@ def test_rate_limiter_burst_refill_and_slip() -> None:
 
 async def test_rate_limited_repeats_are_dropped_even_when_cached(start_node: StartNode) -> None:
     """The limiter runs before the exact-query cache: a cached answer is no way around it."""
-    node = await start_node(dns_rate_limit=1.0, dns_rate_slip=0)
+    # Loopback is exempt by default (it cannot be spoofed from outside); not here.
+    node = await start_node(dns_rate_limit=1.0, dns_rate_slip=0, dns_rate_limit_exempt=())
     wire = q(use_edns=False).to_wire()
     replies = [await raw_udp(node, wire, wait=0.05) for _ in range(10)]
     answered = [r for r in replies if r is not None]

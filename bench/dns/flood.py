@@ -1,0 +1,184 @@
+"""Cache-busting floods against GTM's DNS responder: goodput, peak memory and audit rows.
+
+    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k]
+                              [--budget-mb 64] [--no-before] [--json FILE]
+
+Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
+
+* ``ecs-5k``, ``ecs-200k``, ``ecs-2m``: chat.gtm.example A with an ECS option from 5,000,
+  200,000 or 2,000,000 distinct random /24s (the shape of a random-subnet attack, and of a
+  large resolver population);
+* ``names-200k``: 200,000 distinct random names under the zone (NXDOMAIN), no ECS.
+
+Every set is sent by dnsperf (closed loop, CPU 1) to, in turn: the bare Python ceiling (one
+pre-rendered answer, ``bare.py``), GTM as it is in this checkout, and, unless ``--no-before``,
+GTM as committed at HEAD (``git archive``: the code before the working tree's changes), each
+pinned to CPU 0. GTM is started afresh for each set, so its peak RSS (VmHWM) is that set's;
+the ceiling runs once per set too, just before, so each row's figures are taken side by side.
+Response rate limiting is off (every query comes from one loopback address), the audit store is
+SQLite. Reported per set and server: goodput (answers/s), its share of the ceiling's, lost
+queries, peak RSS, and audit rows written per second of flood (rows, not answers: rule 2 still
+counts every answer, on fewer rows when they are aggregated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sqlite3
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import dns.edns
+import dns.message
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.dns.run import bare_server, dnsperf, field, gtm_server, running  # noqa: E402
+from gtm.decision.geoip import default_database_path  # noqa: E402
+
+SETS = {"ecs-5k": 5_000, "ecs-200k": 200_000, "ecs-2m": 2_000_000, "names-200k": 200_000}
+
+
+def random_slash24s(count: int, rng: random.Random) -> list[int]:
+    """Distinct random /24s (network numbers), outside 0/8, 10/8, 127/8 and multicast up."""
+    seen: set[int] = set()
+    out: list[int] = []
+    while len(out) < count:
+        value = rng.getrandbits(24)
+        first = value >> 16
+        if first in (0, 10, 127) or first >= 224 or value in seen:
+            continue
+        seen.add(value)
+        out.append(value)
+    return out
+
+
+def write_set(path: Path, name: str, count: int, seed: int = 17) -> Path:
+    """A dnsperf -B file: each message length-prefixed. Built by patching one template, as
+    dnspython would take minutes for two million messages."""
+    rng = random.Random(seed)
+    with path.open("wb") as f:
+        if name.startswith("ecs-"):
+            template = dns.message.make_query(
+                "chat.gtm.example.",
+                "A",
+                use_edns=0,
+                options=[dns.edns.ECSOption("192.0.2.0", 24)],
+            ).to_wire()
+            head = struct.pack("!H", len(template)) + template[:-3]
+            for net in random_slash24s(count, rng):
+                f.write(head + net.to_bytes(3, "big"))
+        else:
+            alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789"
+            for _ in range(count):
+                label = bytes(rng.choice(alphabet) for _ in range(16))
+                wire = dns.message.make_query(
+                    label.decode() + ".gtm.example.", "A", use_edns=0
+                ).to_wire()
+                f.write(struct.pack("!H", len(wire)) + wire)
+    return path
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of the server process and its children (worker processes), in MiB."""
+    total = 0.0
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    for p in pids:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) / 1024
+    return total
+
+
+def audit_rows(database: Path) -> int:
+    with sqlite3.connect(database) as conn:
+        return int(conn.execute("SELECT COUNT(*) FROM decisions").fetchone()[0])
+
+
+def before_checkout(work: Path) -> Path:
+    """HEAD's tree, unpacked (git archive reads the repository; it changes nothing)."""
+    target = work / "before"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
+
+
+def measure(server: Any, data: Path, seconds: float, out: Path) -> dict[str, float]:
+    with running(server):
+        output = dnsperf(server.port, data, True, seconds, out)
+        rss = peak_rss_mb(server.pid)
+    return {
+        "goodput": field(output, "Queries per second"),
+        "lost": field(output, "Queries lost"),
+        "rss_mb": rss,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--sets", nargs="*", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--budget-mb", type=float, default=64)
+    parser.add_argument("--no-before", action="store_true", help="skip GTM as at HEAD")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    geoip = default_database_path()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="gtm-flood-") as tmp:
+        work = Path(tmp)
+        before = None if args.no_before else before_checkout(work)
+        for set_name in args.sets:
+            data = write_set(work / f"{set_name}.bin", set_name, SETS[set_name])
+            row: dict[str, dict[str, float]] = {}
+            row["bare"] = measure(bare_server(), data, args.seconds, work / "bare.out")
+            candidates = [("gtm", ROOT)] + ([("gtm-before", before)] if before else [])
+            for label, root in candidates:
+                name = f"{label}-{set_name}"
+                server = gtm_server(work, geoip, name, root=root)
+                assert server.env is not None
+                server.env["GTM_DNS_CACHE_BUDGET_MB"] = str(args.budget_mb)
+                figures = measure(server, data, args.seconds, work / f"{name}.out")
+                rows = audit_rows(work / name / "bench.sqlite3")
+                figures["audit_rows_per_s"] = rows / args.seconds
+                row[label] = figures
+            results[set_name] = row
+            print(json.dumps({set_name: row}), flush=True)
+    report(results, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.seconds:g} s per run, dnsperf on CPU 1, servers on CPU 0; "
+        f"GTM budget {args.budget_mb:g} MiB\n"
+    )
+    print(
+        "| set | server | answers/s | of ceiling | lost | peak RSS MiB | audit rows/s |\n"
+        "|---|---|---:|---:|---:|---:|---:|"
+    )
+    for set_name, row in results.items():
+        ceiling = row["bare"]["goodput"]
+        for label, f in row.items():
+            rows = f"{f['audit_rows_per_s']:.0f}" if "audit_rows_per_s" in f else "-"
+            print(
+                f"| {set_name} | {label} | {f['goodput']:.0f} | {f['goodput'] / ceiling:.2f} "
+                f"| {f['lost']:.0f} | {f['rss_mb']:.0f} | {rows} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The DNS path's memory budget, shared out over its caches and per-client tables.
+
+One figure (``GTM_DNS_CACHE_BUDGET_MB``, per worker process) becomes an entry limit for each
+table, from what one entry costs (measured with tracemalloc on ECS answers for the demo zone:
+about 530 bytes a first-level entry, which holds the query's bytes and the whole response, and
+about 1,200 a rendered one, which adds its key tuple and an audit record; a rate-limit bucket is
+a small list under a tuple key). The parse and GeoIP memos beside them have fixed small caps
+(``gtm.geodns.wire``, ``gtm.decision.geoip``, ``gtm.decision.routing``). Every table keeps two
+generations (:class:`Generations`): lookups try the young one, then the old one, moving a hit
+back into the young one; when the young one is full the old one is dropped and the young one
+becomes old. Entries used at least once a generation stay, entries seen once (an attacker's
+random subnet or name) leave with their generation, and a table never holds more than its limit:
+a flood costs hit rate, never memory (DESIGN.md rule 8).
+
+The audit writer's backlog is the one table a cache cannot bound: every answer must be counted
+(rule 2), and a decision for a client network not seen before is a new row. When more new
+decisions wait for the writer than :attr:`Budget.audit_records`, the responder drops queries
+that would make another one (a resolver retries them), and answers the rest (repeats, zone
+names, names that do not exist) as usual: goodput under a random-subnet flood follows what the
+writer can seal, and memory stays where it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+MIB = 1 << 20
+# Bytes per entry, rounded up from those measurements.
+EXACT_ENTRY_BYTES = 600  # query bytes after the ID, response bytes, _Exact, dict slots
+RENDERED_ENTRY_BYTES = 1400  # key tuple, _Cached, template, audit record
+RATE_BUCKET_BYTES = 250  # (family, network) key, [tokens, time, count]
+# An audit record waiting for the writer (about 750 bytes: tracemalloc on record.py and the
+# writer under a flood), with its row while the writer seals it.
+AUDIT_RECORD_BYTES = 1000
+# Shares of the budget: first-level answers are most of the traffic; rendered answers are what
+# a miss falls back on; the rate limiter's buckets are one per client network; the audit
+# backlog is the new decisions a flood of distinct clients makes faster than the writer seals
+# them (each a row: the audit keeps every client network a decision was made for).
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.35, 0.35, 0.10, 0.20
+_MIN_ENTRIES = 16  # below this a generation would turn over on every query
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Entry limits (both generations together) for the DNS path's tables."""
+
+    exact_entries: int
+    rendered_entries: int
+    rate_buckets: int
+    # New decisions (audit records) the responder adds between two drains by the audit writer;
+    # past it, queries that need a new decision are dropped unanswered until the writer drains.
+    audit_records: int
+
+    @classmethod
+    def from_mb(cls, mb: float) -> Budget:
+        total = mb * MIB
+        return cls(
+            exact_entries=max(_MIN_ENTRIES, int(total * _EXACT_SHARE / EXACT_ENTRY_BYTES)),
+            rendered_entries=max(_MIN_ENTRIES, int(total * _RENDERED_SHARE / RENDERED_ENTRY_BYTES)),
+            rate_buckets=max(_MIN_ENTRIES, int(total * _RATE_SHARE / RATE_BUCKET_BYTES)),
+            audit_records=max(_MIN_ENTRIES, int(total * _AUDIT_SHARE / AUDIT_RECORD_BYTES)),
+        )
+
+
+class Generations(Generic[K, V]):
+    """A bounded map that keeps what is used: two dicts, young and old (see the module
+    docstring). At most ``limit`` entries in all; a hit costs one dict lookup while the entry is
+    young, two and a move when it is old. The answering path inlines :meth:`get` on
+    ``young``; everything else goes through here."""
+
+    __slots__ = ("half", "old", "young")
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(1, limit // 2)
+        self.young: dict[K, V] = {}
+        self.old: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        value = self.young.get(key)
+        if value is None:
+            value = self.old.pop(key, None)
+            if value is not None:
+                self.put(key, value)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        young = self.young
+        if len(young) >= self.half and key not in young:
+            self.old = young
+            young = self.young = {}
+        young[key] = value
+
+    def __len__(self) -> int:
+        return len(self.young) + len(self.old)
+
+    def clear(self) -> None:
+        self.young = {}
+        self.old = {}

@@ -1,0 +1,170 @@
+"""Floods against the DNS path's memory budget and the audit (issue 17, DESIGN.md rule 8).
+
+No timing here: the floods are a few hundred queries against a tiny budget, and what is checked
+is what the tables hold and what the audit writes. The rates and peak memory under real floods
+(5k, 200k and 2M subnets, random names) are ``bench/dns/flood.py``'s.
+"""
+
+from __future__ import annotations
+
+import random
+from ipaddress import IPv4Address, ip_address, ip_network
+
+import dns.rcode
+from sqlalchemy import text
+
+from gtm.geodns.budget import Budget, Generations
+from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
+from gtm.geodns.responder import Responder
+from gtm.node import Node
+from gtm.settings import Settings
+
+from .conftest import StartNode, raw_udp, udp
+from .test_server import addresses, q
+
+TINY_MB = 0.05  # a few dozen entries per table (gtm.geodns.budget)
+
+
+def responder_of(node: Node) -> Responder:
+    assert node.dns is not None
+    return node.dns.responder
+
+
+def random_subnets(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [str(IPv4Address(rng.getrandbits(24) << 8)) for _ in range(n)]
+
+
+def test_generations_keep_what_is_used_and_never_exceed_the_limit() -> None:
+    table: Generations[int, str] = Generations(limit=10)
+    table.put(-1, "hot")
+    for i in range(1000):
+        table.put(i, "once")
+        assert len(table) <= 10
+        if i % 3 == 0:
+            assert table.get(-1) == "hot"  # used every few insertions: never dropped
+    assert table.get(0) is None  # seen once, long ago: gone with its generation
+
+
+async def test_distinct_subnets_keep_every_cache_within_its_budget(
+    start_node: StartNode,
+) -> None:
+    budget = Budget.from_mb(TINY_MB)
+    node = await start_node(dns_cache_budget_mb=TINY_MB)
+    responder = responder_of(node)
+    hot = q(ecs=("198.51.100.0", 24))
+    hits_before = None
+    for i, subnet in enumerate(random_subnets(400, seed=1)):
+        if i % 8 == 0:
+            # Drain the audit backlog as the writer would: a budget this small sheds new
+            # decisions past a dozen or so (test_new_decisions_past_the_audit_budget_...).
+            await node.runtime.writer.flush()
+        reply = await udp(node, q(ecs=(subnet, 24)))
+        assert reply.rcode() == dns.rcode.NOERROR
+        exact, rendered = responder.cached_entries()
+        assert exact <= budget.exact_entries and rendered <= budget.rendered_entries, i
+        if i % 4 == 0:  # a busy resolver's client keeps asking among the flood
+            assert addresses(await udp(node, hot)) == {"192.0.2.40"}
+            if i == 40:
+                await node.runtime.writer.flush()
+                hits_before = node.dns_stats.cache_hits
+    await node.runtime.writer.flush()
+    # The hot query stayed cached through the flood: its repeats were hits, not re-renders.
+    assert hits_before is not None and node.dns_stats.cache_hits - hits_before >= 80
+    # Every answer is still counted (DESIGN.md rule 2), whatever was evicted.
+    assert node.runtime.writer.counted == 400 + 100
+
+
+async def test_a_random_name_flood_makes_a_bounded_number_of_audit_rows(
+    start_node: StartNode,
+) -> None:
+    node = await start_node(dns_cache_budget_mb=TINY_MB)
+    rng = random.Random(7)
+    flood = 600
+    for i in range(flood):
+        label = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(12))
+        # Names under the zone, outside it, and a few random types: all attacker entropy.
+        name = f"{label}.gtm.example." if i % 3 else f"{label}.example.net."
+        rdtype = rng.choice(["A", "AAAA", "TXT", f"TYPE{rng.randrange(1000, 60000)}"])
+        ecs = (random_subnets(1, seed=i)[0], 24) if i % 2 else None
+        await udp(node, q(name, rdtype, ecs=ecs))
+    # Malformed packets with random names in the question: aggregated too.
+    for i in range(50):
+        bad = bytearray(q(f"x{i}y{rng.random()}.gtm.example.", use_edns=False).to_wire())
+        assert await raw_udp(node, bytes(bad) + b"\x00") is not None  # trailing byte: FORMERR
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text("SELECT name, outcome, query_type, client_network, count FROM decisions")
+            )
+        ).all()
+    # One row per (zone, outcome, type known by name or "other", response, sender bucket):
+    # a handful, not one per name. The sender is loopback: one bucket.
+    assert len(rows) <= 20, rows
+    assert {r.name for r in rows} <= {"*.gtm.example.", "*."}
+    assert {r.client_network for r in rows} == {"127.0.0.0/16"}
+    assert sum(r.count for r in rows) == flood + 50  # every answer counted
+
+
+async def test_random_types_make_a_bounded_number_of_metric_labels(
+    start_node: StartNode,
+) -> None:
+    node = await start_node()
+    for t in random.Random(3).sample(range(1000, 60000), 200):
+        await udp(node, q("chat.gtm.example.", f"TYPE{t}"))
+    await node.runtime.writer.flush()
+    assert {k[1] for k in node.dns_stats.queries} <= {"other"}
+
+
+def test_spoofed_random_sources_do_not_flush_a_limited_network() -> None:
+    """Before, a full table was cleared and the limited network started afresh with a full
+    burst: a flood from random spoofed sources was a way around the limit."""
+    now = [1000.0]
+    limiter = ResponseRateLimiter(1.0, burst=2.0, slip=0, clock=lambda: now[0], max_entries=64)
+    victim = network_key(ip_address("192.0.2.7"))
+    assert [limiter.check_key(victim) for _ in range(3)][-1] is Limit.DROP
+    rng = random.Random(5)
+    for _ in range(5000):
+        limiter.check(IPv4Address(rng.getrandbits(32)))
+        assert len(limiter) <= 64
+        assert limiter.check_key(victim) is Limit.DROP  # still over its limit, every time
+
+
+def test_exempt_networks_are_never_limited() -> None:
+    limiter = ResponseRateLimiter(1.0, burst=1.0, slip=0, exempt=(ip_network("127.0.0.0/8"),))
+    assert all(limiter.check_host("127.0.0.1") is Limit.ANSWER for _ in range(10))
+    assert [limiter.check_host("192.0.2.1") for _ in range(2)] == [Limit.ANSWER, Limit.DROP]
+
+
+def test_rate_limiting_is_on_by_default_and_spares_loopback() -> None:
+    settings = Settings()
+    assert settings.dns_rate_limit > 0
+    assert "127.0.0.0/8" in settings.dns_rate_limit_exempt
+
+
+async def test_new_decisions_past_the_audit_budget_are_shed_until_the_writer_drains(
+    start_node: StartNode,
+) -> None:
+    """Each decision for a client network not seen before is a new audit row; the writer's
+    backlog of them is bounded by shedding such queries (before: it grew with the flood, 823 MiB
+    after 40 s of random subnets). Repeats, zone names and NXDOMAIN are still answered."""
+    # No timed flush and no early wake: the backlog only drains when the test flushes.
+    node = await start_node(
+        dns_cache_budget_mb=TINY_MB, audit_flush_interval_s=3600, audit_max_pending=10**6
+    )
+    limit = responder_of(node).budget.audit_records
+    writer = node.runtime.writer
+    await writer.flush()  # whatever start-up counted
+    counted = writer.counted
+    subnets = random_subnets(limit + 10, seed=9)
+    for subnet in subnets:
+        await raw_udp(node, q(ecs=(subnet, 24)).to_wire(), wait=0.3)
+    assert node.dns_stats.shed == 10
+    assert writer.counted - counted == limit  # what was answered, and only that, is counted
+    # Meanwhile the zone and names that do not exist are answered: they make no new rows.
+    assert (await udp(node, q("gtm.example.", "SOA"))).answer
+    assert (await udp(node, q("nope.gtm.example."))).rcode() == dns.rcode.NXDOMAIN
+    # The writer drains: new decisions are answered again.
+    await writer.flush()
+    assert addresses(await udp(node, q(ecs=(subnets[-1], 24))))

@@ -1,0 +1,165 @@
+"""Meta and transfer query types, and FORMERR with an OPT, over real UDP and TCP sockets.
+
+What BIND, Knot and NSD answer, and what this responder picked, is in ``gtm.geodns.zone``
+(``_META_RCODE``): transfers REFUSED, MAILA/MAILB/TKEY NOTIMP, TSIG/OPT as a question FORMERR.
+Before, every one of them got NOERROR with no answer, and a FORMERR for a bad ECS option came
+back without an OPT record (RFC 6891 §6.1.1 wants one when the query's OPT was understood).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import dns.edns
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+import pytest
+
+from gtm.node import Node
+
+from .conftest import StartNode, port_of, raw_udp, tcp, udp
+
+TRANSPORTS = ("udp", "tcp")
+
+
+async def ask(node: Node, transport: str, message: dns.message.Message) -> dns.message.Message:
+    if transport == "udp":
+        return await udp(node, message)
+    return await tcp(node, message)
+
+
+def meta_query(name: str, rdtype: str, use_edns: bool = True) -> dns.message.Message:
+    query = dns.message.make_query(name, rdtype, use_edns=0 if use_edns else False)
+    query.flags &= ~dns.flags.RD  # as a transfer client or a resolver asks an authority
+    return query
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    ("rdtype", "rcode"),
+    [
+        ("AXFR", dns.rcode.REFUSED),
+        ("IXFR", dns.rcode.REFUSED),
+        ("MAILA", dns.rcode.NOTIMP),
+        ("MAILB", dns.rcode.NOTIMP),
+        ("TKEY", dns.rcode.NOTIMP),
+        ("TSIG", dns.rcode.FORMERR),
+        ("OPT", dns.rcode.FORMERR),
+        ("TYPE200", dns.rcode.NOTIMP),  # an unassigned meta type (RFC 6895 §3.1: 128-255)
+    ],
+)
+async def test_meta_and_transfer_types(
+    start_node: StartNode, transport: str, rdtype: str, rcode: int
+) -> None:
+    node = await start_node()
+    for name in ("gtm.example.", "chat.gtm.example."):
+        for use_edns in (True, False):
+            query = meta_query(name, rdtype, use_edns)
+            reply = await ask(node, transport, query)
+            assert reply.rcode() == rcode, (name, rdtype, use_edns)
+            assert reply.id == query.id and not reply.answer and not reply.authority
+            assert not reply.flags & dns.flags.AA  # nothing authoritative was said
+            assert reply.question[0].rdtype == dns.rdatatype.from_text(rdtype)  # echoed
+            assert reply.edns == (0 if use_edns else -1)  # OPT exactly when asked with one
+
+
+async def test_an_ixfr_with_its_soa_in_the_authority_section_is_refused(
+    start_node: StartNode,
+) -> None:
+    """An IXFR as a secondary sends it (RFC 1995 §3): the serial it holds in the authority."""
+    node = await start_node()
+    query = meta_query("gtm.example.", "IXFR", use_edns=False)
+    query.authority.append(
+        dns.rrset.from_text(
+            "gtm.example.", 0, "IN", "SOA", "ns1.gtm.example. h.gtm.example. 1 1 1 1 1"
+        )
+    )
+    for transport in TRANSPORTS:
+        reply = await ask(node, transport, query)
+        assert reply.rcode() == dns.rcode.REFUSED and not reply.answer
+
+
+async def test_a_whole_axfr_session_is_refused_over_tcp(start_node: StartNode) -> None:
+    """dnspython's transfer client, as an operator would try it: refused, nothing streamed."""
+    import dns.asyncquery
+    import dns.exception
+    import dns.zone
+
+    node = await start_node()
+    zone = dns.zone.Zone(dns.name.from_text("gtm.example."))
+    with pytest.raises(dns.exception.DNSException, match=r"(?i)refused"):
+        await dns.asyncquery.inbound_xfr("127.0.0.1", zone, port=port_of(node), timeout=3)
+
+
+def with_option(base: bytes, body: bytes, code: int = 8) -> bytes:
+    """``base`` (a query ending in an empty OPT record) with one option of ``body`` added."""
+    option = struct.pack("!HH", code, len(body)) + body
+    return base[:-2] + struct.pack("!H", len(option)) + option
+
+
+BAD_ECS = {
+    "unknown family": struct.pack("!HBB", 3, 24, 0) + b"\xc6\x33\x64",
+    "bits past the prefix": struct.pack("!HBB", 1, 20, 0) + b"\xc6\x33\x6f",
+    "address longer than the prefix": struct.pack("!HBB", 1, 8, 0) + b"\xc6\x33",
+    "shorter than 4 octets": b"\x00\x01",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ECS))
+async def test_formerr_for_a_bad_option_carries_an_opt(start_node: StartNode, case: str) -> None:
+    node = await start_node()
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, want_dnssec=True)
+    wire = with_option(query.to_wire(), BAD_ECS[case])
+    udp_reply = await raw_udp(node, wire)
+    assert udp_reply is not None
+    # Over TCP too: one length-prefixed message on a fresh connection.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
+    writer.write(struct.pack("!H", len(wire)) + wire)
+    (length,) = struct.unpack("!H", await reader.readexactly(2))
+    tcp_reply = await reader.readexactly(length)
+    writer.close()
+    await writer.wait_closed()
+    for raw in (udp_reply, tcp_reply):
+        reply = dns.message.from_wire(raw)
+        assert reply.rcode() == dns.rcode.FORMERR and reply.id == query.id, case
+        assert reply.edns == 0, case  # RFC 6891 §6.1.1: the OPT comes back
+        assert reply.ednsflags & dns.flags.DO  # the query's DO bit, as on every answer
+        assert reply.options == ()  # the bad option is not echoed
+
+
+async def test_formerr_after_a_sound_opt_carries_it_and_one_without_has_none(
+    start_node: StartNode,
+) -> None:
+    node = await start_node()
+    base = dns.message.make_query("chat.gtm.example.", "A", use_edns=0).to_wire()
+    # Trailing garbage after a sound OPT: FORMERR with the OPT.
+    reply = dns.message.from_wire(await raw_udp(node, base + b"\x00") or b"")
+    assert reply.rcode() == dns.rcode.FORMERR and reply.edns == 0
+    # Two OPT records (RFC 6891 §6.1.1 says FORMERR): the reply still has exactly one.
+    opt = base[-11:]
+    doubled = bytearray(base + opt)
+    doubled[11] = 2  # ARCOUNT
+    raw = await raw_udp(node, bytes(doubled))
+    assert raw is not None
+    reply = dns.message.from_wire(raw)
+    assert reply.rcode() == dns.rcode.FORMERR and reply.edns == 0
+    # No OPT in the query: none in the FORMERR either.
+    plain = dns.message.make_query("chat.gtm.example.", "A", use_edns=False).to_wire()
+    reply = dns.message.from_wire(await raw_udp(node, plain + b"\x00") or b"")
+    assert reply.rcode() == dns.rcode.FORMERR and reply.edns == -1
+
+
+async def test_refused_transfers_are_counted_in_the_audit(start_node: StartNode) -> None:
+    node = await start_node()
+    before = node.runtime.writer.counted
+    await tcp(node, meta_query("gtm.example.", "AXFR"))
+    await udp(node, meta_query("gtm.example.", "MAILA"))
+    assert node.runtime.writer.counted == before + 2  # DESIGN.md rule 2: errors are answers
+    assert node.dns_stats.queries["tcp", "AXFR", "REFUSED"] == 1
+    assert node.dns_stats.queries["udp", "MAILA", "NOTIMP"] == 1
