@@ -9,7 +9,7 @@ from __future__ import annotations
 from alembic import context
 
 from gtm.audit.database import make_sync_engine
-from gtm.audit.schema import metadata
+from gtm.audit.schema import include_object, metadata
 
 config = context.config
 
@@ -20,6 +20,7 @@ def run_migrations_offline() -> None:
         target_metadata=metadata,
         literal_binds=True,
         render_as_batch=True,
+        include_object=include_object,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -30,7 +31,12 @@ def run_migrations_online() -> None:
     assert url, "sqlalchemy.url must be set"
     engine = make_sync_engine(url)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=metadata, render_as_batch=True)
+        context.configure(
+            connection=connection,
+            target_metadata=metadata,
+            render_as_batch=True,
+            include_object=include_object,
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -9,6 +9,8 @@
 ``spool``        the local write-ahead file rows pass through, so a database outage loses nothing
 ``writer``       the batched writer beside the answering path
 ``query``        reading rows back: tail, export, chain verification, a decision id's row
+``partitions``   PostgreSQL's day partitions of the decisions table: made ahead, dropped whole
+``status``       every chain's evidence at a glance: checkpoints in and outside the database
 
 It may import ``gtm.decision`` (a row is a decision's record) and nothing of the fleet, the
 listeners or the CLI. Evidence kept outside the database (checkpoints, keys) belongs here too.

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Text, cast, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import ColumnElement, Text, cast, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.audit.decision_id import mark_of, parse_id
 from gtm.audit.record import ChainBreak, verify_chain
@@ -71,6 +71,21 @@ async def verify(engine: AsyncEngine) -> tuple[int, list[ChainBreak]]:
         )
         rows = [_as_dict(r) for r in result]
     return len(rows), verify_chain(rows)
+
+
+async def distinct(conn: AsyncConnection, column: ColumnElement[Any]) -> list[str]:
+    """A column's distinct values, in order, by walking its index (one ``min(x) > last`` per
+    value): the cost is per value, where ``SELECT DISTINCT`` reads every row (PostgreSQL has no
+    skip scan). For the chains of the decisions table (``node``) and of the checkpoints."""
+    out: list[str] = []
+    while True:
+        query = select(func.min(column))
+        if out:
+            query = query.where(column > out[-1])
+        value = await conn.scalar(query)
+        if value is None:
+            return out
+        out.append(str(value))
 
 
 async def total_count(engine: AsyncEngine) -> int:

@@ -32,6 +32,10 @@ metadata = MetaData(
 # SQLite only auto-increments an INTEGER PRIMARY KEY.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
 
+# On PostgreSQL the table is range-partitioned by ``first_at_us`` (a partition per UTC day, made
+# ahead of time: migration 0009, gtm.audit.partitions), and (node, node_seq) is unique within each
+# partition, since a unique index over all partitions must contain the partition key. On SQLite
+# it is one table and the constraint below holds whole.
 decisions = Table(
     "decisions",
     metadata,
@@ -69,6 +73,20 @@ decisions = Table(
     Index("ix_decisions_region", "region"),
     Index("ix_decisions_outcome", "outcome"),
 )
+
+
+def include_object(
+    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
+) -> bool:
+    """What alembic compares with these tables (``include_object``): not the decisions table's
+    time partitions on PostgreSQL (made by the database, day by day), nor the (node, node_seq)
+    constraint there, which holds per partition instead (see ``decisions``)."""
+    if type_ == "table" and reflected and (name or "").startswith("decisions_p"):
+        return False
+    return not (
+        type_ == "unique_constraint" and name == "uq_decisions_node_seq" and compare_to is None
+    )
+
 
 # Every change of a region's state: what a node's probes concluded ("observed"), what came into
 # force on a node after the quorum and the operator's overrides ("in_force"), and every
@@ -264,7 +282,8 @@ audit_checkpoints = Table(
     Column("key_id", String(16), nullable=False),
     Column("detail", Text, nullable=False),
     Column("signature", String(128), nullable=False),
-    Index("ix_audit_checkpoints_chain", "chain"),
+    Index("ix_audit_checkpoints_chain_id", "chain", "id"),  # each chain's newest
+    Index("ix_audit_checkpoints_kind", "kind", "chain"),  # the gaps and cuts
 )
 
 # The newest capacity report each node accepted from each region (gtm.fleet.report_marks):

@@ -18,9 +18,11 @@ for every chain:
   newest signed ``cut``: its next row must follow the cut's sequence and hash.
 
 A verification can start from checkpoints (``start``: one per chain, trusted because its
-signature verifies): rows up to each are not read again, and the first row after one must follow
-its hash. That is how the scheduled verification (:mod:`gtm.audit.watch`) goes on from where its
-last pass ended, and ``gtm audit verify --since`` checks a recent window of a large store.
+signature verifies): rows up to each are not read again, the row at the checkpoint must still be
+there with the checkpoint's hash (a tail cut back behind the last pass is a break at once), and
+the first row after it must follow that hash. That is how the scheduled verification
+(:mod:`gtm.audit.watch`) goes on from where its last pass ended, and ``gtm audit verify --since``
+checks a recent window of a large store.
 
 Rows after a chain's newest checkpoint are reported as not yet anchored (a running node
 checkpoints every few seconds and at shutdown), and ``gap`` checkpoints (unclean stops) are
@@ -50,6 +52,7 @@ from gtm.audit.checkpoints import (
     parse,
 )
 from gtm.audit.event_chain import event_hash
+from gtm.audit.query import distinct
 from gtm.audit.record import GENESIS, ChainBreak, row_hash
 from gtm.audit.schema import decisions, region_events
 
@@ -153,6 +156,33 @@ class _Checker:
         one at or before a start point was verified by an earlier pass."""
         return -1 if self.base is None else self.base.seq
 
+    @property
+    def resumes(self) -> Checkpoint | None:
+        """The checkpoint this check resumes at (a previous pass's, or ``--since``'s) when it
+        is not a retention cut: the row there must still be there, as it was."""
+        base = self.base
+        return None if base is None or base.kind == "cut" or base.seq == 0 else base
+
+    def check_resumed(self, row: dict[str, Any] | None) -> None:
+        """The row at :attr:`resumes`: rows before it are not read again, so without this a
+        tail cut back to (or rewritten behind) the last verified checkpoint would go unseen
+        until the next full verification."""
+        base = self.resumes
+        if base is None:
+            return
+        if row is None:
+            self._break(
+                base.seq,
+                f"the row this check resumed at is gone: the checkpoint of {base.at:.3f} "
+                "vouches for it (the tail was cut back)",
+            )
+        elif row["row_hash"] != base.head:
+            self._break(
+                base.seq,
+                f"row hash differs from the checkpoint of {base.at:.3f} this check resumed at: "
+                "rewritten",
+            )
+
     def _break(self, seq: int, problem: str) -> None:
         self.breaks.append(ChainBreak(self.result.chain, seq, problem))
 
@@ -212,18 +242,36 @@ class _Checker:
 async def _pages(
     engine: AsyncEngine, table: Any, seq_col: Any, where: Any, after: int = -1
 ) -> AsyncIterator[dict[str, Any]]:
+    """The chain's rows after ``after`` in sequence order, a window of sequence numbers at a
+    time. Not ``seq > last ORDER BY seq LIMIT n``: on a day partition the statistics have not
+    caught up with yet, PostgreSQL sorts every remaining row for each such page (a million
+    rows took five minutes). A window of sequences bounds each query whatever the plan, as a
+    chain's sequence has no holes; a hole (a break) costs one lookup of the next row."""
     last = after
     while True:
-        query = select(table).where(seq_col > last).order_by(seq_col).limit(_PAGE)
-        if where is not None:
-            query = query.where(where)
+        query = (
+            select(table).where(where, seq_col > last, seq_col <= last + _PAGE).order_by(seq_col)
+        )
         async with engine.connect() as conn:
             rows = [dict(r._mapping) for r in await conn.execute(query)]
-        if not rows:
-            return
+            if not rows:
+                following = select(seq_col).where(where, seq_col > last).order_by(seq_col)
+                after_hole = await conn.scalar(following.limit(1))
+                if after_hole is None:
+                    return
+                last = int(after_hole) - 1
+                continue
         for row in rows:
             yield row
         last = rows[-1][seq_col.name]
+
+
+async def _row_at(
+    engine: AsyncEngine, table: Any, seq_col: Any, where: Any, seq: int
+) -> dict[str, Any] | None:
+    async with engine.connect() as conn:
+        row = (await conn.execute(select(table).where(where, seq_col == seq))).first()
+    return None if row is None else dict(row._mapping)
 
 
 async def verify_store(
@@ -248,12 +296,19 @@ async def verify_store(
             out.gaps.append(cp)
         anchors[cp.chain].append((cp, location))
     async with engine.connect() as conn:
-        nodes = [r[0] for r in await conn.execute(select(decisions.c.node).distinct())]
+        nodes = await distinct(conn, decisions.c.node)
     chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN}))
     for chain in chains:
         checker = _Checker(
             chain, anchors.get(chain, []), row_hash, "node_seq", True, start.get(chain)
         )
+        if checker.resumes is not None:
+            checker.check_resumed(
+                await _row_at(
+                    engine, decisions, decisions.c.node_seq, decisions.c.node == chain,
+                    checker.resumes.seq,
+                )
+            )  # fmt: skip
         async for row in _pages(
             engine, decisions, decisions.c.node_seq, decisions.c.node == chain, checker.after
         ):
@@ -271,6 +326,16 @@ async def verify_store(
         False,
         start.get(EVENTS_CHAIN),
     )
+    if events.resumes is not None:
+        events.check_resumed(
+            await _row_at(
+                engine,
+                region_events,
+                region_events.c.seq,
+                region_events.c.seq.isnot(None),
+                events.resumes.seq,
+            )
+        )
     async for row in _pages(
         engine, region_events, region_events.c.seq, region_events.c.seq.isnot(None), events.after
     ):

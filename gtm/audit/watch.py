@@ -14,6 +14,12 @@ A pass runs in a thread of its own with its own event loop and database connecti
 CPU priority: hashing every row is CPU work, and the node's loop answers queries meanwhile.
 A full ``gtm audit verify`` (every row from the start) remains the auditor's check; a pass
 here does not re-read rows a previous pass verified.
+
+The outcome of the latest pass is also kept in memory (:attr:`VerificationWatch.last_pass`), which
+the admin API shows (``GET /v1/audit/chains``): the admin process runs the watch, so it needs no
+table of its own, and no one with database access can make a failed pass look clean. Each admin
+node reports its own passes; a restarted node has none until its first pass, which starts at
+once.
 """
 
 from __future__ import annotations
@@ -30,10 +36,31 @@ import structlog
 from gtm import metrics
 from gtm.audit.checkpoints import Checkpoint, DirectorySink
 from gtm.audit.database import make_async_engine
+from gtm.audit.record import ChainBreak
 from gtm.audit.verify import Verification, verify
 from gtm.audit.writer import run_in_background
 
 log = structlog.get_logger(__name__)
+
+_KEPT_BREAKS = 100  # a pass's breaks kept for the API; the count is always whole
+
+
+@dataclass(frozen=True, slots=True)
+class PassRecord:
+    """What the latest pass found, or why it could not run (``error``)."""
+
+    started_at: float
+    finished_at: float
+    ok: bool  # ran, and every chain verified
+    rows: int = 0  # decision rows read (a later pass reads only what came after the last)
+    chains: int = 0
+    breaks: tuple[ChainBreak, ...] = ()  # the first of them
+    break_count: int = 0
+    gaps: int = 0
+    cuts: int = 0
+    unanchored: int = 0  # rows after their chain's newest checkpoint
+    verified_through: float | None = None  # the newest checkpoint every chain verified through
+    error: str | None = None
 
 
 @dataclass
@@ -46,6 +73,9 @@ class VerificationWatch:
     passes: int = 0
     failures: int = 0
     last: Verification | None = None
+    last_pass: PassRecord | None = None
+    verified_through: float | None = None  # gtm_audit_verified_through_seconds
+    interval_s: float | None = None  # while :meth:`run` runs
 
     halt: threading.Event = field(default_factory=threading.Event)
 
@@ -67,11 +97,16 @@ class VerificationWatch:
         return asyncio.run(self._verify())
 
     async def once(self) -> Verification:
-        """One pass; updates the metrics and the start points."""
+        """One pass; updates the metrics, the start points and :attr:`last_pass`."""
+        started = self.clock()
         try:
             result = await asyncio.to_thread(self._in_thread)
         except asyncio.CancelledError:
             self.halt.set()
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.last_pass = PassRecord(started, self.clock(), ok=False, error=error)
             raise
         self.passes += 1
         self.last = result
@@ -79,6 +114,7 @@ class VerificationWatch:
         metrics.AUDIT_VERIFY_PASSES.inc()
         if result.breaks:
             self.failures += 1
+            self.last_pass = self._record(started, result)
             metrics.AUDIT_VERIFY_FAILURES.inc()
             for b in result.breaks:
                 log.error("audit.verify_break", chain=b.node, seq=b.node_seq, problem=b.problem)
@@ -87,7 +123,9 @@ class VerificationWatch:
             if checked.anchored is not None:
                 self.starts[chain] = checked.anchored
         if result.newest_at is not None:
+            self.verified_through = result.newest_at
             metrics.AUDIT_VERIFIED_THROUGH.set(result.newest_at)
+        self.last_pass = self._record(started, result)
         log.info(
             "audit.verified",
             rows=result.rows,
@@ -97,8 +135,24 @@ class VerificationWatch:
         )
         return result
 
+    def _record(self, started: float, result: Verification) -> PassRecord:
+        return PassRecord(
+            started_at=started,
+            finished_at=self.clock(),
+            ok=not result.breaks,
+            rows=result.rows,
+            chains=len(result.chains),
+            breaks=tuple(result.breaks[:_KEPT_BREAKS]),
+            break_count=len(result.breaks),
+            gaps=len(result.gaps),
+            cuts=len(result.cuts),
+            unanchored=sum(result.unanchored.values()),
+            verified_through=self.verified_through,
+        )
+
     async def run(self, stop: asyncio.Event, interval_s: float) -> None:
         """A pass every ``interval_s`` until ``stop`` is set."""
+        self.interval_s = interval_s
         while not stop.is_set():
             try:
                 await self.once()
@@ -109,4 +163,4 @@ class VerificationWatch:
                 await asyncio.wait_for(stop.wait(), interval_s)
 
 
-__all__ = ["VerificationWatch"]
+__all__ = ["PassRecord", "VerificationWatch"]

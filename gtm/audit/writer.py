@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,6 +53,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
+from gtm.audit import partitions
 from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form
 from gtm.audit.schema import decisions
 from gtm.audit.spool import ChainHead, Spool
@@ -63,6 +65,9 @@ Tally = tuple[AuditRecord, int, float, float]
 TallySource = Callable[[], Iterator[Tally]]
 
 _INSERT_BATCH = 64  # about a millisecond of SQLite work per statement
+_MAX_QUEUED_ROWS = 100_000  # sealed rows kept for the drain; beyond, it reads the spool
+_PARTITIONS_EVERY_S = 3600.0  # how often the days ahead are checked for partitions
+_PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
 _SLICE_S = 0.0003  # the longest row rendering holds the loop before it answers again
 _REST = 6.0  # paced flushes rest this many times as long as each slice of work took
@@ -90,6 +95,9 @@ def _insert_sql(paramstyle: str) -> str:
 
 # The COPY path calls psycopg itself: an error there may reach us unwrapped by SQLAlchemy.
 _DB_ERRORS = (SQLAlchemyError, OSError, psycopg.Error)
+# Text COPY. Binary COPY takes 15% more rows a second raw (bench/audit.py's baselines) but did
+# nothing for the writer, whose own CPU is the bound (0.9x over four interleaved rounds, within
+# their spread), so the simpler format stays.
 _COPY_SQL = f"COPY decisions ({', '.join(_COLUMNS)}) FROM STDIN"
 
 
@@ -177,8 +185,16 @@ class AuditWriter:
         max_pending: int = 10_000,
         clock: Callable[[], float] = time.time,
         spool_max_bytes: int = 1 << 30,
+        on_sealed: Callable[[AuditRecord, int], None] | None = None,
+        rest: float = _REST,
     ) -> None:
         self.engine = engine
+        # Paced work rests this many times as long as each slice took (0: not paced, which
+        # bench/audit.py uses to measure the most the writer can take).
+        self.rest = rest
+        # Told each row sealed, with its answer count: the metrics that break answers down by
+        # what a row holds (gtm.answer_labels) count here, once per row rather than per answer.
+        self.on_sealed = on_sealed
         self.node = node
         self.spool = spool
         self.flush_interval = flush_interval
@@ -195,7 +211,11 @@ class AuditWriter:
         self._lock = asyncio.Lock()  # sealing and spooling, window by window
         self._drain_lock = asyncio.Lock()  # the spool to the database, in the same order
         self._drainer: asyncio.Task[None] | None = None  # the background drain, if running
-        self._behind = False  # windows were sealed while a drain ran: the spool has them
+        # Windows sealed while a drain ran, oldest first: the drain takes them on as they are,
+        # without reading them back from the spool (which parses every row again, several times
+        # the work of the insert: a writer that fell behind used to fall further behind).
+        self._queued: deque[_Batch] = deque()
+        self._behind = False  # windows too many to queue were sealed: only the spool has them
         # Spool appends, reads and truncations in one thread, so they happen in order even when
         # a flush is cancelled while its append is still being written.
         self._io: ThreadPoolExecutor | None = None
@@ -207,6 +227,7 @@ class AuditWriter:
         self._backlog = True
         self.last_error: str | None = None
         self._backgrounded: set[int] = set()  # driver threads already lowered in priority
+        self._partitions_due = 0.0  # when the days ahead are next checked (PostgreSQL)
 
     # -- the answering path --------------------------------------------------------------------
 
@@ -280,12 +301,12 @@ class AuditWriter:
             if self._stopping:
                 return
             try:
-                batch = await self._seal_window(_Slices(_REST))
+                batch = await self._seal_window(_Slices(self.rest))
             except Exception:  # the writer must outlive one bad flush (a full disk, say)
                 log.exception("audit.flush_error")
                 continue
             if self._drainer is not None and not self._drainer.done():
-                self._behind = True
+                self._queue(batch)
             else:
                 self._drainer = asyncio.create_task(self._drain_behind(batch), name="audit-drain")
 
@@ -300,7 +321,7 @@ class AuditWriter:
         """Turn the tallies of the window into rows, spool them, and drain the spool; returns
         rows committed. ``paced``: spread the work out. (The background task seals every
         interval and drains beside it: :meth:`_run`.)"""
-        slices = _Slices(_REST if paced else 0.0)
+        slices = _Slices(self.rest if paced else 0.0)
         batch = await self._seal_window(slices)
         if slices.cancelled:
             self._backlog = True  # sealed and spooled, not drained: the next drain reads it
@@ -315,24 +336,50 @@ class AuditWriter:
             batch = await self._seal(records, counts, times, slices)
             if len(batch):
                 batch.end = await self._in_io(_append, self.spool, batch)
+                batch.lines = []  # on disk now; a queued window keeps only what COPY needs
             return batch
 
-    async def _drain_window(self, batch: _Batch | None, slices: _Slices) -> int:
-        """The spool to the database, in sealing order: just ``batch`` when the spool holds
-        nothing older, else everything the spool holds (``batch`` None: read it anyway)."""
+    def _queue(self, batch: _Batch) -> None:
+        """Keep a window sealed while a drain runs for that drain to take next."""
+        if not len(batch) or self._behind:
+            return  # nothing to insert; or the spool is read next anyway, this window with it
+        if sum(map(len, self._queued)) + len(batch) > _MAX_QUEUED_ROWS:
+            # Memory stays bounded however far the database lags: the spool has them all.
+            self._queued.clear()
+            self._behind = True
+            return
+        self._queued.append(batch)
+
+    async def _drain_window(
+        self, batch: _Batch | None, slices: _Slices, *, oldest: bool = False
+    ) -> int:
+        """The spool to the database, in sealing order: just ``batch`` when nothing sealed
+        before it waits (``oldest``: the caller took it off the front of the queue), else
+        everything the spool holds (``batch`` None: read it anyway)."""
         async with self._drain_lock:
-            backlog = batch is None or self._backlog or self._behind
-            self._behind = False  # a read of the spool takes every window sealed so far
+            backlog = (
+                batch is None
+                or self._backlog
+                or self._behind
+                or (bool(self._queued) and not oldest)
+            )
+            if backlog:
+                self._behind = False  # a read of the spool takes every window sealed so far
             # Until this drain succeeds, the spool may hold rows no drain took.
             self._backlog = True
             return await self._drain(None if backlog else batch, slices)
 
     async def _drain_behind(self, batch: _Batch) -> None:
-        """A background drain: this window, then whatever windows were sealed meanwhile."""
+        """A background drain: this window, then the windows sealed meanwhile, in order."""
         try:
-            await self._drain_window(batch, _Slices(_REST))
-            while self._behind and not self._stopping:
-                await self._drain_window(None, _Slices(_REST))
+            await self._drain_window(batch, _Slices(self.rest))
+            while (self._queued or self._behind) and not self._stopping and not self._backlog:
+                if self._queued:
+                    oldest = self._queued.popleft()
+                    await self._drain_window(oldest, _Slices(self.rest), oldest=True)
+                else:
+                    await self._drain_window(None, _Slices(self.rest))
+            # A drain that failed leaves the rest queued: the next one reads the spool.
         except Exception:  # the writer must outlive one bad drain; the spool keeps the rows
             log.exception("audit.flush_error")
 
@@ -404,6 +451,9 @@ class AuditWriter:
             if counter is None:
                 counter = self._counters[channel] = metrics.DECISIONS_COUNTED.labels(channel)
             counter.inc(n)
+        if self.on_sealed is not None:
+            for record, n in zip(records, counts, strict=True):
+                self.on_sealed(record, n)
         return batch
 
     async def _drain(self, batch: _Batch | None, slices: _Slices) -> int:
@@ -424,6 +474,7 @@ class AuditWriter:
             metrics.AUDIT_SPOOLED_ROWS.set(0)
             return 0
         written = 0
+        await self._ensure_partitions()
         try:
             async with self.engine.connect() as conn:
                 await self._driver_in_background(conn)
@@ -438,7 +489,29 @@ class AuditWriter:
                 sql = _insert_sql(conn.dialect.paramstyle)
                 if batch is not None and conn.dialect.name == "postgresql":
                     start = min(total, max(0, have - batch.first_seq + 1))
-                    written = await self._copy(conn, batch, start, total, slices)
+                    written = await self._copy(
+                        conn,
+                        (
+                            batch.params(self.node, i, min(total, i + _INSERT_BATCH))
+                            for i in range(start, total, _INSERT_BATCH)
+                        ),
+                        slices,
+                    )
+                elif conn.dialect.name == "postgresql":
+                    # The spool's rows (a replay, or windows sealed while a drain ran) in one
+                    # COPY too: INSERT batches here made a writer that fell behind slower still.
+                    written = await self._copy(
+                        conn,
+                        (
+                            [
+                                _params(r)
+                                for r in rows[i : i + _INSERT_BATCH]
+                                if r["node_seq"] > have
+                            ]
+                            for i in range(0, total, _INSERT_BATCH)
+                        ),
+                        slices,
+                    )
                 elif batch is not None:
                     start = min(total, max(0, have - batch.first_seq + 1))
                     for i in range(start, total, _INSERT_BATCH):
@@ -468,6 +541,8 @@ class AuditWriter:
             await self._watch_spool()
             return 0
         await self._in_io(self.spool.discard_through, end)
+        while self._queued and self._queued[0].end <= end:
+            self._queued.popleft()  # read back from the spool with the rest, and committed
         self._backlog = False
         self.last_error = None
         metrics.AUDIT_SPOOLED_ROWS.set(0)
@@ -477,25 +552,45 @@ class AuditWriter:
         return written
 
     async def _copy(
-        self, conn: AsyncConnection, batch: _Batch, start: int, stop: int, slices: _Slices
+        self, conn: AsyncConnection, chunks: Iterator[list[tuple[Any, ...]]], slices: _Slices
     ) -> int:
-        """PostgreSQL: the batch's rows in one COPY, one transaction (several times the rows per
-        second of INSERT batches, and all of a flush or none of it). Rows are written a few
+        """PostgreSQL: rows in one COPY, one transaction (several times the rows per second of
+        INSERT batches, and all of a flush or none of it). Rows are written a chunk of a few
         dozen at a time between slices of the loop, like every other part of a flush."""
         raw = await conn.get_raw_connection()
         pg = raw.driver_connection
         assert pg is not None
+        written = 0
         try:
             async with pg.cursor() as cursor, cursor.copy(_COPY_SQL) as copy:
-                for i in range(start, stop, _INSERT_BATCH):
-                    for row in batch.params(self.node, i, min(stop, i + _INSERT_BATCH)):
+                for chunk in chunks:
+                    for row in chunk:
                         await copy.write_row(row)
+                    written += len(chunk)
                     await slices.next()
             await pg.commit()
         except BaseException:
             await pg.rollback()
             raise
-        return stop - start
+        return written
+
+    async def _ensure_partitions(self) -> None:
+        """PostgreSQL: the days ahead have their partitions (:mod:`gtm.audit.partitions`),
+        checked at the first drain and about hourly after. Rows of a day without one go to the
+        default partition, so a failure here costs a warning and a retry, never a row."""
+        now = self._clock()
+        if now < self._partitions_due or self.engine.dialect.name != "postgresql":
+            return
+        self._partitions_due = now + _PARTITIONS_EVERY_S
+        try:
+            async with self.engine.connect() as conn:
+                made = await partitions.ensure(conn, now)
+        except _DB_ERRORS as exc:
+            self._partitions_due = now + _PARTITIONS_RETRY_S
+            log.warning("audit.partitions_not_made", error=str(exc).splitlines()[0])
+            return
+        if made:
+            log.info("audit.partitions_made", days=made)
 
     async def _watch_spool(self) -> None:
         size = await self._in_io(self.spool.size)

@@ -19,7 +19,7 @@ from gtm.audit.checkpoints import EVENTS_CHAIN, DirectorySink
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.keys import KEY_NAME, load_or_create
-from gtm.audit.retention import Cut, retain
+from gtm.audit.retention import Retained, retain
 from gtm.audit.schema import decisions
 from gtm.audit.verify import Verification, verify
 from gtm.cli.common import DbOpt, cli_settings, run_async
@@ -257,7 +257,7 @@ def audit_retain(
     sink = DirectorySink(checkpoints or settings.checkpoint_dir)
     chain_key = load_or_create(key or settings.audit_signing_key or settings.spool_dir / KEY_NAME)
 
-    async def main() -> list[Cut]:
+    async def main() -> Retained | None:
         engine = make_async_engine(settings.database_url)
         try:
             # Never cut what does not verify: the cut would launder the evidence of a break.
@@ -280,10 +280,19 @@ def audit_retain(
                         select(func.count()).where(decisions.c.last_at_us < before_us)
                     )
                 typer.echo(f"would remove up to {n} row(s) ended before {before}; --yes to do it")
-                return []
+                return None
             return await retain(engine, before_us, key=chain_key, sink=sink, store=checked.store)
         finally:
             await engine.dispose()
 
-    for cut in run_async(main):
+    retained = run_async(main)
+    if retained is None:
+        return
+    for cut in retained.cuts:
         typer.echo(f"{cut.chain}: {cut.rows} row(s) through #{cut.seq} removed, cut signed")
+    for partition in retained.dropped:
+        typer.echo(f"partition {partition} dropped whole")
+    typer.echo(
+        f"{len(retained.dropped)} partition(s) dropped, "
+        f"{retained.deleted} row(s) deleted one by one"
+    )

@@ -1,5 +1,6 @@
 """The audit log over the API: search with filters and a cursor, streaming export, one decision
-by the id a response carried, and its replay under the versions it names."""
+by the id a response carried, and its replay under the versions it names; the evidence status of
+every chain (checkpoints inside and outside the database, gaps, cuts, scheduled verification)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy import select
@@ -21,9 +22,11 @@ from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
-from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.checkpoints import Checkpoint, DirectorySink
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.schema import document_versions
+from gtm.audit.status import ChainStatus, Held, SinkIndex, evidence_status
+from gtm.audit.watch import VerificationWatch
 from gtm.decision.snapshot import Snapshot
 from gtm.errors import ConfigError, Problem
 from gtm.report.compliance import compliance_report
@@ -224,3 +227,178 @@ async def compliance(
     if format == "html":
         return HTMLResponse(render(report))
     return Response(orjson.dumps(report.to_json()), media_type="application/json")
+
+
+class CheckpointOut(BaseModel):
+    kind: Literal["open", "checkpoint", "gap", "cut"]
+    seq: int  # the chain's rows up to this sequence are vouched for
+    head: str  # the hash of row ``seq``
+    answers: int  # answers counted through row ``seq`` (the event chain: 0)
+    at: float  # unix seconds, when it was signed
+    key_id: str  # the Ed25519 key that signed it (the sink's keys/<key_id>.pub)
+    detail: str
+    in_sink: bool  # held by the sink outside the database, signature verified
+    in_database: bool  # held by audit_checkpoints (a copy; the sink is what is trusted)
+    location: str | None  # the sink's file:line
+
+
+class VerifiedOut(BaseModel):
+    """The newest checkpoint of the chain the scheduled verification matched row by row."""
+
+    seq: int
+    at: float
+
+
+class ChainOut(BaseModel):
+    chain: str  # a node's id; a worker's is NODE/wN; the fleet's event chain: region_events
+    node: str | None  # null: the fleet's event chain
+    kind: Literal["decisions", "events"]
+    last_checkpoint: CheckpointOut | None
+    checkpoints_in_sink: int
+    database_seq: int | None  # the newest row's sequence in the database (null: no row)
+    unanchored_rows: int  # rows after the last checkpoint (a running node signs every ~10 s)
+    gaps: list[CheckpointOut]  # unclean stops: answers counted and lost before a restart
+    cuts: list[CheckpointOut]  # retention: the chain's rows through seq were removed on purpose
+    verified: VerifiedOut | None  # by this admin node's scheduled verification
+    warnings: list[str]
+
+
+class SinkProblemOut(BaseModel):
+    location: str  # file:line, or the file
+    problem: str
+
+
+class SinkOut(BaseModel):
+    location: str
+    checkpoints: int  # trusted checkpoint lines of this store
+    keys: int  # public keys published
+    problems: list[SinkProblemOut]  # lines that do not parse or verify (the first 100)
+    problem_count: int
+
+
+class BreakOut(BaseModel):
+    chain: str
+    seq: int
+    problem: str
+
+
+class PassOut(BaseModel):
+    started_at: float
+    finished_at: float
+    ok: bool  # ran, and every chain verified
+    rows: int  # decision rows read (a pass reads only what came after the previous one)
+    chains: int
+    breaks: list[BreakOut]  # the first 100
+    break_count: int
+    gaps: int
+    cuts: int
+    unanchored: int
+    error: str | None  # the pass could not run (the database away, the sink unreadable)
+
+
+class VerificationOut(BaseModel):
+    node: str  # the admin node whose scheduled verification this is (each keeps its own)
+    scheduled: bool  # false: GTM_AUDIT_VERIFY_INTERVAL_S=0 on this node
+    interval_s: float | None
+    passes: int
+    failures: int  # passes that found a break
+    verified_through: float | None  # gtm_audit_verified_through_seconds
+    last_pass: PassOut | None  # null until the first pass ends (it starts with the node)
+
+
+class ChainsOut(BaseModel):
+    store: str | None  # the audit store's id (made by the migration)
+    sink: SinkOut
+    chains: list[ChainOut]
+    verification: VerificationOut
+
+
+def _checkpoint(held: Held) -> CheckpointOut:
+    cp = held.checkpoint
+    return CheckpointOut(
+        kind=cp.kind, seq=cp.seq, head=cp.head, answers=cp.answers, at=cp.at, key_id=cp.key,
+        detail=cp.detail, in_sink=held.in_sink, in_database=held.in_database,
+        location=held.location,
+    )  # fmt: skip
+
+
+def _verification(node: str, watch: VerificationWatch | None) -> VerificationOut:
+    if watch is None:
+        return VerificationOut(
+            node=node, scheduled=False, interval_s=None, passes=0, failures=0,
+            verified_through=None, last_pass=None,
+        )  # fmt: skip
+    last = watch.last_pass
+    return VerificationOut(
+        node=node,
+        scheduled=True,
+        interval_s=watch.interval_s,
+        passes=watch.passes,
+        failures=watch.failures,
+        verified_through=watch.verified_through,
+        last_pass=None
+        if last is None
+        else PassOut(
+            started_at=last.started_at, finished_at=last.finished_at, ok=last.ok,
+            rows=last.rows, chains=last.chains,
+            breaks=[BreakOut(chain=b.node, seq=b.node_seq, problem=b.problem)
+                    for b in last.breaks],
+            break_count=last.break_count, gaps=last.gaps, cuts=last.cuts,
+            unanchored=last.unanchored, error=last.error,
+        ),
+    )  # fmt: skip
+
+
+def _sink_index(request: Request, directory: Path) -> SinkIndex:
+    """One index per admin app, kept between requests: each reads only the sink's new lines."""
+    index: SinkIndex | None = getattr(request.app.state, "audit_sink_index", None)
+    if index is None or index.sink.directory != directory:
+        index = SinkIndex(DirectorySink(directory))
+        request.app.state.audit_sink_index = index
+    return index
+
+
+def _chain(c: ChainStatus, verified: Checkpoint | None) -> ChainOut:
+    last = c.last_checkpoint
+    return ChainOut(
+        chain=c.chain,
+        node=c.node,
+        kind=c.kind,
+        last_checkpoint=None if last is None else _checkpoint(last),
+        checkpoints_in_sink=c.checkpoints_in_sink,
+        database_seq=c.database_seq,
+        unanchored_rows=c.unanchored_rows,
+        gaps=[_checkpoint(g) for g in c.gaps],
+        cuts=[_checkpoint(k) for k in c.cuts],
+        verified=None if verified is None else VerifiedOut(seq=verified.seq, at=verified.at),
+        warnings=c.warnings,
+    )
+
+
+@router.get("/audit/chains", operation_id="list_audit_chains", response_model=ChainsOut)
+async def list_audit_chains(
+    request: Request,
+    ctx: Ctx,
+    _: Annotated[Principal, Depends(require("list_audit_chains"))],
+) -> ChainsOut:
+    """The evidence of every chain: its newest signed checkpoint (sequence, time, answers
+    counted, signing key) and whether the sink outside the database holds it, its gaps
+    (unclean stops) and retention cuts, rows not yet checkpointed, and the latest scheduled
+    verification of this admin node. Reads no row but each chain's newest: cheap to poll."""
+    index = _sink_index(request, ctx.checkpoints or Path("checkpoints"))
+    status = await evidence_status(ctx.engine, index)
+    watch: VerificationWatch | None = getattr(request.app.state, "audit_watch", None)
+    starts: dict[str, Checkpoint] = {} if watch is None else dict(watch.starts)
+    problems = [SinkProblemOut(location=p.location, problem=p.problem) for p in status.problems]
+    return ChainsOut(
+        store=status.store,
+        sink=SinkOut(
+            location=str(status.sink),
+            checkpoints=status.sink_checkpoints,
+            keys=status.sink_keys,
+            problems=problems,
+            problem_count=status.problem_count,
+        ),
+        chains=[_chain(c, starts.get(c.chain)) for c in status.chains],
+        verification=_verification(ctx.node, watch),
+    )

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gtm.audit import migrate, query
 from gtm.audit.database import make_async_engine, make_sync_engine
 from gtm.audit.record import AuditRecord, record_of
-from gtm.audit.schema import decisions, metadata
+from gtm.audit.schema import decisions, include_object, metadata
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.decision.routing import Channel, DecisionRequest, decide
@@ -251,7 +251,8 @@ def test_migrations_match_the_models_and_go_down_and_up(database_url: str) -> No
     engine = make_sync_engine(database_url)
     try:
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+            context = MigrationContext.configure(conn, opts={"include_object": include_object})
+            diff = compare_metadata(context, metadata)
         assert diff == []
         migrate.downgrade(database_url, "base")
         with engine.connect() as conn:

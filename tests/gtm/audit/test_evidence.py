@@ -382,8 +382,8 @@ async def test_retention_removes_old_rows_with_a_signed_cut_and_verify_tells_the
     await writer.stop()
     await anchor.stop()
     before = (await store.verify()).chains["node-r"].answers
-    cuts = await retain(store.engine, int((1_000 + 3600 * 3) * 1e6), key=spool.key,
-                        sink=store.sink, store=store_id)  # fmt: skip
+    cuts = (await retain(store.engine, int((1_000 + 3600 * 3) * 1e6), key=spool.key,
+                         sink=store.sink, store=store_id)).cuts  # fmt: skip
     assert [(c.chain, c.seq, c.rows) for c in cuts] == [("node-r", 9, 9)]
     assert [r["node_seq"] for r in await _rows(store.engine, "node-r")] == list(range(10, 19))
     result = await store.verify()
@@ -395,8 +395,8 @@ async def test_retention_removes_old_rows_with_a_signed_cut_and_verify_tells_the
     async with store.engine.begin() as conn:
         await triggers_off(conn)
         await conn.execute(delete(audit_checkpoints))
-    cuts = await retain(store.engine, int((1_000 + 3600 * 4) * 1e6), key=spool.key,
-                        sink=store.sink, store=store_id)  # fmt: skip
+    cuts = (await retain(store.engine, int((1_000 + 3600 * 4) * 1e6), key=spool.key,
+                         sink=store.sink, store=store_id)).cuts  # fmt: skip
     assert [(c.seq, c.rows) for c in cuts] == [(12, 3)]
     result = await store.verify()
     assert result.breaks == [], _problems(result)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prometheus_client import REGISTRY
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.anchor import Anchor
@@ -118,6 +118,34 @@ async def test_scheduled_passes_go_on_from_the_last_and_hold_at_a_break(
     assert watch.starts["node-a"].seq == 6
     fourth = await watch.once()
     assert [(b.node, b.node_seq) for b in fourth.breaks] == [("node-a", 8)]
+    await a.writer.stop()
+    await a.anchor.stop()
+
+
+async def test_a_pass_sees_a_tail_cut_back_behind_where_it_resumes(
+    database_url: str, engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    """A later pass does not read the rows an earlier one verified, but the row it resumes at
+    must still be there as its checkpoint says: otherwise deleting the newest rows (back to or
+    behind the last verified checkpoint) would go unseen until a full verification. The last
+    pass is kept for the admin API, breaks and all."""
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    await _round(a, snapshot, 0)
+    await _round(a, snapshot, 1)
+    watch = VerificationWatch(database_url, store.sink)
+    assert (await watch.once()).breaks == []
+    assert watch.starts["node-a"].seq == 6
+    assert watch.last_pass is not None and watch.last_pass.ok and watch.last_pass.rows == 6
+    async with engine.begin() as conn:
+        await triggers_off(conn)
+        await conn.execute(delete(decisions).where(decisions.c.node_seq > 4))
+    cut_back = await watch.once()
+    assert [(b.node, b.node_seq) for b in cut_back.breaks] == [("node-a", 6)]
+    assert "is gone" in cut_back.breaks[0].problem
+    last = watch.last_pass
+    assert last is not None and not last.ok and last.break_count == 1 and last.error is None
+    assert last.breaks == tuple(cut_back.breaks)
     await a.writer.stop()
     await a.anchor.stop()
 
