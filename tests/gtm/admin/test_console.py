@@ -21,11 +21,24 @@ from gtm.admin.permissions import Role
 from gtm.audit.record import record_of
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.errors import ConfigError
-from tests.gtm.admin.conftest import AdminFactory, documents
+from tests.gtm.admin.conftest import Admin, AdminFactory, documents
 from tests.gtm.admin.console_client import csrf_of, post_form, sign_in
 from tests.support.waiting import eventually
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+def count(admin: Admin, client: str, times: int = 1) -> str:
+    """Decide for ``client`` asking the first service's host, count it ``times`` into the audit
+    writer as an answering path would; the host name asked."""
+    snapshot = admin.runtime.store.current
+    service = snapshot.topology.services[0]
+    name = service.http_hosts[0]
+    request = DecisionRequest(Channel.API, ip_address(client), service.id, name)
+    for _ in range(times):
+        decision = decide(request, snapshot, time.time())
+        admin.runtime.count(record_of(decision, channel="api", name=name))
+    return name
 
 
 async def test_signing_in_sets_a_strict_http_only_cookie_and_shows_who_you_are(
@@ -212,14 +225,7 @@ async def test_four_eyes_in_the_browser_and_html_is_escaped_everywhere(
 async def test_live_flows_come_from_the_audit_store(start_admin: AdminFactory) -> None:
     async with start_admin() as admin:
         token = await admin.token("vic", Role.VIEWER)
-        snapshot = admin.runtime.store.current
-        service = snapshot.topology.services[0]
-        name = service.http_hosts[0]
-        for _ in range(30):
-            request = DecisionRequest(Channel.API, ip_address("100.65.1.1"), service.id, name)
-            admin.runtime.count(
-                record_of(decide(request, snapshot, time.time()), channel="api", name=name)
-            )
+        count(admin, "100.65.1.1", times=30)
 
         async def flowing() -> bool:
             async with admin.client(token) as api:
@@ -284,13 +290,7 @@ def test_a_loose_console_key_file_is_refused(tmp_path: Path) -> None:
 async def test_decisions_search_explain_replay_and_export(start_admin: AdminFactory) -> None:
     async with start_admin() as admin:
         token = await admin.token("audrey", Role.AUDITOR)
-        snapshot = admin.runtime.store.current
-        service = snapshot.topology.services[0]
-        name = service.http_hosts[0]
-        request = DecisionRequest(Channel.API, ip_address("198.51.100.7"), service.id, name)
-        admin.runtime.count(
-            record_of(decide(request, snapshot, time.time()), channel="api", name=name)
-        )
+        name = count(admin, "198.51.100.7")
 
         async def written() -> bool:
             async with admin.client(token) as api:
@@ -373,13 +373,7 @@ async def test_the_evidence_page_shows_each_chain_and_the_verification(
 ) -> None:
     async with start_admin(audit_checkpoint_interval_s=0.5) as admin:
         token = await admin.token("audrey", Role.AUDITOR)
-        snapshot = admin.runtime.store.current
-        service = snapshot.topology.services[0]
-        name = service.http_hosts[0]
-        request = DecisionRequest(Channel.API, ip_address("198.51.100.7"), service.id, name)
-        admin.runtime.count(
-            record_of(decide(request, snapshot, time.time()), channel="api", name=name)
-        )
+        count(admin, "198.51.100.7")
 
         async def listed() -> bool:
             async with admin.client(token) as api:
