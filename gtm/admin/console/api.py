@@ -3,12 +3,15 @@ person's bearer token, through the same routes, role checks and event log as any
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message
 
 # Never resolved: requests go straight to the ASGI app in this process.
 _BASE = "http://admin.console.internal"
@@ -41,8 +44,19 @@ class Reply:
         return text if not details else text + " — " + "; ".join(details)
 
 
+@dataclass
+class Stream:
+    """A response whose body arrives as the API sends it (an export of any size)."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: AsyncIterator[bytes]
+
+
 class Api:
     def __init__(self, app: ASGIApp, token: str) -> None:
+        self._app = app
+        self._token = token
         self._client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app),
             base_url=_BASE,
@@ -73,6 +87,66 @@ class Api:
         clean = {k: v for k, v in (params or {}).items() if v not in (None, "")}
         return await self._client.get(path, params=clean)
 
+    async def stream(self, path: str, params: Mapping[str, Any] | None = None) -> Stream:
+        """GET ``path`` with the body passed on chunk by chunk. httpx's ASGI transport gathers
+        a whole body before it returns, which for an export means the whole audit in memory;
+        this calls the app itself, with a short queue between it and the reader, so the API's
+        streaming stays bounded through the console."""
+        clean = {k: str(v) for k, v in (params or {}).items() if v not in (None, "")}
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": urlencode(clean).encode(),
+            "root_path": "",
+            "headers": [(b"authorization", f"Bearer {self._token}".encode())],
+            "client": ("127.0.0.1", 0),
+            "server": ("admin.console.internal", 80),
+        }
+        messages: asyncio.Queue[Message] = asyncio.Queue(maxsize=8)  # backpressure
+        done = asyncio.Event()
+
+        async def receive() -> Message:
+            await done.wait()  # a GET has no body; after the response, the client is gone
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            await messages.put(message)
+
+        async def run() -> None:
+            try:
+                await self._app(scope, receive, send)
+            finally:
+                await messages.put({"type": "http.response.body", "more_body": False})
+
+        task = asyncio.create_task(run())
+        start = await messages.get()
+        status = int(start.get("status", 500))
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])}
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    message = await messages.get()
+                    if message["type"] != "http.response.body":
+                        continue
+                    if chunk := message.get("body", b""):
+                        yield chunk
+                    if not message.get("more_body", False):
+                        break
+            finally:
+                done.set()
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        return Stream(status, headers, body())
+
 
 def _reply(response: httpx.Response) -> Reply:
     try:
@@ -82,4 +156,4 @@ def _reply(response: httpx.Response) -> Reply:
     return Reply(response.status_code, body, dict(response.headers))
 
 
-__all__ = ["Api", "Reply"]
+__all__ = ["Api", "Reply", "Stream"]

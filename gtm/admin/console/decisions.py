@@ -83,17 +83,14 @@ async def export(request: Request, view: SignedIn) -> Response:
     if error is not None:
         return view.render("error.html", status=422, message=error)
     fmt = "csv" if request.query_params.get("format") == "csv" else "jsonl"
-    upstream = await view.api.raw("/v1/decisions/export", params | {"format": fmt})
-    if upstream.status_code != 200:
-        return view.render("error.html", status=upstream.status_code, message=upstream.text)
+    upstream = await view.api.stream("/v1/decisions/export", params | {"format": fmt})
+    if upstream.status != 200:
+        text = b"".join([chunk async for chunk in upstream.body]).decode(errors="replace")
+        return view.render("error.html", status=upstream.status, message=text)
     filename = f"decisions.{fmt}"
     headers = SECURITY_HEADERS | {"content-disposition": f'attachment; filename="{filename}"'}
-
-    async def body() -> Any:
-        yield upstream.content
-
     return StreamingResponse(
-        body(), media_type=upstream.headers.get("content-type"), headers=headers
+        upstream.body, media_type=upstream.headers.get("content-type"), headers=headers
     )
 
 
