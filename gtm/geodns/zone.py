@@ -98,6 +98,25 @@ class ZoneData:
     # Names that exist in the zone only because longer names do (empty non-terminals).
     interior: frozenset[str] = field(default_factory=frozenset)
 
+    def types_at(self, name: str) -> frozenset[int]:
+        """The record types that can exist at ``name`` (lower case, no trailing dot): what a
+        denial of existence for another type there must list (RFC 4034 §4.1.2). A service
+        name lists A and AAAA whichever regions answer it: a decision for another client can
+        give either. Empty for a name that does not exist (and for empty non-terminals)."""
+        if name == self.apex:
+            return _APEX_TYPES
+        if name in self.services:
+            return _SERVICE_TYPES
+        glue = self.glue.get(name)
+        if glue is not None:
+            v4, v6 = glue
+            return frozenset(([Qtype.A] if v4 else []) + ([Qtype.AAAA] if v6 else []))
+        return frozenset()
+
+
+_APEX_TYPES = frozenset({Qtype.SOA, Qtype.NS})
+_SERVICE_TYPES = frozenset({Qtype.A, Qtype.AAAA})
+
 
 _ZONES: dict[str, ZoneData] = {}
 
