@@ -167,12 +167,15 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
         return Decision(*head, location, net, 0, snapshot.versions, basis)
 
     # 5. Re-admission, then capacity / spillover, per client network.
+    # While a share splits clients by network (re-admission or spillover of the chosen
+    # region), every answer's scope is the client network, the ones kept as well as the ones
+    # moved: another network under the same GeoIP network may be on the other side.
     chosen = plan.healthy[0]
     health = snapshot.health.get(chosen.id)
+    readmitting = health is not None and health.admitted < 1.0 and len(plan.healthy) > 1
     if (
-        health is not None
-        and health.admitted < 1.0
-        and len(plan.healthy) > 1
+        readmitting
+        and health is not None
         # The highest points come back first: the spill share (below) sheds the lowest, so a
         # region that spills while it ramps up does not send away the clients just readmitted.
         and spill_point(net, chosen.id) <= 1.0 - health.admitted
@@ -182,14 +185,17 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
         return Decision(*held, location, net, scope, snapshot.versions, basis)
     spill = snapshot.topology.routing.spillover
     cap = snapshot.capacity.get(chosen.id)
+    sharing = (
+        cap is not None and cap.spilling and now - cap.reported_at <= spill.stale_after_s
+    )
     if (
         cap is None
-        or not cap.spilling
-        or now - cap.reported_at > spill.stale_after_s
+        or not sharing
         or spill_point(net, chosen.id)
         >= spill_share(cap.utilisation, spill.low_watermark, spill.max_share)
     ):
-        scope = _scope(location, net, ecs, plan.location_dependent, spilled=False)
+        split = readmitting or sharing
+        scope = _scope(location, net, ecs, plan.location_dependent, spilled=split)
         return Decision(*head, location, net, scope, snapshot.versions, basis)
 
     spilled = _spilled_head(plan, cap.utilisation, snapshot, now)

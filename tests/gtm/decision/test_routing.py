@@ -192,6 +192,10 @@ def test_spillover_moves_the_computed_share_to_a_region_with_headroom(snapshot: 
         assert d.scope_prefix == 24
     for net in stayed:
         assert by_region(decisions[net])["eu-central"].reason is Reason.NEAREST
+        # Kept, but only as far as its own /24: the GeoIP network it is in (100.72.0.0/13
+        # and the like) also holds spilled /24s, so a wider ECS scope would let a resolver
+        # give this answer to them.
+        assert decisions[net].scope_prefix == 24
 
     # Stable: the same networks spill on every call while the snapshot is unchanged...
     assert {n for n, d in spread(snap).items() if d.region == "eu-west"} == spilled
@@ -421,6 +425,8 @@ def test_a_recovering_region_takes_back_a_growing_share_of_its_clients(snapshot:
                 assert d.region == "eu-west" and d.ttl == 10 and d.scope_prefix == 24
                 assert by_region(d)["eu-central"].reason is Reason.READMITTING
                 assert by_region(d)["eu-west"].reason is Reason.READMIT_HOLD
+            elif 0.0 < admitted < 1.0:
+                assert d.scope_prefix == 24  # back, but its GeoIP network is split
     assert shares[0] == 0.0 and shares[-1] == 1.0
     for admitted, share in zip((0.25, 0.5, 0.75), shares[1:4], strict=True):
         assert share == pytest.approx(admitted, abs=0.08)
