@@ -52,6 +52,11 @@ AUDIT_VERIFIED_THROUGH = Gauge(
     "Unix time of the newest signed checkpoint through which every chain verified (scheduled "
     "verification, on nodes serving the admin API)",
 )
+AUDIT_FULL_VERIFIED_AT = Gauge(
+    "gtm_audit_full_verified_at_seconds",
+    "Unix time the last scheduled verification that read every chain from its start began, "
+    "of those that found no break (GTM_AUDIT_VERIFY_FULL_EVERY_S)",
+)
 AUDIT_VERIFY_FAILURES = Counter(
     "gtm_audit_verify_failures",
     "Scheduled verification passes that found a break, or could not run",

@@ -12,8 +12,11 @@ signs checkpoints any more, which is what the "no checkpoint for N minutes" aler
 
 A pass runs in a thread of its own with its own event loop and database connection, at a lower
 CPU priority: hashing every row is CPU work, and the node's loop answers queries meanwhile.
-A full ``gtm audit verify`` (every row from the start) remains the auditor's check; a pass
-here does not re-read rows a previous pass verified.
+A row edited after a pass verified it sits behind where the next pass starts, so resuming
+alone would never see it. So every ``GTM_AUDIT_VERIFY_FULL_EVERY_S`` (6 hours by default; 0:
+every pass) a pass reads every chain from its start again, and ``gtm_audit_full_verified_at``
+says when one last succeeded: an edit behind the resume points is found within that period. A
+full ``gtm audit verify`` remains the auditor's own check.
 
 The outcome of the latest pass is also kept in memory (:attr:`VerificationWatch.last_pass`), which
 the admin API shows (``GET /v1/audit/chains``): the admin process runs the watch, so it needs no
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gtm import metrics
-from gtm.audit.checkpoints import Checkpoint, DirectorySink
+from gtm.audit.checkpoints import Checkpoint, CheckpointSink
 from gtm.audit.database import make_async_engine
 from gtm.audit.record import ChainBreak
 from gtm.audit.verify import Verification, verify
@@ -53,6 +56,7 @@ class PassRecord:
     finished_at: float
     ok: bool  # ran, and every chain verified
     rows: int = 0  # decision rows read (a later pass reads only what came after the last)
+    full: bool = False  # read every chain from its start (see full_every_s)
     chains: int = 0
     breaks: tuple[ChainBreak, ...] = ()  # the first of them
     break_count: int = 0
@@ -66,7 +70,7 @@ class PassRecord:
 @dataclass
 class VerificationWatch:
     database_url: str
-    sink: DirectorySink
+    sink: CheckpointSink
     clock: Callable[[], float] = time.time
     # chain -> the newest checkpoint a pass matched: where the next pass starts it
     starts: dict[str, Checkpoint] = field(default_factory=dict)
@@ -76,13 +80,22 @@ class VerificationWatch:
     last_pass: PassRecord | None = None
     verified_through: float | None = None  # gtm_audit_verified_through_seconds
     interval_s: float | None = None  # while :meth:`run` runs
+    # A pass from the start of every chain this often (0: every pass), and when one last ran
+    # through clean.
+    full_every_s: float = 6 * 3600.0
+    full_at: float | None = None
 
     halt: threading.Event = field(default_factory=threading.Event)
 
-    async def _verify(self) -> Verification:
+    def full_due(self) -> bool:
+        """Whether the next pass reads every chain from its start (see the module docstring):
+        none has run clean yet, or the last one is ``full_every_s`` old."""
+        return self.full_at is None or self.clock() - self.full_at >= self.full_every_s
+
+    async def _verify(self, start: dict[str, Checkpoint]) -> Verification:
         engine = make_async_engine(self.database_url)
         try:
-            task = asyncio.create_task(verify(engine, self.sink, start=dict(self.starts)))
+            task = asyncio.create_task(verify(engine, self.sink, start=start))
             # A node stopping must not wait for a long pass: it sets ``halt``.
             while not task.done():
                 await asyncio.wait({task}, timeout=0.1)
@@ -92,21 +105,23 @@ class VerificationWatch:
         finally:
             await engine.dispose()
 
-    def _in_thread(self) -> Verification:
+    def _in_thread(self, start: dict[str, Checkpoint]) -> Verification:
         run_in_background()
-        return asyncio.run(self._verify())
+        return asyncio.run(self._verify(start))
 
     async def once(self) -> Verification:
         """One pass; updates the metrics, the start points and :attr:`last_pass`."""
         started = self.clock()
+        full = self.full_due()
+        start = {} if full else dict(self.starts)
         try:
-            result = await asyncio.to_thread(self._in_thread)
+            result = await asyncio.to_thread(self._in_thread, start)
         except asyncio.CancelledError:
             self.halt.set()
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            self.last_pass = PassRecord(started, self.clock(), ok=False, error=error)
+            self.last_pass = PassRecord(started, self.clock(), ok=False, full=full, error=error)
             raise
         self.passes += 1
         self.last = result
@@ -114,7 +129,7 @@ class VerificationWatch:
         metrics.AUDIT_VERIFY_PASSES.inc()
         if result.breaks:
             self.failures += 1
-            self.last_pass = self._record(started, result)
+            self.last_pass = self._record(started, result, full)
             metrics.AUDIT_VERIFY_FAILURES.inc()
             for b in result.breaks:
                 log.error("audit.verify_break", chain=b.node, seq=b.node_seq, problem=b.problem)
@@ -125,9 +140,13 @@ class VerificationWatch:
         if result.newest_at is not None:
             self.verified_through = result.newest_at
             metrics.AUDIT_VERIFIED_THROUGH.set(result.newest_at)
-        self.last_pass = self._record(started, result)
+        if full:
+            self.full_at = started
+            metrics.AUDIT_FULL_VERIFIED_AT.set(started)
+        self.last_pass = self._record(started, result, full)
         log.info(
             "audit.verified",
+            full=full,
             rows=result.rows,
             chains=len(result.chains),
             through=result.newest_at,
@@ -135,11 +154,12 @@ class VerificationWatch:
         )
         return result
 
-    def _record(self, started: float, result: Verification) -> PassRecord:
+    def _record(self, started: float, result: Verification, full: bool) -> PassRecord:
         return PassRecord(
             started_at=started,
             finished_at=self.clock(),
             ok=not result.breaks,
+            full=full,
             rows=result.rows,
             chains=len(result.chains),
             breaks=tuple(result.breaks[:_KEPT_BREAKS]),

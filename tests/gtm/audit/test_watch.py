@@ -150,6 +150,41 @@ async def test_a_pass_sees_a_tail_cut_back_behind_where_it_resumes(
     await a.anchor.stop()
 
 
+async def test_an_edit_behind_the_resume_points_is_found_by_the_next_full_pass(
+    database_url: str, engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    """A row edited after a pass verified it is behind where the next passes start: they do
+    not see it. The periodic pass from every chain's start does, and only a clean full pass
+    moves gtm_audit_full_verified_at_seconds."""
+    store = Store(engine, DirectorySink(tmp_path / "checkpoints"), tmp_path)
+    a = await store.node("node-a")
+    await _round(a, snapshot, 0)
+    await _round(a, snapshot, 1)
+    clock = [10_000.0]
+    watch = VerificationWatch(database_url, store.sink, clock=lambda: clock[0], full_every_s=3600)
+    first = await watch.once()
+    assert first.breaks == [] and first.rows == 6
+    assert watch.last_pass is not None and watch.last_pass.full and watch.full_at == 10_000.0
+    assert _metric("gtm_audit_full_verified_at_seconds") == 10_000.0
+    await _edit_row(engine, "node-a", 2)  # verified already: behind the resume point (seq 6)
+    await _round(a, snapshot, 2)
+    clock[0] += 60
+    resumed = await watch.once()
+    assert resumed.breaks == [] and resumed.rows == 3  # only what came after: blind to row 2
+    assert watch.last_pass is not None and not watch.last_pass.full
+    clock[0] += 3600
+    full = await watch.once()
+    assert [(b.node, b.node_seq) for b in full.breaks] == [("node-a", 2)]
+    assert watch.last_pass is not None and watch.last_pass.full and not watch.last_pass.ok
+    assert watch.full_at == 10_000.0  # a failed full pass is not a verification
+    assert _metric("gtm_audit_full_verified_at_seconds") == 10_000.0
+    # Until someone looks, every pass is a full one (none has run clean since).
+    clock[0] += 60
+    assert watch.full_due()
+    await a.writer.stop()
+    await a.anchor.stop()
+
+
 async def test_an_idle_chain_is_signed_again_after_the_heartbeat(
     engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
 ) -> None:
