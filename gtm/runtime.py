@@ -23,7 +23,7 @@ from gtm import metrics
 from gtm.answer_labels import AnswersByJurisdiction
 from gtm.audit import migrate
 from gtm.audit.anchor import Anchor, read_store_id
-from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.checkpoints import open_sink
 from gtm.audit.database import make_async_engine
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
@@ -105,14 +105,18 @@ class Runtime:
             self.spool,
             flush_interval=settings.audit_flush_interval_s,
             max_pending=settings.audit_max_pending,
+            journal_interval=settings.audit_journal_interval_s,
             spool_max_bytes=settings.audit_spool_max_bytes,
             on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
         )
+        # The sink outside the database: a directory, or a write-once bucket (ConfigError here
+        # for loose credentials, and at start for a bucket without Object Lock).
+        self.checkpoint_sink = open_sink(settings)
         self.anchor = Anchor(
             self.engine,
             self.writer,
             self.spool,
-            DirectorySink(settings.checkpoint_dir),
+            self.checkpoint_sink,
             interval_s=settings.audit_checkpoint_interval_s,
         )
         self._tasks: list[asyncio.Task[None]] = []

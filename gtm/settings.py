@@ -45,6 +45,13 @@ class Settings(BaseSettings):
     dns_cache_budget_mb: float = Field(default=64.0, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
+    # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
+    # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
+    # in the DNSKEY RRset for a rollover. A configured file that is missing, loose or malformed
+    # stops the start: a signed zone is never served unsigned.
+    dnssec_key_file: Path | None = None
+    dnssec_publish_key_files: tuple[Path, ...] = ()
+    dnssec_signature_validity_s: int = Field(default=7 * 86400, ge=86400, le=90 * 86400)
     # Worker processes sharing the DNS and HTTP ports (SO_REUSEPORT), each with its own caches
     # and audit chain ("NODE/wN"); 1 answers in the main process.
     workers: int = Field(default=1, ge=1, le=64)
@@ -58,16 +65,32 @@ class Settings(BaseSettings):
     observer_id: str | None = Field(default=None, max_length=64)
     spool_dir: Path = Path("var/spool")
     audit_flush_interval_s: float = Field(default=1.0, gt=0)
+    # The tally journal (gtm.audit.journal): between seals, the answers counted are appended
+    # to a file in the spool directory this often, so a kill -9 loses about this long of
+    # answers instead of a flush interval's (0: off; a journal left behind is still replayed).
+    audit_journal_interval_s: float = Field(default=0.1, ge=0)
     # Evidence outside the database (gtm.audit.checkpoints): each chain's Ed25519 key (made on
     # first start, 0600; unset: audit-signing.key in the spool directory), the sink its signed
-    # checkpoints go to (a directory; production: a write-once store mounted or synced there),
+    # checkpoints go to (a directory; in production the write-once bucket below),
     # and how often a chain that moved is checkpointed (also at start and shutdown).
     audit_signing_key: Path | None = None
     audit_checkpoint_dir: Path | None = None  # unset: "checkpoints" beside the spool directory
+    # The production sink (gtm.audit.checkpoint_bucket): "s3://BUCKET/PREFIX" of an
+    # S3-compatible bucket with Object Lock; when set it replaces the directory. Each checkpoint
+    # is kept in COMPLIANCE mode for the retention days. Credentials only from the environment
+    # (AWS_ACCESS_KEY_ID, ..., or a role) or a credentials file of mode 0600, never from here.
+    audit_checkpoint_url: str | None = Field(default=None, pattern=r"^s3://[^/\s]+(/\S*)?$")
+    audit_checkpoint_endpoint_url: str | None = Field(default=None, pattern=r"^https?://")
+    audit_checkpoint_region: str | None = None
+    audit_checkpoint_retention_days: int = Field(default=2555, ge=1, le=36_500)
+    audit_checkpoint_credentials_file: Path | None = None
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
     audit_max_pending: int = Field(default=10_000, gt=0)
     # Scheduled verification on nodes serving the admin API (gtm.audit.watch); 0: off.
     audit_verify_interval_s: float = Field(default=60.0, ge=0)
+    # ...and one of its passes reads every chain from the start this often (0: every pass),
+    # so an edit behind where the passes resume is found within this period.
+    audit_verify_full_every_s: float = Field(default=6 * 3600.0, ge=0)
     # Above this the spool raises gtm_audit_spool_over_cap (and logs an error at every flush):
     # rows are never dropped, so this is the alarm before the disk fills.
     audit_spool_max_bytes: int = Field(default=1 << 30, gt=0)
@@ -88,6 +111,13 @@ class Settings(BaseSettings):
     http_max_connections: int = Field(default=10_000, gt=0)
     http_max_connections_per_client: int = Field(default=512, ge=0)
     http_header_timeout_s: float = Field(default=10.0, gt=0)
+    # A request body must keep coming: cut after this long without a byte of it, or when it
+    # averages less than http_body_min_rate bytes/s after this long (0: whole within it); the
+    # application answers 408, or the connection is closed if the request was answered.
+    http_body_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_min_rate: float = Field(default=1024.0, ge=0)
+    # An idle kept-alive connection (between requests) is closed after this long.
+    http_keep_alive_s: float = Field(default=5.0, gt=0)
     # HTTP front over TLS: a PEM certificate chain and its key (mode 0600 or stricter), both or
     # neither; reloaded when either file changes (gtm.front.tls).
     http_tls_cert: Path | None = None
@@ -181,6 +211,14 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> Settings:
         if (self.http_tls_cert is None) != (self.http_tls_key is None):
             raise ValueError("http_tls_cert and http_tls_key go together: set both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _dnssec_active_key(self) -> Settings:
+        if self.dnssec_publish_key_files and self.dnssec_key_file is None:
+            raise ValueError(
+                "dnssec_publish_key_files needs dnssec_key_file: a published key does not sign"
+            )
         return self
 
     @model_validator(mode="after")

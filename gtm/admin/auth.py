@@ -27,6 +27,7 @@ from gtm.admin.seals import Sealer
 from gtm.admin.signer import Signer
 from gtm.admin.tokens import parse_token
 from gtm.admin.traces import PRINCIPAL_STATE
+from gtm.audit.checkpoints import CheckpointSink
 from gtm.decision.snapshot import Snapshot
 from gtm.metrics import ADMIN_AUTH_FAILURES
 
@@ -54,6 +55,8 @@ class AdminContext:
     live_within_s: float = 5.0
     # The audit checkpoints' sink outside the database (the compliance report verifies with it).
     checkpoints: Path | None = None
+    # The sink itself when it is not that directory (a bucket: gtm.audit.checkpoint_bucket).
+    checkpoint_sink: CheckpointSink | None = None
     # OIDC access tokens are accepted when an issuer is configured.
     oidc: OidcVerifier | None = None
     # The console's session cookie key (None: one per process) and its idle timeout.

@@ -21,7 +21,6 @@ from gtm.admin.console.oidc_signin import ConsoleOidc
 from gtm.admin.oidc import OidcVerifier
 from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
-from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.watch import VerificationWatch
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
@@ -57,6 +56,7 @@ def context_for(runtime: Runtime) -> AdminContext:
         live_within_s=max(5.0, 4 * settings.state_sync_interval_s),
         oidc=None if oidc_config is None else OidcVerifier(oidc_config),
         checkpoints=settings.checkpoint_dir,
+        checkpoint_sink=runtime.checkpoint_sink,
         console_key_file=settings.console_session_key_file,
         console_idle_s=settings.console_idle_timeout_s,
         console_oidc=console_oidc(settings),
@@ -136,7 +136,11 @@ async def serve_admin(
     background = [scheduled]
     settings = runtime.settings
     if settings.audit_verify_interval_s > 0:
-        watch = VerificationWatch(settings.database_url, DirectorySink(settings.checkpoint_dir))
+        watch = VerificationWatch(
+            settings.database_url,
+            runtime.checkpoint_sink,
+            full_every_s=settings.audit_verify_full_every_s,
+        )
         # GET /v1/audit/chains shows this node's latest pass (kept in memory, not in a table).
         app.state.audit_watch = watch
         background.append(asyncio.ensure_future(watch.run(stop, settings.audit_verify_interval_s)))

@@ -14,9 +14,10 @@ uncleanly says so when it starts again: answers counted after its last flush wer
 ``cut`` (retention removed the chain's rows through ``seq``: :mod:`gtm.audit.retention`).
 
 The sink here is a directory (one append-only file per chain and key, and the public keys);
-in production it is a write-once object store behind the same two methods. Every line is
-checked when read; one that does not parse or verify is reported with its file and line,
-never skipped.
+in production it is a write-once object store behind the same methods
+(:mod:`gtm.audit.checkpoint_bucket`, chosen by ``GTM_AUDIT_CHECKPOINT_URL``: :func:`open_sink`).
+Every line is checked when read; one that does not parse or verify is reported with its file and
+line, never skipped.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import orjson
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from gtm.audit.keys import ChainKey, key_id, load_public, public_pem
+
+if TYPE_CHECKING:
+    from gtm.settings import Settings
 
 Kind = Literal["open", "checkpoint", "gap", "cut"]
 EVENTS_CHAIN = "region_events"  # the fleet-wide event chain's id in checkpoints
@@ -105,6 +109,34 @@ class Sink(Protocol):
     def append(self, signed: Signed) -> None: ...
 
 
+class CheckpointSink(Sink, Protocol):
+    """A sink that is also read back: what verification, retention and the evidence status
+    take (:class:`DirectorySink`, :class:`gtm.audit.checkpoint_bucket.BucketSink`)."""
+
+    @property
+    def location(self) -> str:
+        """Where it is, for people (a directory, an ``s3://`` URL)."""
+        ...
+
+    def keys(self) -> dict[str, Ed25519PublicKey]: ...
+
+    def read(self) -> Iterator[tuple[str, bytes] | BadCheckpoint]:
+        """Every checkpoint's bytes with its location, and a :class:`BadCheckpoint` for
+        anything in the sink that must not be there."""
+        ...
+
+
+def open_sink(settings: Settings, where: str | Path | None = None) -> CheckpointSink:
+    """The sink ``where`` names (a directory, or ``s3://BUCKET/PREFIX``), else the settings'
+    (``GTM_AUDIT_CHECKPOINT_URL`` when set, else ``GTM_AUDIT_CHECKPOINT_DIR``)."""
+    url = settings.audit_checkpoint_url if where is None else str(where)
+    if url is not None and url.startswith("s3://"):
+        from gtm.audit.checkpoint_bucket import BucketSink  # boto3 only where it is used
+
+        return BucketSink.from_settings(settings, url)
+    return DirectorySink(settings.checkpoint_dir if where is None else Path(where))
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
@@ -115,6 +147,10 @@ class DirectorySink:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+
+    @property
+    def location(self) -> str:
+        return str(self.directory)
 
     def publish_key(self, key: ChainKey) -> None:
         keys = self.directory / "keys"
@@ -163,10 +199,12 @@ __all__ = [
     "EVENTS_CHAIN",
     "BadCheckpoint",
     "Checkpoint",
+    "CheckpointSink",
     "DirectorySink",
     "Signed",
     "Sink",
     "check",
+    "open_sink",
     "parse",
     "sign",
 ]

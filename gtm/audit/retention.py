@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import partitions
 from gtm.audit.anchor import insert_checkpoint
-from gtm.audit.checkpoints import Checkpoint, DirectorySink, sign
+from gtm.audit.checkpoints import Checkpoint, CheckpointSink, sign
 from gtm.audit.keys import ChainKey
 from gtm.audit.query import distinct
 from gtm.audit.schema import decisions
@@ -59,7 +59,7 @@ class Retained:
     deleted: int = 0  # rows deleted one by one
 
 
-def _newest_cuts(sink: DirectorySink, store: str) -> dict[str, tuple[int, int]]:
+def _newest_cuts(sink: CheckpointSink, store: str) -> dict[str, tuple[int, int]]:
     """Each chain's newest cut (sequence, answers through it), from the sink's trusted
     checkpoints (the database's copy could be edited, and the next cut would then count
     wrongly)."""
@@ -77,7 +77,7 @@ async def _cut(
     before_us: int,
     previous: tuple[int, int],
     key: ChainKey,
-    sink: DirectorySink,
+    sink: CheckpointSink,
     store: str,
     now: float,
 ) -> Cut | None:
@@ -154,7 +154,7 @@ async def retain(
     before_us: int,
     *,
     key: ChainKey,
-    sink: DirectorySink,
+    sink: CheckpointSink,
     store: str,
     clock: float | None = None,
 ) -> Retained:

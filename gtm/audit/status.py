@@ -14,6 +14,9 @@ request costs the lines written since the last one and memory does not grow with
 line that does not parse or verify is listed with its file and line; a chain file that shrank or
 vanished (the sink is append-only) is listed too, and the index is rebuilt from what is left.
 
+A bucket sink (:mod:`gtm.audit.checkpoint_bucket`) is read the same way: each chain's folder
+from the last object read there (its keys list in the order they were written).
+
 A checkpoint in the database but not in the sink is shown as such: a node writes the sink first,
 so such a row was written by someone else, or by a node whose sink is not this one.
 """
@@ -22,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy import Row, func, select
@@ -36,6 +39,7 @@ from gtm.audit.checkpoints import (
     EVENTS_CHAIN,
     BadCheckpoint,
     Checkpoint,
+    CheckpointSink,
     DirectorySink,
     Signed,
     check,
@@ -76,11 +80,16 @@ def _later(a: Checkpoint, b: Checkpoint) -> bool:
     return (a.seq, round(a.at * 1e6)) > (b.seq, round(b.at * 1e6))
 
 
+@runtime_checkable
+class _ReadsNew(Protocol):
+    def read_new(self, after: MutableMapping[str, str]) -> Iterator[tuple[str, bytes]]: ...
+
+
 class SinkIndex:
     """The sink's checkpoints of every chain, read incrementally (see the module docstring).
     Blocking file I/O: call :meth:`refresh` in a thread; it is safe to call from several."""
 
-    def __init__(self, sink: DirectorySink) -> None:
+    def __init__(self, sink: CheckpointSink) -> None:
         self.sink = sink
         self._lock = threading.Lock()
         self._reset()
@@ -89,6 +98,7 @@ class SinkIndex:
 
     def _reset(self) -> None:
         self._offsets: dict[Path, tuple[int, int]] = {}  # file -> (bytes read, lines read)
+        self._after: dict[str, str] = {}  # a bucket's chain folder -> the last key read
         self._keys: dict[str, Ed25519PublicKey] = {}
         self.chains: dict[tuple[str, str], _Seen] = {}  # (store, chain) -> what the sink holds
 
@@ -103,6 +113,11 @@ class SinkIndex:
 
     def refresh(self) -> None:
         with self._lock:
+            if not isinstance(self.sink, DirectorySink):
+                if isinstance(self.sink, _ReadsNew):
+                    for location, line in self.sink.read_new(self._after):
+                        self._line(line, location)
+                return
             files = sorted((self.sink.directory / "chains").glob("*.jsonl"))
             gone = [p for p in self._offsets if p not in files]
             shrunk = [p for p in files if p in self._offsets and _size(p) < self._offsets[p][0]]
@@ -189,7 +204,7 @@ class ChainStatus:
 @dataclass
 class EvidenceStatus:
     store: str | None
-    sink: Path
+    sink: str  # where the sink is (a directory, an s3:// URL)
     sink_checkpoints: int
     sink_keys: int
     problems: list[BadCheckpoint]  # the first of them
@@ -336,7 +351,7 @@ async def evidence_status(engine: AsyncEngine, index: SinkIndex) -> EvidenceStat
     chains = sorted(set(seen) | set(db_newest) | set(db_marks) | set(heads))
     return EvidenceStatus(
         store=store,
-        sink=index.sink.directory,
+        sink=index.sink.location,
         sink_checkpoints=sum(s.count for s in seen.values()),
         sink_keys=index.keys,
         problems=list(index.problems),

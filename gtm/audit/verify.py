@@ -46,7 +46,7 @@ from gtm.audit.checkpoints import (
     EVENTS_CHAIN,
     BadCheckpoint,
     Checkpoint,
-    DirectorySink,
+    CheckpointSink,
     Signed,
     check,
     parse,
@@ -95,14 +95,19 @@ class Verification:
 
 
 def read_checkpoints(
-    sink: DirectorySink, store: str | None
+    sink: CheckpointSink, store: str | None
 ) -> tuple[list[tuple[Signed, str]], list[BadCheckpoint]]:
     """The sink's checkpoints of ``store`` whose signatures verify with its published keys,
-    each with its location; and every line that does not."""
+    each with its location; and every line that does not (and whatever else the sink says
+    must not be there)."""
     keys = sink.keys()
     good: list[tuple[Signed, str]] = []
     bad: list[BadCheckpoint] = []
-    for location, line in sink.read():
+    for item in sink.read():
+        if isinstance(item, BadCheckpoint):
+            bad.append(item)
+            continue
+        location, line = item
         try:
             signed = parse(line, location)
             check(signed, keys, location)
@@ -360,7 +365,7 @@ def starts_at(checkpoints: Iterable[tuple[Signed, str]], since: float) -> dict[s
 
 async def verify(
     engine: AsyncEngine,
-    sink: DirectorySink,
+    sink: CheckpointSink,
     *,
     start: Mapping[str, Checkpoint] | None = None,
     since: float | None = None,

@@ -15,14 +15,14 @@ import typer
 from sqlalchemy import func, select
 
 from gtm.audit import query
-from gtm.audit.checkpoints import EVENTS_CHAIN, DirectorySink
+from gtm.audit.checkpoints import EVENTS_CHAIN
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.retention import Retained, retain
 from gtm.audit.schema import decisions
 from gtm.audit.verify import Verification, verify
-from gtm.cli.common import DbOpt, cli_settings, run_async
+from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_async, run_with_sink
 
 audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True)
 
@@ -186,10 +186,11 @@ def audit_show(
 def audit_verify(
     database_url: DbOpt = None,
     checkpoints: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--checkpoints",
-            help="the checkpoint sink (keys/ and chains/); default: GTM_AUDIT_CHECKPOINT_DIR",
+            help="the checkpoint sink: a directory (keys/ and chains/) or s3://BUCKET/PREFIX; "
+            "default: GTM_AUDIT_CHECKPOINT_URL, else GTM_AUDIT_CHECKPOINT_DIR",
         ),
     ] = None,
     since: Annotated[
@@ -203,7 +204,7 @@ def audit_verify(
     """Check every decision chain and the region events' chain against their links and the
     signed checkpoints outside the database; exit 1 at any break, each listed with where."""
     settings = cli_settings(database_url=database_url)
-    sink = DirectorySink(checkpoints or settings.checkpoint_dir)
+    sink = checkpoint_sink(settings, checkpoints)
     since_us = _time_us(since)
 
     async def main() -> Verification:
@@ -213,7 +214,7 @@ def audit_verify(
         finally:
             await engine.dispose()
 
-    result = run_async(main)
+    result = run_with_sink(main)
     for b in result.breaks:
         typer.echo(f"BROKEN {b.node}#{b.node_seq}: {b.problem}")
     for gap in result.gaps:
@@ -232,7 +233,7 @@ def audit_verify(
     typer.echo(
         f"{result.rows} decision row(s) and {events.rows if events else 0} region event(s) "
         f"checked in {len(result.chains)} chain(s) against {result.checkpoints} checkpoint(s) "
-        f"from {sink.directory}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s)"
+        f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s)"
     )
     if result.breaks:
         raise typer.Exit(1)
@@ -242,7 +243,9 @@ def audit_verify(
 def audit_retain(
     before: Annotated[str, typer.Option("--before", help="ISO 8601: rows that ended before")],
     yes: Annotated[bool, typer.Option("--yes", help="do it (without: say what would go)")] = False,
-    checkpoints: Annotated[Path | None, typer.Option("--checkpoints")] = None,
+    checkpoints: Annotated[
+        str | None, typer.Option("--checkpoints", help="a directory or s3://BUCKET/PREFIX")
+    ] = None,
     key: Annotated[
         Path | None, typer.Option("--key", help="signing key; default: this node's audit key")
     ] = None,
@@ -254,7 +257,7 @@ def audit_retain(
     settings = cli_settings(database_url=database_url)
     before_us = _time_us(before)
     assert before_us is not None
-    sink = DirectorySink(checkpoints or settings.checkpoint_dir)
+    sink = checkpoint_sink(settings, checkpoints)
     chain_key = load_or_create(key or settings.audit_signing_key or settings.spool_dir / KEY_NAME)
 
     async def main() -> Retained | None:
@@ -285,7 +288,7 @@ def audit_retain(
         finally:
             await engine.dispose()
 
-    retained = run_async(main)
+    retained = run_with_sink(main)
     if retained is None:
         return
     for cut in retained.cuts:

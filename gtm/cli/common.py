@@ -9,6 +9,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from gtm.audit.checkpoints import CheckpointSink, open_sink
 from gtm.errors import ConfigError, GTMError
 from gtm.logs import configure as configure_logs
 from gtm.settings import Settings, load_settings
@@ -49,3 +50,25 @@ def run_async(coro: Callable[[], Awaitable[T]]) -> T:
         return await coro()
 
     return asyncio.run(main())
+
+
+def checkpoint_sink(settings: Settings, where: str | None) -> CheckpointSink:
+    """The checkpoint sink a command reads (``where``: a directory or ``s3://BUCKET/PREFIX``;
+    None: the settings'); exit 2 with every problem when it cannot be used (loose credentials,
+    say)."""
+    try:
+        return open_sink(settings, where)
+    except ConfigError as exc:
+        raise fail(exc) from exc
+
+
+def run_with_sink(coro: Callable[[], Awaitable[T]]) -> T:
+    """:func:`run_async` for a command that reads or writes the checkpoint sink: a sink that
+    refuses (a bucket without Object Lock) or cannot be reached is an error, exit 2."""
+    try:
+        return run_async(coro)
+    except ConfigError as exc:
+        raise fail(exc) from exc
+    except OSError as exc:
+        typer.echo(f"error: the checkpoint sink: {exc}", err=True)
+        raise typer.Exit(2) from exc

@@ -10,9 +10,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.database import make_async_engine
-from gtm.cli.common import DbOpt, cli_settings, run_async
+from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_with_sink
 from gtm.decision.policy import policy_files
 from gtm.report.compliance import Compliance, compliance_report
 from gtm.report.html import render
@@ -42,7 +41,9 @@ def compliance(
     until: Annotated[str | None, typer.Option("--to", help="ISO 8601; default: now")] = None,
     fmt: Annotated[Literal["html", "json"], typer.Option("--format")] = "html",
     output: Annotated[Path | None, typer.Option("-o", "--output")] = None,
-    checkpoints: Annotated[Path | None, typer.Option("--checkpoints")] = None,
+    checkpoints: Annotated[
+        str | None, typer.Option("--checkpoints", help="a directory or s3://BUCKET/PREFIX")
+    ] = None,
     database_url: DbOpt = None,
 ) -> None:
     """Answers per jurisdiction, class and service; answers outside the allowed regions,
@@ -55,6 +56,7 @@ def compliance(
         typer.echo("error: --to must be after --from", err=True)
         raise typer.Exit(2)
     settings = cli_settings(database_url=database_url)
+    sink = checkpoint_sink(settings, checkpoints)
     own = (
         settings.config.read_text(encoding="utf-8"),
         {p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)},
@@ -67,13 +69,13 @@ def compliance(
                 engine,
                 from_us,
                 to_us,
-                sink=DirectorySink(checkpoints or settings.checkpoint_dir),
+                sink=sink,
                 own_documents=[own],
             )
         finally:
             await engine.dispose()
 
-    report = run_async(main)
+    report = run_with_sink(main)
     text = render(report) if fmt == "html" else json.dumps(report.to_json(), indent=2)
     if output is None:
         typer.echo(text)

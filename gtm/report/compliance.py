@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm.audit.checkpoints import DirectorySink
+from gtm.audit.checkpoints import CheckpointSink
 from gtm.audit.schema import (
     approvals,
     decisions,
@@ -233,7 +233,7 @@ async def compliance_report(
     from_us: int,
     to_us: int,
     *,
-    sink: DirectorySink,
+    sink: CheckpointSink,
     own_documents: Iterable[tuple[str, Mapping[str, str]]] = (),
 ) -> Compliance:
     verification = await verify(engine, sink)

@@ -17,12 +17,12 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from gtm.admin import versions
-from gtm.admin.auth import Ctx, require
+from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
-from gtm.audit.checkpoints import Checkpoint, DirectorySink
+from gtm.audit.checkpoints import Checkpoint, CheckpointSink, DirectorySink
 from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.schema import document_versions
 from gtm.audit.status import ChainStatus, Held, SinkIndex, evidence_status
@@ -221,7 +221,7 @@ async def compliance(
         ctx.engine,
         round(since * 1e6),
         round(until * 1e6),
-        sink=DirectorySink(ctx.checkpoints or Path("checkpoints")),
+        sink=_sink(ctx),
         own_documents=[] if ctx.files is None else [ctx.files],
     )
     if format == "html":
@@ -293,6 +293,7 @@ class PassOut(BaseModel):
     gaps: int
     cuts: int
     unanchored: int
+    full: bool  # read every chain from its start, not from where the last pass ended
     error: str | None  # the pass could not run (the database away, the sink unreadable)
 
 
@@ -303,6 +304,8 @@ class VerificationOut(BaseModel):
     passes: int
     failures: int  # passes that found a break
     verified_through: float | None  # gtm_audit_verified_through_seconds
+    full_every_s: float | None  # a pass from every chain's start this often (0: every pass)
+    full_at: float | None  # when the last such pass that found no break began
     last_pass: PassOut | None  # null until the first pass ends (it starts with the node)
 
 
@@ -326,7 +329,7 @@ def _verification(node: str, watch: VerificationWatch | None) -> VerificationOut
     if watch is None:
         return VerificationOut(
             node=node, scheduled=False, interval_s=None, passes=0, failures=0,
-            verified_through=None, last_pass=None,
+            verified_through=None, full_every_s=None, full_at=None, last_pass=None,
         )  # fmt: skip
     last = watch.last_pass
     return VerificationOut(
@@ -336,11 +339,13 @@ def _verification(node: str, watch: VerificationWatch | None) -> VerificationOut
         passes=watch.passes,
         failures=watch.failures,
         verified_through=watch.verified_through,
+        full_every_s=watch.full_every_s,
+        full_at=watch.full_at,
         last_pass=None
         if last is None
         else PassOut(
             started_at=last.started_at, finished_at=last.finished_at, ok=last.ok,
-            rows=last.rows, chains=last.chains,
+            rows=last.rows, chains=last.chains, full=last.full,
             breaks=[BreakOut(chain=b.node, seq=b.node_seq, problem=b.problem)
                     for b in last.breaks],
             break_count=last.break_count, gaps=last.gaps, cuts=last.cuts,
@@ -349,11 +354,17 @@ def _verification(node: str, watch: VerificationWatch | None) -> VerificationOut
     )  # fmt: skip
 
 
-def _sink_index(request: Request, directory: Path) -> SinkIndex:
+def _sink(ctx: AdminContext) -> CheckpointSink:
+    if ctx.checkpoint_sink is not None:
+        return ctx.checkpoint_sink
+    return DirectorySink(ctx.checkpoints or Path("checkpoints"))
+
+
+def _sink_index(request: Request, sink: CheckpointSink) -> SinkIndex:
     """One index per admin app, kept between requests: each reads only the sink's new lines."""
     index: SinkIndex | None = getattr(request.app.state, "audit_sink_index", None)
-    if index is None or index.sink.directory != directory:
-        index = SinkIndex(DirectorySink(directory))
+    if index is None or index.sink.location != sink.location:
+        index = SinkIndex(sink)
         request.app.state.audit_sink_index = index
     return index
 
@@ -385,7 +396,7 @@ async def list_audit_chains(
     counted, signing key) and whether the sink outside the database holds it, its gaps
     (unclean stops) and retention cuts, rows not yet checkpointed, and the latest scheduled
     verification of this admin node. Reads no row but each chain's newest: cheap to poll."""
-    index = _sink_index(request, ctx.checkpoints or Path("checkpoints"))
+    index = _sink_index(request, _sink(ctx))
     status = await evidence_status(ctx.engine, index)
     watch: VerificationWatch | None = getattr(request.app.state, "audit_watch", None)
     starts: dict[str, Checkpoint] = {} if watch is None else dict(watch.starts)
