@@ -138,7 +138,11 @@ def client_addresses(n: int = 4096, seed: int = 7) -> list[str]:
     return list(out.values())
 
 
-def write_wrk_script(path: Path, addresses: list[str], delay_ms: int | None) -> None:
+def write_wrk_script(
+    path: Path, addresses: list[str], delay_ms: int | None, close: bool = False
+) -> None:
+    """``close``: every request says ``Connection: close``, so each is a new connection."""
+    extra = ', ["Connection"] = "close"' if close else ""
     # Requests are formatted once, in init(): formatting one per request in Lua makes wrk the
     # bottleneck long before the servers are.
     lines = [
@@ -148,7 +152,7 @@ def write_wrk_script(path: Path, addresses: list[str], delay_ms: int | None) -> 
         "init = function(args)",
         "  for k, a in ipairs(addrs) do",
         f'    reqs[k] = wrk.format("GET", "{PATH}", {{["Host"] = "{HOST}",'
-        ' ["X-Forwarded-For"] = a})',
+        f' ["X-Forwarded-For"] = a{extra}}})',
         "  end",
         "end",
         "request = function()",
@@ -181,7 +185,12 @@ def _ms(text: str) -> float:
 
 
 def run_wrk(
-    port: int, seconds: float, connections: int, script: Path, core: str | None
+    port: int,
+    seconds: float,
+    connections: int,
+    script: Path,
+    core: str | None,
+    scheme: str = "http",
 ) -> WrkResult:
     cmd = [
         *pin(core),
@@ -192,7 +201,7 @@ def run_wrk(
         "--latency",
         "-s",
         str(script),
-        f"http://127.0.0.1:{port}{PATH}",
+        f"{scheme}://127.0.0.1:{port}{PATH}",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -273,10 +282,12 @@ def start_gtm(
     tag: str = "gtm",
     uncounted: bool = False,
     root: Path = ROOT,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """GTM's front from the checkout at ``root`` (``python -m gtm`` run there imports its own
-    ``gtm`` package first): this one, or a baseline checkout to compare with."""
-    env = {
+    ``gtm`` package first): this one, or a baseline checkout to compare with. ``env``: settings
+    over the defaults here."""
+    settings = {
         **os.environ,
         "GTM_CONFIG": str(root / "examples" / "demo.yaml"),
         "GTM_POLICIES": json.dumps([str(root / "policies")]),
@@ -288,14 +299,15 @@ def start_gtm(
         # The demo's regions are not running during the benchmark; unknown health counts as up.
         "GTM_PROBES": "false",
         "GTM_REPORT_SECRET": REPORT_SECRET.decode(),  # for --reports-per-s
+        **(env or {}),
     }
-    env.pop("GTM_GEOIP_PATH", None)  # the bundled GeoLite2-City, the file nginx reads too
+    settings.pop("GTM_GEOIP_PATH", None)  # the bundled GeoLite2-City, the file nginx reads too
     cmd = [sys.executable, "-m", "gtm", "serve", "--http", f"127.0.0.1:{port}"]
     if uncounted:
         cmd = [sys.executable, str(HERE / "front_uncounted.py"), f"127.0.0.1:{port}"]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    return subprocess.Popen([*pin(core), *cmd], cwd=root, env=env)
+    return subprocess.Popen([*pin(core), *cmd], cwd=root, env=settings)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -37,7 +37,7 @@ from gtm.front.intake import CAPACITY_PATH, CapacityEndpoint
 from gtm.front.ledger import Ledger
 from gtm.front.metrics import FrontStats
 from gtm.front.ops import OPS_PATHS, OpsEndpoints
-from gtm.front.proxy import BodyTooLarge, ClientGone, Forwarder, Target, read_body
+from gtm.front.proxy import BodyTimedOut, BodyTooLarge, ClientGone, Forwarder, Target, read_body
 from gtm.front.respond import NO_STORE, Receive, Scope, Send, send_json
 from gtm.front.signals import SignalError, signals_of
 from gtm.runtime import Runtime
@@ -360,7 +360,21 @@ class FrontApp:
         client, decision_id = exchange.client, exchange.decision_id
         method: str = scope["method"]
         try:
-            body = await read_body(receive, self.forwarder.limits.max_body_bytes)
+            body = await read_body(receive, self.forwarder.limits.max_body_bytes, scope)
+        except BodyTimedOut:
+            await send_json(
+                send,
+                408,
+                {
+                    "error": "request_body_timeout",
+                    "message": "the request body did not arrive in time",
+                },
+                [(b"connection", b"close")],
+            )
+            self.ledger.count(
+                decision, host, tenant, method, 408, None, "408 request body timeout", at=at
+            )
+            return 408, None
         except BodyTooLarge:
             limit = self.forwarder.limits.max_body_bytes
             await send_json(

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from gtm.fleet.capacity import Rejected
+from gtm.front.connections import body_timed_out
 from gtm.front.respond import Receive, Scope, Send, send_json
 from gtm.metrics import CAPACITY_REPORTS
 from gtm.runtime import Runtime
@@ -34,6 +35,19 @@ class CapacityEndpoint:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the balancer went away: no report, and no one to answer
+            if message.get("more_body", False) and body_timed_out(scope):
+                await send_json(
+                    send,
+                    408,
+                    {
+                        "error": "request_body_timeout",
+                        "message": "the report did not arrive in time",
+                    },
+                    [(b"connection", b"close")],
+                )
+                return
             body += message.get("body", b"")
             if len(body) > CAPACITY_MAX_BYTES:
                 CAPACITY_REPORTS.labels("too_large").inc()

@@ -77,17 +77,22 @@ def _connection_metrics(live: list[FrontStats]) -> Iterator[Metric]:
         "gtm_front_head_timeouts",
         "Connections closed because a request head did not arrive whole in time",
     )
+    body_timeouts = CounterMetricFamily(
+        "gtm_front_body_timeouts",
+        "Requests cut because their body stalled or arrived below the minimum rate",
+    )
     reloads = CounterMetricFamily("gtm_front_tls_reloads", "TLS certificate reloads")
     failures = CounterMetricFamily(
         "gtm_front_tls_reload_failures", "Changed TLS files that did not load (the last good stay)"
     )
-    n_open = n_timeouts = n_reloads = n_failures = 0
+    n_open = n_timeouts = n_body_timeouts = n_reloads = n_failures = 0
     by_reason: dict[str, int] = {}
     for stats in live:
         budget, tls = stats.connections, stats.tls
         if budget is not None:
             n_open += budget.open
             n_timeouts += budget.head_timeouts
+            n_body_timeouts += budget.body_timeouts
             for reason, n in budget.refused.items():
                 by_reason[reason.value] = by_reason.get(reason.value, 0) + n
         if tls is not None:
@@ -97,9 +102,10 @@ def _connection_metrics(live: list[FrontStats]) -> Iterator[Metric]:
     for label, n in sorted(by_reason.items()):
         refused.add_metric([label], n)
     timeouts.add_metric([], n_timeouts)
+    body_timeouts.add_metric([], n_body_timeouts)
     reloads.add_metric([], n_reloads)
     failures.add_metric([], n_failures)
-    yield from (open_, refused, timeouts, reloads, failures)
+    yield from (open_, refused, timeouts, body_timeouts, reloads, failures)
 
 
 REGISTRY.register(_FrontCollector())

@@ -26,6 +26,7 @@ import structlog
 from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
 
 from gtm import tracing
+from gtm.front.connections import body_timed_out
 
 log = structlog.get_logger(__name__)
 
@@ -136,14 +137,21 @@ class ClientGone(Exception):
     pass
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body, or :class:`BodyTooLarge` / :class:`ClientGone`."""
+class BodyTimedOut(Exception):
+    """The body stalled or trickled past its deadline (:mod:`gtm.front.connections`)."""
+
+
+async def read_body(receive: Receive, limit: int, scope: Scope | None = None) -> bytes:
+    """The whole request body, or :class:`BodyTooLarge` / :class:`ClientGone` /
+    :class:`BodyTimedOut` (the protocol gave up on it; ``scope`` says so)."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
+        if scope is not None and message.get("more_body", False) and body_timed_out(scope):
+            raise BodyTimedOut
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)

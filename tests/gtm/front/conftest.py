@@ -27,7 +27,7 @@ from tests.conftest import DEMO, POLICIES
 # The front's own connection handling (caps, head deadline, TLS) meets the event loop's transports
 # directly, and `gtm serve` runs on uvloop, whose transports differ (they start reading after
 # connection_made whatever the protocol paused): those tests run on both loops.
-_BOTH_LOOPS = {"test_connections.py", "test_tls.py"}
+_BOTH_LOOPS = {"test_connections.py", "test_slow_clients.py", "test_tls.py"}
 
 
 def pytest_asyncio_loop_factories(

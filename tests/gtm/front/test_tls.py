@@ -5,6 +5,7 @@ connection bounds holding for handshakes too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -17,6 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from structlog.testing import capture_logs
 
 from gtm.errors import ConfigError
 from gtm.front.connections import ConnectionLimits
@@ -146,8 +148,13 @@ async def test_a_renewed_certificate_is_served_without_a_restart(
         # A half-written renewal (a key that does not match the certificate) is refused and
         # the last good pair stays in force.
         renewed = authority.issue(tmp_path / "renewed", "front-2")
-        files.cert.write_bytes(renewed.cert.read_bytes())
-        await eventually(lambda: tls.failures >= 1, what="the mismatched pair refused")
+        with capture_logs() as logs:
+            files.cert.write_bytes(renewed.cert.read_bytes())
+            await eventually(lambda: tls.failures >= 1, what="the mismatched pair refused")
+        (failed,) = [e for e in logs if e["event"] == "front.tls_reload_failed"]
+        assert failed["log_level"] == "error"
+        assert "cannot load the TLS certificate and key" in failed["problems"][0]
+        assert str(files.cert) in failed["problems"][0]
         assert await peer_common_name(front.url, authority) == "front-1"
         files.key.write_bytes(renewed.key.read_bytes())
         await eventually(lambda: tls.reloads == 1, what="the renewed pair loaded")
@@ -228,6 +235,37 @@ async def test_unfinished_handshakes_are_cut_at_the_head_deadline(
             )
             assert all(c.received == b"" for c in silent)
             assert not plain.received.startswith(b"HTTP/")  # never an answer in the clear
+        await eventually(lambda: budget.open == 0, within=WITHIN, what="slots released")
+
+
+async def test_a_trickled_body_is_cut_over_tls(
+    start_front: FrontFactory, authority: Authority, tmp_path: Path
+) -> None:
+    files = authority.issue(tmp_path / "tls", "front")
+    limits = ConnectionLimits(header_timeout_s=5, body_timeout_s=0.5, body_min_rate=1000)
+    async with start_front(tls=files, connection_limits=limits, keep_alive_s=60) as front:
+        budget = front.server.budget
+        host, port = front.url.removeprefix("https://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(
+            host, int(port), ssl=client_context(authority), server_hostname=host
+        )
+        head = f"POST /v1/models HTTP/1.1\r\nHost: {CHAT}\r\nContent-Length: 9999\r\n\r\n"
+        writer.write(head.encode())
+        try:
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
+            assert answer.startswith(b"HTTP/1.1 307 ")  # answered before its body
+            for _ in range(int(WITHIN / 0.02)):  # a byte every 20 ms until cut
+                if budget.body_timeouts:
+                    break
+                writer.write(b"x")
+                await asyncio.sleep(0.02)
+            assert budget.body_timeouts == 1
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                assert await asyncio.wait_for(reader.read(), WITHIN) == b""
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                await writer.wait_closed()
         await eventually(lambda: budget.open == 0, within=WITHIN, what="slots released")
 
 
