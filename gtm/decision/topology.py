@@ -9,6 +9,9 @@ Example (see ``examples/demo.yaml`` for a complete one)::
       apex: gtm.example.
       soa: {mname: ns1.gtm.example., rname: hostmaster.gtm.example., serial: 1}
       nameservers: [{name: ns1.gtm.example., ipv4: [192.0.2.53]}]
+      records:                  # static records: gtm.decision.static_records
+        - {name: "@", type: TXT, text: "example-site-verification=4f2a"}
+        - {name: api, type: CNAME, target: chat.gtm.example.}
     regions:
       - {id: eu-west, name: Dublin, lat: 53.35, lon: -6.26, jurisdiction: EU,
          ipv4: [192.0.2.30], base_url: "https://eu-west.gtm.example"}
@@ -35,6 +38,12 @@ from pydantic import (
 )
 
 from gtm.decision.documents import read_yaml, validate_document
+from gtm.decision.static_records import (
+    MAX_RECORDS,
+    StaticRecord,
+    record_problems,
+    untagged_location,
+)
 from gtm.errors import ConfigError, Problem
 
 RegionId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
@@ -95,11 +104,26 @@ class Zone(_Strict):
     soa: SOA
     nameservers: tuple[NameServer, ...] = Field(min_length=1)
     ttl: int = Field(default=3600, ge=0, description="TTL of the SOA and NS records")
+    # Static records (A, AAAA, CNAME, TXT, CAA, MX, SRV): gtm.decision.static_records.
+    records: tuple[StaticRecord, ...] = Field(default=(), max_length=MAX_RECORDS)
 
     @field_validator("apex")
     @classmethod
     def _apex(cls, v: str) -> str:
         return normalise_dns_name(v)
+
+    @field_validator("records", mode="before")
+    @classmethod
+    def _record_types(cls, v: object) -> object:
+        # Types are case-insensitive, as in zone files ("mx" is MX).
+        if isinstance(v, list | tuple):
+            return [
+                {**r, "type": r["type"].upper()}
+                if isinstance(r, dict) and isinstance(r.get("type"), str)
+                else r
+                for r in v
+            ]
+        return v
 
     @model_validator(mode="after")
     def _glue(self) -> Self:
@@ -303,6 +327,14 @@ def cross_reference_problems(topo: Topology) -> list[tuple[str, str]]:
         for r in order:
             if not topo.has_region(r):
                 problems.append((f"routing.latency_map.{key}", f"unknown region {r!r}"))
+    zone = topo.zone
+    problems += record_problems(
+        zone.apex,
+        zone.ttl,
+        zone.records,
+        seen_names,
+        frozenset(ns.name for ns in zone.nameservers if in_zone(ns.name, zone.apex)),
+    )
     return problems
 
 
@@ -312,7 +344,13 @@ def load_topology(path: Path) -> Topology:
 
 
 def parse_topology(data: object, source: str = "<string>") -> Topology:
-    topo = validate_document(Topology, data, source)
+    try:
+        topo = validate_document(Topology, data, source)
+    except ConfigError as exc:
+        # A static record's errors name the record's path, not the union member tried.
+        raise ConfigError(
+            [Problem(p.source, untagged_location(p.location), p.message) for p in exc.problems]
+        ) from exc
     problems = cross_reference_problems(topo)
     if problems:
         raise ConfigError([Problem(source, loc, msg) for loc, msg in problems])

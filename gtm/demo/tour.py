@@ -23,6 +23,7 @@ import dns.asyncquery
 import dns.edns
 import dns.message
 import dns.rcode
+import dns.rdatatype
 import httpx
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
@@ -353,7 +354,12 @@ async def ask_dns(port: int, name: str, rdtype: str, subnet: str) -> dns.message
 
 
 def shown(reply: dns.message.Message) -> str:
-    items = [item.to_text().split()[0] for rrset in reply.answer for item in rrset]
+    # Addresses and CNAME targets as they are, other data (MX, SRV, CAA) whole; an SOA by name.
+    items = [
+        item.to_text().split()[0] if rrset.rdtype == dns.rdatatype.SOA else item.to_text()
+        for rrset in reply.answer
+        for item in rrset
+    ]
     if items:
         return ",".join(items)
     # An empty NOERROR is how a residency rule fails closed over DNS (dns_failure: nodata).
@@ -362,7 +368,7 @@ def shown(reply: dns.message.Message) -> str:
 
 async def show_dns(port: int) -> None:
     heading(f"Authoritative DNS on 127.0.0.1:{port} (UDP and TCP)")
-    print(f"{'question':<32} {'client subnet (ECS)':<22} {'answer':<18} ECS scope")
+    print(f"{'question':<36} {'client subnet (ECS)':<22} {'answer':<18} ECS scope")
     for name, rdtype, subnet in (
         ("chat.gtm.example.", "A", "85.214.0.0/24"),
         ("chat.gtm.example.", "A", "49.36.0.0/24"),
@@ -370,11 +376,16 @@ async def show_dns(port: int) -> None:
         ("chat.eu.gtm.example.", "A", "8.8.8.0/24"),
         ("chat.eu.gtm.example.", "A", "133.11.0.0/24"),
         ("gtm.example.", "SOA", "85.214.0.0/24"),
+        # Static records (zone.records): the same for everyone; a CNAME into a service name
+        # ends with that service's decision for the client.
+        ("gtm.example.", "MX", "85.214.0.0/24"),
+        ("_submission._tcp.gtm.example.", "SRV", "85.214.0.0/24"),
+        ("api.gtm.example.", "A", "49.36.0.0/24"),
         ("nope.gtm.example.", "A", "85.214.0.0/24"),
     ):
         reply = await ask_dns(port, name, rdtype, subnet)
         scope = next((o.scopelen for o in reply.options if isinstance(o, dns.edns.ECSOption)), "-")
-        print(f"{name + ' ' + rdtype:<32} {subnet:<22} {shown(reply):<18} /{scope}")
+        print(f"{name + ' ' + rdtype:<36} {subnet:<22} {shown(reply):<18} /{scope}")
 
 
 async def show_http(port: int, database_url: str) -> None:

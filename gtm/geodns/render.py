@@ -2,7 +2,8 @@
 the OPT record, and truncation.
 
 Hand-written rather than dnspython's renderer because a response costs microseconds here, not a
-quarter of a millisecond; the set of record types is small (SOA, NS, A, AAAA, OPT). Records
+quarter of a millisecond; the set of record types is small (SOA, NS, A, AAAA, OPT, and the static
+records' CNAME, TXT, CAA, MX, SRV; names in RDATA are written uncompressed). Records
 owned by the question name point back to it (compression pointer to offset 12, RFC 1035 §4.1.4),
 which also echoes the question's letter case into the answer.
 """
@@ -23,6 +24,8 @@ COPIED_FLAGS = 0x7800 | 0x0100 | 0x0010
 
 _RR = struct.Struct("!HHIH")
 _SOA_TAIL = struct.Struct("!IIIII")
+_U16 = struct.Struct("!H")
+_SRV = struct.Struct("!HHH")
 OUR_UDP_SIZE = 1232  # DNS flag day 2020: fits an IPv6 path without fragmentation
 
 
@@ -56,6 +59,26 @@ def soa_rdata(
     )
 
 
+def txt_rdata(strings: tuple[bytes, ...]) -> bytes:
+    """Character-strings, each at most 255 octets, each after its length octet (RFC 1035
+    §3.3.14)."""
+    return b"".join(bytes([len(s)]) + s for s in strings)
+
+
+def caa_rdata(flags: int, tag: str, value: str) -> bytes:
+    """RFC 8659 §4.1: flags, tag length, tag, value (to the end of the RDATA)."""
+    return bytes([flags, len(tag)]) + tag.encode("ascii") + value.encode("ascii")
+
+
+def mx_rdata(preference: int, exchange: str) -> bytes:
+    return _U16.pack(preference) + name_wire(exchange)
+
+
+def srv_rdata(priority: int, weight: int, port: int, target: str) -> bytes:
+    # RFC 2782: the target is never compressed.
+    return _SRV.pack(priority, weight, port) + name_wire(target)
+
+
 @dataclass(frozen=True, slots=True)
 class OptOut:
     """The OPT record of a response: present exactly when the query had one."""
@@ -87,10 +110,28 @@ def response(
     additional: list[bytes] | tuple[bytes, ...] = (),
     opt: OptOut | None = None,
     limit: int | None = None,
+    optional_additional: bool = False,
 ) -> bytes:
     """A complete response. ``question`` is the question section as bytes (name + type + class)
     or None; with ``limit`` (UDP), a response that does not fit is cut to its question and OPT
-    with TC set, so the client retries over TCP (RFC 1035 §4.2.1, RFC 7766)."""
+    with TC set, so the client retries over TCP (RFC 1035 §4.2.1, RFC 7766).
+    ``optional_additional``: the additional records are extra help (addresses of MX and SRV
+    targets); when only they do not fit they are left out and TC stays clear (RFC 2181 §9)."""
+    if optional_additional and additional and limit is not None:
+        full = response(
+            qid,
+            query_flags,
+            rcode,
+            authoritative=authoritative,
+            question=question,
+            answer=answer,
+            authority=authority,
+            additional=additional,
+            opt=opt,
+        )
+        if len(full) <= limit:
+            return full
+        additional = ()
     flags = QR | (query_flags & COPIED_FLAGS) | (rcode & 0xF)
     if authoritative:
         flags |= AA

@@ -41,8 +41,12 @@ class Rcode(IntEnum):
 class Qtype(IntEnum):
     A = 1
     NS = 2
+    CNAME = 5
     SOA = 6
+    MX = 15
+    TXT = 16
     AAAA = 28
+    SRV = 33
     OPT = 41
     TKEY = 249
     TSIG = 250
@@ -51,6 +55,7 @@ class Qtype(IntEnum):
     MAILB = 253
     MAILA = 254
     ANY = 255
+    CAA = 257
 
 
 QCLASS_IN = 1

@@ -6,6 +6,10 @@
 * service names: A / AAAA from ``decide()``; a failed-closed decision as its policy says
   (REFUSED, NODATA or SERVFAIL); other types NODATA;
 * nameserver names in the zone: their glue addresses;
+* static records (``zone.records``, :mod:`gtm.geodns.static`): the RRset of the type asked, at
+  their own names and beside the apex's SOA/NS, a service's A/AAAA or a nameserver's glue;
+  NODATA for another type; a CNAME owner answers its CNAME and follows it inside the zone, into
+  a service name with ``decide()`` for the client;
 * names that exist only as part of longer names (empty non-terminals): NODATA (RFC 8020);
 * anything else in the zone: NXDOMAIN, with the SOA in the authority section (RFC 2308).
 
@@ -36,6 +40,7 @@ from gtm.geodns.render import (
     response,
     soa_rdata,
 )
+from gtm.geodns.static import StaticZone, build_static
 from gtm.geodns.wire import QCLASS_ANY, QCLASS_IN, Qtype, Query, Rcode
 
 IPAddress = IPv4Address | IPv6Address
@@ -94,28 +99,38 @@ class ZoneData:
     glue: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]]  # ns name -> (A rdata, AAAA)
     glue_records: tuple[bytes, ...]  # glue as additional records
     ttl: int
+    # Names answered from a decision: every service name, and every CNAME owner whose chain
+    # ends at one (-> that service), so the responder keys their cached answers by location.
     services: dict[str, Service]
     # Names that exist in the zone only because longer names do (empty non-terminals).
     interior: frozenset[str] = field(default_factory=frozenset)
+    static: StaticZone = field(default_factory=StaticZone)  # zone.records, rendered
 
     def types_at(self, name: str) -> frozenset[int]:
-        """The record types that can exist at ``name`` (lower case, no trailing dot): what a
-        denial of existence for another type there must list (RFC 4034 §4.1.2). A service
-        name lists A and AAAA whichever regions answer it: a decision for another client can
-        give either. Empty for a name that does not exist (and for empty non-terminals)."""
+        """The record types that can exist at ``name`` (lower case, absolute; the trailing dot
+        may be left out): what a denial of existence for another type there must list (RFC 4034
+        §4.1.2). A service name lists A and AAAA whichever regions answer it: a decision for
+        another client can give either. Static records add their types; a CNAME owner lists
+        CNAME alone. Empty for a name that does not exist (and for empty non-terminals)."""
+        if not name.endswith("."):
+            name += "."
+        static = self.static.types.get(name, _NO_TYPES)
+        if name in self.static.chains:
+            return static  # {CNAME}: nothing else may be there (checked at load)
         if name == self.apex:
-            return _APEX_TYPES
+            return _APEX_TYPES | static
         if name in self.services:
-            return _SERVICE_TYPES
+            return _SERVICE_TYPES | static
         glue = self.glue.get(name)
         if glue is not None:
             v4, v6 = glue
-            return frozenset(([Qtype.A] if v4 else []) + ([Qtype.AAAA] if v6 else []))
-        return frozenset()
+            return static | frozenset(([Qtype.A] if v4 else []) + ([Qtype.AAAA] if v6 else []))
+        return static
 
 
 _APEX_TYPES = frozenset({Qtype.SOA, Qtype.NS})
 _SERVICE_TYPES = frozenset({Qtype.A, Qtype.AAAA})
+_NO_TYPES: frozenset[int] = frozenset()
 
 
 _ZONES: dict[str, ZoneData] = {}
@@ -148,8 +163,10 @@ def _build_zone(topology: Topology) -> ZoneData:
             glue_records += [record(name_wire(ns.name), Qtype.A, zone.ttl, r) for r in v4]
             glue_records += [record(name_wire(ns.name), Qtype.AAAA, zone.ttl, r) for r in v6]
     services = {n: s for s in topology.services for n in s.dns_names}
+    static = build_static(topology)
+    services |= {owner: services[final] for owner, final in static.to_services.items()}
     interior: set[str] = set()
-    for name in [*services, *glue]:
+    for name in [*services, *glue, *static.types]:
         labels = name.split(".")
         for i in range(1, len(labels)):
             parent = ".".join(labels[i:])
@@ -173,25 +190,27 @@ def _build_zone(topology: Topology) -> ZoneData:
         glue_records=tuple(glue_records),
         ttl=zone.ttl,
         services=services,
-        interior=frozenset(interior - set(services) - set(glue)),
+        interior=frozenset(interior - set(services) - set(glue) - set(static.types)),
+        static=static,
     )
 
 
-_RECORDS: dict[tuple[int, int, tuple[str, ...]], list[bytes]] = {}
+_RECORDS: dict[tuple[int, int, tuple[str, ...], bytes], list[bytes]] = {}
 
 
-def address_records(qtype: Qtype, ttl: int, addresses: tuple[str, ...]) -> list[bytes]:
-    """A/AAAA records owned by the question name; memoised, as the same few answer sets
-    recur (parsing address text costs more than the rest of rendering)."""
-    key = (qtype, ttl, addresses)
+def address_records(
+    qtype: Qtype, ttl: int, addresses: tuple[str, ...], owner: bytes = QUESTION_POINTER
+) -> list[bytes]:
+    """A/AAAA records owned by the question name (or ``owner``: the end of a CNAME chain);
+    memoised, as the same few answer sets recur (parsing address text costs more than the
+    rest of rendering)."""
+    key = (qtype, ttl, addresses, owner)
     records = _RECORDS.get(key)
     if records is None:
         if len(_RECORDS) > 10_000:
             _RECORDS.clear()
         packed = a_rdata if qtype == Qtype.A else aaaa_rdata
-        records = _RECORDS[key] = [
-            record(QUESTION_POINTER, qtype, ttl, packed(a)) for a in addresses
-        ]
+        records = _RECORDS[key] = [record(owner, qtype, ttl, packed(a)) for a in addresses]
     return records
 
 
@@ -313,6 +332,7 @@ def answer(
         given: tuple[str, ...] = (),
         outcome: str = "zone",
         echo_ecs: bool = True,
+        optional: bool = False,
     ) -> Answer:
         if opt is not None and not echo_ecs:
             # An error says nothing about any subnet: no ECS option (RFC 7871 §7.2.1 asks for
@@ -338,6 +358,7 @@ def answer(
             additional=additional,
             opt=out_opt,
             limit=limit,
+            optional_additional=optional,
         )
         response_name = rcode_name(rcode) + ("+TC" if wire[2] & 0x02 else "")
         if decision is None and outcome in AGGREGATED_OUTCOMES:
@@ -380,6 +401,67 @@ def answer(
         return finish(meta, [], aa=False, outcome=_META_OUTCOME[meta], echo_ecs=False)
     if query.qclass not in (QCLASS_IN, QCLASS_ANY) or not in_zone(name, zone.apex):
         return finish(Rcode.REFUSED, [], aa=False, outcome="refused")
+
+    # Static records (zone.records): a CNAME owner first (it holds nothing else), then the
+    # exact RRset at any name; a name without the type asked falls through to its other data.
+    static = zone.static
+    chain = static.chains.get(name)
+    if chain is not None:
+        qtype = query.qtype
+        if qtype in (Qtype.CNAME, Qtype.ANY):  # the CNAME itself, not followed (RFC 1034)
+            return finish(Rcode.NOERROR, [chain.first], given=chain.given[:1])
+        answers = list(chain.records)
+        final = chain.final
+        if final is None:  # it leaves the zone: the resolver follows it
+            return finish(Rcode.NOERROR, answers, given=chain.given)
+        rrset = static.targets.get((final, qtype))
+        if rrset is not None:
+            return finish(
+                Rcode.NOERROR,
+                answers + list(rrset.owned),
+                (),
+                rrset.additional,
+                given=chain.given + rrset.given,
+                optional=True,
+            )
+        target = zone.services.get(final)
+        if target is None or qtype not in (Qtype.A, Qtype.AAAA):
+            return finish(
+                Rcode.NOERROR, answers, [zone.negative_soa], outcome="nodata", given=chain.given
+            )
+        # Into a service name: that name's answer for this client, as if it had been asked
+        # (the same decision, residency and ECS scope), after the CNAMEs that lead there.
+        decision = decide(
+            DecisionRequest(Channel.DNS, client, target.id, final, ecs=ecs_net), snapshot, now
+        )
+        if decision.outcome in (Outcome.FAIL_CLOSED, Outcome.DENIED):
+            rcode = _FAILURE_RCODE[decision.dns_failure or DnsFailure.REFUSED]
+            if rcode == Rcode.NOERROR:
+                return finish(rcode, answers, [zone.failure_soa], decision=decision, located=True)
+            return finish(rcode, [], aa=rcode != Rcode.REFUSED, decision=decision, located=True)
+        given = decision.ipv4 if qtype == Qtype.A else decision.ipv6
+        addresses = address_records(Qtype(qtype), decision.ttl, given, chain.final_wire)
+        if not addresses:
+            return finish(
+                Rcode.NOERROR, answers, [zone.negative_soa], decision=decision, located=True
+            )
+        return finish(
+            Rcode.NOERROR,
+            answers + addresses,
+            decision=decision,
+            located=True,
+            given=chain.given + given,
+        )
+    rrset = static.rrsets.get((name, query.qtype))
+    if rrset is not None:
+        return finish(
+            Rcode.NOERROR,
+            list(rrset.records),
+            (),
+            rrset.additional,
+            given=rrset.given,
+            optional=True,
+        )
 
     service = zone.services.get(name)
     if service is not None:
@@ -451,6 +533,20 @@ def answer(
                 Rcode.NOERROR,
                 [record(QUESTION_POINTER, Qtype.AAAA, zone.ttl, r) for r in v6],
                 given=("glue",),
+            )
+        return finish(Rcode.NOERROR, [], [zone.negative_soa], outcome="nodata")
+
+    any_type = static.any_type.get(name)
+    if any_type is not None:  # a static name without the type asked
+        if query.qtype == Qtype.ANY:  # RFC 8482: one RRset, the first configured
+            rrset = static.rrsets[name, any_type]
+            return finish(
+                Rcode.NOERROR,
+                list(rrset.records),
+                (),
+                rrset.additional,
+                given=rrset.given,
+                optional=True,
             )
         return finish(Rcode.NOERROR, [], [zone.negative_soa], outcome="nodata")
 
