@@ -19,6 +19,7 @@ from gtm.audit import migrate
 from gtm.cli.audit import audit_app
 from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail
 from gtm.cli.control import admin_app, proposal_app, token_app
+from gtm.cli.dnssec import dnssec_app
 from gtm.cli.fleet import config_app, region_app
 from gtm.cli.report import report_app
 from gtm.cli.whatif import apply_state
@@ -26,6 +27,7 @@ from gtm.decision.policy import json_schema, load_policy
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.topology import load_topology, normalise_dns_name
 from gtm.errors import ConfigError, GTMError
+from gtm.geodns.dnssec_keys import load_keys
 from gtm.listen import parse_listen
 from gtm.node import serve_forever, serve_workers
 from gtm.runtime import build_snapshot
@@ -47,6 +49,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(admin_app, name="admin")
 app.add_typer(proposal_app, name="proposal")
 app.add_typer(report_app, name="report")
+app.add_typer(dnssec_app, name="dnssec")
 
 # -- serve -------------------------------------------------------------------------------------
 
@@ -95,6 +98,9 @@ def serve(
         typer.echo("error: --workers needs fixed ports (port 0 differs per worker)", err=True)
         raise typer.Exit(2)
     try:
+        if settings.dns_listen and settings.dnssec_key_file is not None:
+            # Before anything starts: a signed zone whose keys cannot be used is never served.
+            load_keys(settings.dnssec_key_file, settings.dnssec_publish_key_files)
         if settings.workers > 1:
             serve_workers(settings)
         else:

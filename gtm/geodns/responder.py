@@ -29,10 +29,13 @@ import structlog
 from gtm.audit.record import AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
+from gtm.decision.model import IPNetwork
 from gtm.decision.policy import Place
 from gtm.decision.routing import resolver_place
 from gtm.decision.snapshot import Snapshot
 from gtm.geodns.budget import Budget, Generations
+from gtm.geodns.dnssec import Signer
+from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.stats import DnsStats
@@ -55,6 +58,13 @@ class _Cached:
     record: AuditRecord
     rcode_name: str
     truncated: bool
+    # Kept per GeoIP network (gtm.geodns.precision): the template's last ``patch`` bytes are
+    # the ECS address it was rendered for, replaced with each query's own.
+    patch: int = 0
+
+
+# Under a GeoIP network's key: its decisions split the network, look the client bucket up.
+_SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
 
 
 class _Exact:
@@ -99,8 +109,12 @@ class Responder:
         rate_limiter: ResponseRateLimiter | None = None,
         clock: Callable[[], float] = time.time,
         budget: Budget = DEFAULT_BUDGET,
+        signer: Signer | None = None,
     ) -> None:
         self.runtime = runtime
+        # DNSSEC online signing (gtm.geodns.dnssec), when the zone is signed: it signs answers
+        # on a rendered-cache miss and bounds how long the caches keep signed answers.
+        self.signer = signer
         self._store = runtime.store
         self.stats = stats
         self.rrl = rate_limiter
@@ -120,9 +134,10 @@ class Responder:
         self._tcp_old: dict[IPAddress, dict[bytes, _Exact]] = {}
         self._entries = 0
         self._exact_half = max(1, budget.exact_entries // 2)
-        # New decisions counted since the audit writer last drained this responder; past the
-        # budget's audit_records, queries needing another are shed (gtm.geodns.budget).
+        # New decisions counted since the audit writer last drained this responder for a seal;
+        # past the budget's audit_records, queries needing another are shed (gtm.geodns.budget).
         self._new_decisions = 0
+        self._drained_seals = -1  # the writer's seal count at the last drain
         self._services: Mapping[str, object] = {}
         # Entries answered from since the last drain. They stay here when the caches are
         # dropped, so no tally is lost to a new snapshot.
@@ -137,8 +152,12 @@ class Responder:
         counters of these answers are folded into :class:`DnsStats` here too."""
         tallied, self._tallied = self._tallied, []
         # The writer takes its pending records along with these tallies: the backlog the
-        # budget bounds starts again from here.
-        self._new_decisions = 0
+        # budget bounds starts again from here when a seal takes them. (The tally journal's
+        # ticks drain more often, into the writer's open window: memory all the same.)
+        seals = self.runtime.writer.seals
+        if seals != self._drained_seals:
+            self._drained_seals = seals
+            self._new_decisions = 0
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -237,7 +256,10 @@ class Responder:
     def _advance(self, snapshot: Snapshot, now: float) -> bool:
         """Move the answer window to ``snapshot``, dropping the caches unless they still hold
         (a successor in the same decision epoch: a routine capacity report). True when kept."""
-        if self._window.advance(snapshot, now):
+        kept = self._window.advance(snapshot, now)
+        if self.signer is not None:  # no cached answer outlives its signatures' freshness
+            kept = self.signer.bound_window(self._window, now, kept)
+        if kept:
             return True
         self._cache.clear()
         self._udp, self._tcp, self._entries = {}, {}, 0
@@ -263,8 +285,14 @@ class Responder:
             return self._reject(parsed, client, udp)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
-        key = self._key(query, client, limit, snapshot, self._services)
-        cached = self._cache.get(key)
+        key, network, network_key = self._key(query, client, limit, snapshot, self._services)
+        cached = None
+        if network_key is not None:
+            cached = self._cache.get(network_key)
+            if cached is _SPLIT:
+                network_key, cached = None, None
+        if cached is None:
+            cached = self._cache.get(key)
         if cached is None:
             if (
                 self._new_decisions >= self.budget.audit_records
@@ -275,9 +303,22 @@ class Responder:
                 self.stats.shed += 1
                 return None
             self.stats.cache_misses += 1
-            result = answer(query, client, snapshot, now, limit)
-            if result.decision is not None:
+            if self.signer is None:
+                result = answer(query, client, snapshot, now, limit)
+            else:
+                result = self.signer.answer(query, client, snapshot, now, limit)
+            decision, record, patch = result.decision, result.record, 0
+            if decision is not None:
                 self._new_decisions += 1
+                if network_key is not None and network is not None:
+                    # Held by the whole GeoIP network: one rendering and one audit row for it.
+                    ecs = query.edns.ecs if query.edns is not None else None
+                    if ecs is not None and holds_network_wide(decision, network):
+                        patch = patchable(result.wire, ecs, decision.scope_prefix)
+                    if patch:
+                        record = widened(record, network)
+                    else:
+                        self._cache.put(network_key, _SPLIT)
             template = (
                 b"\x00\x00"
                 + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
@@ -287,11 +328,12 @@ class Responder:
             cached = _Cached(
                 template,
                 int.from_bytes(template[2:4], "big"),
-                result.record,
-                result.record.response or rcode_name(result.rcode),
+                record,
+                record.response or rcode_name(result.rcode),
                 truncated,
+                patch,
             )
-            self._cache.put(key, cached)
+            self._cache.put(network_key if patch and network_key is not None else key, cached)
             out = result.wire
         else:
             self.stats.cache_hits += 1
@@ -303,6 +345,8 @@ class Responder:
                 + query.qname
                 + template[12 + n :]
             )
+            if cached.patch:
+                out = out[: -cached.patch] + query.edns.ecs.address  # type: ignore[union-attr]
         stats_key = ("udp" if udp else "tcp", stats_qtype(query.qtype), cached.rcode_name)
         # Entries dropped with their generation while their answers are not yet drained stay
         # listed in self._tallied: no answer goes uncounted.
@@ -331,7 +375,10 @@ class Responder:
         limit: int | None,
         snapshot: Snapshot,
         services: Mapping[str, object],
-    ) -> tuple[object, ...]:
+    ) -> tuple[tuple[object, ...], IPNetwork | None, tuple[object, ...] | None]:
+        """The rendered answer's key for the client bucket; and for an ECS query of a service
+        name whose GeoIP network is at least as wide as the ECS subnet, that network and the
+        answer's key for the whole of it (gtm.geodns.precision), else None and None."""
         edns = query.edns
         ecs = edns.ecs if edns is not None else None
         shape: tuple[object, ...] | None = None
@@ -345,6 +392,8 @@ class Responder:
             bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
         geo: int | None = None
         resolver: Place | None = None
+        network: IPNetwork | None = None
+        network_key: tuple[object, ...] | None = None
         if query.qname_text in services:
             loc = snapshot.geo.locate(located)
             net = loc.network
@@ -355,7 +404,19 @@ class Responder:
                 # An ECS from a resolver the policy does not trust is judged together with the
                 # resolver's own place: the same ECS from elsewhere may get another answer.
                 resolver = resolver_place(snapshot, client, ecs.network, loc)
-        return (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
+                if net is not None and net.prefixlen <= ecs.source:
+                    network = net
+                    network_key = (
+                        query.qname_text,
+                        query.qtype,
+                        query.qclass,
+                        (shape[0] if shape else None, ecs.family, ecs.source),
+                        limit,
+                        net,
+                        resolver,
+                    )
+        key = (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
+        return key, network, network_key
 
     def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:
         if reject.drop:

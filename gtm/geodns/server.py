@@ -20,6 +20,7 @@ import structlog
 
 from gtm.errors import ConfigError, Problem
 from gtm.geodns.budget import Budget
+from gtm.geodns.dnssec import make_signer
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder, peer_address
 from gtm.geodns.stats import DnsStats
@@ -215,7 +216,7 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         else None
     )
     return DnsServer(
-        Responder(runtime, stats, limiter, budget=budget),
+        Responder(runtime, stats, limiter, budget=budget, signer=make_signer(s)),
         s.dns_listen,
         tcp_idle_s=s.dns_tcp_idle_s,
         tcp_max_connections=s.dns_tcp_max_connections,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from ipaddress import IPv4Address, ip_address, ip_network
+from pathlib import Path
 
 import dns.rcode
 from sqlalchemy import text
@@ -18,6 +19,7 @@ from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder
 from gtm.node import Node
 from gtm.settings import Settings
+from tests.support.geoip import WORLD, build_city_db
 
 from .conftest import StartNode, raw_udp, udp
 from .test_server import addresses, q
@@ -100,8 +102,10 @@ async def test_a_random_name_flood_makes_a_bounded_number_of_audit_rows(
             )
         ).all()
     # One row per (zone, outcome, type known by name or "other", response, sender bucket):
-    # a handful, not one per name. The sender is loopback: one bucket.
-    assert len(rows) <= 20, rows
+    # a handful, not one per name. The sender is loopback: one bucket. The flood's types are
+    # A, AAAA, TXT (known by name since the zone has static records) and random others: at
+    # most 3 zone/outcome/response shapes x 2 names x 4 types.
+    assert len(rows) <= 24, rows
     assert {r.name for r in rows} <= {"*.gtm.example.", "*."}
     assert {r.client_network for r in rows} == {"127.0.0.0/16"}
     assert sum(r.count for r in rows) == flood + 50  # every answer counted
@@ -144,20 +148,30 @@ def test_rate_limiting_is_on_by_default_and_spares_loopback() -> None:
 
 
 async def test_new_decisions_past_the_audit_budget_are_shed_until_the_writer_drains(
-    start_node: StartNode,
+    start_node: StartNode, tmp_path: Path
 ) -> None:
     """Each decision for a client network not seen before is a new audit row; the writer's
     backlog of them is bounded by shedding such queries (before: it grew with the flood, 823 MiB
     after 40 s of random subnets). Repeats, zone names and NXDOMAIN are still answered."""
+    # Decisions are made (and audited) per GeoIP network (gtm.geodns.precision): give each
+    # subnet a database network of its own, so each is a new decision.
+    limit = Budget.from_mb(TINY_MB).audit_records
+    subnets = random_subnets(limit + 10, seed=9)
+    world = {
+        **WORLD,
+        **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
+    }
     # No timed flush and no early wake: the backlog only drains when the test flushes.
     node = await start_node(
-        dns_cache_budget_mb=TINY_MB, audit_flush_interval_s=3600, audit_max_pending=10**6
+        dns_cache_budget_mb=TINY_MB,
+        audit_flush_interval_s=3600,
+        audit_max_pending=10**6,
+        geoip_path=build_city_db(tmp_path / "per-subnet.mmdb", world),
     )
-    limit = responder_of(node).budget.audit_records
+    assert responder_of(node).budget.audit_records == limit
     writer = node.runtime.writer
     await writer.flush()  # whatever start-up counted
     counted = writer.counted
-    subnets = random_subnets(limit + 10, seed=9)
     for subnet in subnets:
         await raw_udp(node, q(ecs=(subnet, 24)).to_wire(), wait=0.3)
     assert node.dns_stats.shed == 10
