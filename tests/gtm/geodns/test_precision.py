@@ -1,0 +1,87 @@
+"""Answers and audit rows per GeoIP network (gtm.geodns.precision): many client /24s in one
+database network cost one rendering and one audit row, each response still echoes its own
+subnet, and a network a spill share splits goes back to one per /24."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import text
+
+from gtm.decision.snapshot import RegionCapacity
+
+from .conftest import StartNode, udp
+from .test_server import addresses, ecs_of, q
+
+# The test GeoIP database puts all of 100.72.0.0/13 in Frankfurt (tests/support/geoip.py).
+FRANKFURT = [f"100.{72 + i // 256}.{i % 256}.0" for i in range(0, 2048, 41)]
+
+
+async def _rows(node, name: str = "chat.gtm.example.") -> dict[str, int]:  # type: ignore[no-untyped-def]
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT client_network, ecs_prefix, count FROM decisions"
+                    " WHERE name = :name AND query_type = 'A'"
+                ),
+                {"name": name},
+            )
+        ).all()
+    out: dict[str, int] = {}
+    for network, ecs, count in rows:
+        assert ecs == network  # the ECS is recorded at the same precision
+        out[network] = out.get(network, 0) + count
+    return out
+
+
+async def test_subnets_of_one_geoip_network_share_a_rendering_and_a_row(
+    start_node: StartNode,
+) -> None:
+    node = await start_node(audit_flush_interval_s=3600)
+    responder = node.dns.responder  # type: ignore[union-attr]
+    misses = responder.stats.cache_misses
+    for subnet in FRANKFURT:
+        r = await udp(node, q(ecs=(subnet, 24)))
+        assert addresses(r) == {"192.0.2.40"}  # eu-central
+        echo = ecs_of(r)
+        # Each response echoes its own subnet, with the network's scope.
+        assert echo is not None and echo.address == subnet and echo.srclen == 24
+        assert echo.scopelen == 13
+    assert responder.stats.cache_misses - misses == 1
+    assert await _rows(node) == {"100.72.0.0/13": len(FRANKFURT)}
+
+
+async def test_a_network_split_by_a_spill_share_is_rendered_and_audited_per_subnet(
+    start_node: StartNode,
+) -> None:
+    node = await start_node(audit_flush_interval_s=3600)
+    now = time.time()
+    node.runtime.swap(
+        capacity={
+            "eu-central": RegionCapacity(0.97, now, True),
+            "eu-west": RegionCapacity(0.30, now, False),
+        }
+    )
+    regions = set()
+    for subnet in FRANKFURT:
+        r = await udp(node, q(ecs=(subnet, 24)))
+        regions |= addresses(r)
+        echo = ecs_of(r)
+        assert echo is not None and echo.address == subnet and echo.scopelen == 24
+    assert regions == {"192.0.2.40", "192.0.2.30"}  # some kept, some spilled
+    rows = await _rows(node)
+    assert rows == {f"{subnet}/24": 1 for subnet in FRANKFURT}
+
+
+async def test_a_geoip_network_narrower_than_the_subnet_keeps_the_subnet(
+    start_node: StartNode,
+) -> None:
+    """100.70.0.0/24 holds two /28 networks (Berlin, New York): an ECS /24 is located by its
+    first address and the subnet itself is the unit, as before."""
+    node = await start_node(audit_flush_interval_s=3600)
+    r = await udp(node, q(ecs=("100.70.0.0", 24)))
+    echo = ecs_of(r)
+    assert echo is not None and echo.address == "100.70.0.0"
+    assert await _rows(node) == {"100.70.0.0/24": 1}
