@@ -79,6 +79,13 @@ class Spool:
         # the file. ``_base`` is the logical offset of the file's first byte, so an end handed
         # out before a discard still names the same row after it.
         self._base = 0
+        # The newest tally-journal generation whose window is sealed in this spool
+        # (gtm.audit.journal): saved with the chain's end, so a journal file left behind by a
+        # crash between the two steps of a seal is known to be in the rows already.
+        self.journal_sealed = self._state_int("journal")
+        # Set at start when the journal was replayed: the newest moment from which counts were
+        # recovered, which :meth:`last_written_at` reports instead of the last flush.
+        self.recovered_through: float | None = None
         for path in (self.path, self.state_path):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(path, 0o600)  # spools written before they were private
@@ -124,10 +131,17 @@ class Spool:
             self.append_lines(lines, rows[-1]["node_seq"], rows[-1]["row_hash"], answers)
 
     def append_lines(
-        self, lines: list[bytes], last_seq: int, last_hash: str, answers: int = 0
+        self,
+        lines: list[bytes],
+        last_seq: int,
+        last_hash: str,
+        answers: int = 0,
+        *,
+        journal: int | None = None,
     ) -> int:
         """Append rows already rendered as JSON lines (each ending in a newline) with their
-        MACs and fsync, then remember the chain's end; returns the spool's size after the
+        MACs and fsync, then remember the chain's end (and ``journal``, the tally-journal
+        generation these rows seal, if any); returns the spool's size after the
         append (where these rows end: :meth:`discard_through`). A write torn by a crash leaves
         a partial last line: the append starts a new line after it, so the torn line never
         swallows the first row written after it."""
@@ -144,6 +158,8 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
             end = self._base + f.tell()
+        if journal is not None:
+            self.journal_sealed = max(self.journal_sealed, journal)
         self._save_state(ChainHead(last_seq, last_hash, answers))
         return end
 
@@ -250,14 +266,25 @@ class Spool:
             return None
 
     def last_written_at(self) -> float | None:
-        """When the chain's end was last saved (its last flush), if ever."""
+        """When the chain's end was last saved (its last flush), if ever; after a start that
+        replayed the tally journal, the newest moment it recovered counts through."""
+        if self.recovered_through is not None:
+            return self.recovered_through
         try:
             return self.state_path.stat().st_mtime
         except FileNotFoundError:
             return None
 
+    def _state_int(self, key: str) -> int:
+        try:
+            return int(json.loads(self.state_path.read_text(encoding="utf-8")).get(key, 0))
+        except (FileNotFoundError, ValueError, AttributeError, TypeError):
+            return 0
+
     def _save_state(self, head: ChainHead) -> None:
         body = {"node_seq": head.seq, "row_hash": head.hash, "answers": head.answers}
+        if self.journal_sealed:
+            body["journal"] = self.journal_sealed
         _write_private(self.state_path, json.dumps(body).encode())
 
 

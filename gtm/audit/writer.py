@@ -27,6 +27,13 @@ A flush shares the event loop with the answering paths, so it is built to stay o
   sliver instead. When a flush takes longer than the interval, the next window is simply
   longer, and identical decisions share rows over it. Explicit flushes (shutdown, tests) are
   not paced.
+
+Between seals, the tally journal (:mod:`gtm.audit.journal`, every ``journal_interval``, 100 ms
+in a node) takes what was counted since its last tick into the window and appends it to a file
+in the spool directory, so a ``kill -9`` loses about one journal interval of answers instead of
+the whole window. Its ticks run in the writer's background task like a flush (in slices, paced),
+never on the answering path, and write in a thread of their own, so an fsync of the spool does
+not hold them up.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
 from gtm.audit import partitions
+from gtm.audit.journal import JOURNAL_REPLAYED, Journal
 from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form
 from gtm.audit.schema import decisions
 from gtm.audit.spool import ChainHead, Spool
@@ -71,6 +79,10 @@ _PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
 _SLICE_S = 0.0003  # the longest row rendering holds the loop before it answers again
 _REST = 6.0  # paced flushes rest this many times as long as each slice of work took
+# Journal ticks rest only as long as they worked: a tick's work is small (a few microseconds
+# per decision answered since the last one), and how long a tick takes is how long its answers
+# stay in memory only. Paced like a flush, a tick under a saturated loop took most of a second.
+_JOURNAL_REST = 1.0
 _COLUMNS = [str(c.name) for c in decisions.c if c.name != "id"]
 _JSON_COLUMNS = frozenset(str(c.name) for c in decisions.c if isinstance(c.type, JSON))
 _PER_ROW = ("node", "node_seq", "first_at_us", "last_at_us", "count", "prev_hash", "row_hash")
@@ -151,6 +163,41 @@ class _Batch:
         return out
 
 
+class _Window:
+    """The tallies of one window merged by record, in order of first appearance: what the
+    journal's ticks took so far, and then what the seal takes. The shape a seal needs (records,
+    answer counts, first and last answer times), and few containers, so thousands of records do
+    not become thousands of objects the garbage collector has to walk."""
+
+    __slots__ = ("counts", "index", "records", "times")
+
+    def __init__(self) -> None:
+        self.index: dict[AuditRecord, int] = {}
+        self.records: list[AuditRecord] = []
+        self.counts = array("q")
+        self.times = array("d")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, record: AuditRecord, n: int, first: float, last: float) -> int:
+        """Merge one tally; returns the record's index in the window."""
+        i = self.index.get(record)
+        if i is None:
+            i = self.index[record] = len(self.records)
+            self.records.append(record)
+            self.counts.append(n)
+            self.times.extend((first, last))
+        else:
+            self.counts[i] += n
+            times = self.times
+            if first < times[2 * i]:
+                times[2 * i] = first
+            if last > times[2 * i + 1]:
+                times[2 * i + 1] = last
+        return i
+
+
 class _Slices:
     """The time slices of one flush's work: :meth:`next` hands the loop back to the answering
     paths (and, when paced, rests). A cancellation that arrives meanwhile is remembered, not
@@ -187,6 +234,7 @@ class AuditWriter:
         spool_max_bytes: int = 1 << 30,
         on_sealed: Callable[[AuditRecord, int], None] | None = None,
         rest: float = _REST,
+        journal_interval: float = 0.0,
     ) -> None:
         self.engine = engine
         # Paced work rests this many times as long as each slice took (0: not paced, which
@@ -228,6 +276,24 @@ class AuditWriter:
         self.last_error: str | None = None
         self._backgrounded: set[int] = set()  # driver threads already lowered in priority
         self._partitions_due = 0.0  # when the days ahead are next checked (PostgreSQL)
+        # The tally journal (gtm.audit.journal): ticks every journal_interval (0: off; a
+        # journal a previous run left is still replayed at start). The window being counted
+        # and its generation (one journal file per window); ticks and the seal's swap of the
+        # window take turns under _tick_lock.
+        self.journal_interval = journal_interval
+        self.journal = Journal(spool, node)
+        self._window = _Window()
+        self._generation = spool.journal_sealed + 1
+        self._tick_lock = asyncio.Lock()
+        self._journal_task: asyncio.Task[None] | None = None
+        self._journal_io: ThreadPoolExecutor | None = None
+        self._journal_broken = -1  # a generation whose write failed: not journaled further
+        self._halt = asyncio.Event()  # wakes the journal's ticks to stop
+        self.journal_ticks = 0  # ticks written this run (tests, benchmarks)
+        self.journal_replayed = 0  # answers replayed from the journal at start
+        # Seals begun: a source drained by a seal sees a new value (a tick's drain, the same),
+        # so a budget of what waits to be sealed restarts only when that happens.
+        self.seals = 0
 
     # -- the answering path --------------------------------------------------------------------
 
@@ -263,9 +329,41 @@ class AuditWriter:
         """Continue this node's chain and replay anything a previous run left in the spool."""
         if self._seq == 0:
             self._seq, self._last_hash, self._answers = await self._chain_state_from_db()
+        await self._recover_journal()
         await self.flush()
         self._stopping = False
+        self._halt.clear()
         self._task = asyncio.create_task(self._run(), name="audit-writer")
+        if self.journal_interval > 0:
+            self._journal_task = asyncio.create_task(self._journal_run(), name="audit-journal")
+
+    async def _recover_journal(self) -> None:
+        """Put the answers a previous run journaled and never sealed into this window (the
+        flush that follows seals them; their files go once it has)."""
+        before = self.spool.last_written_at()
+        recovered = await self._in_journal(
+            self.journal.recover, self.spool.journal_sealed, self.spool.bound_store()
+        )
+        # This start's flush seals the recovered window as the generation past every file
+        # seen, and so drops them all (refused ones were kept aside by recover()).
+        self._generation = max(self._generation, recovered.generation)
+        for record, n, first, last in recovered.tallies:
+            self._window.add(record, n, first, last)
+        if recovered.answers:
+            self.journal_replayed = recovered.answers
+            JOURNAL_REPLAYED.inc(recovered.answers)
+            if recovered.through is not None:
+                self.spool.recovered_through = max(before or 0.0, recovered.through)
+            log.warning(
+                "audit.journal_replayed",
+                answers=recovered.answers,
+                decisions=len(recovered.tallies),
+                files=recovered.files,
+                through=recovered.through,
+            )
+        if recovered.problems:
+            log.error("audit.journal_refused", lines=len(recovered.problems),
+                      kept_in=str(self.spool.rejected_path))  # fmt: skip
 
     async def stop(self) -> None:
         """Final flush. Whatever the database cannot take stays spooled for the next start."""
@@ -275,9 +373,17 @@ class AuditWriter:
             # about).
             self._stopping = True
             self._wake.set()
+            self._halt.set()
             with contextlib.suppress(Exception):
                 await self._task
             self._task = None
+        if self._journal_task is not None:
+            # Not cancelled either: a tick that took tallies puts them all in the window.
+            self._stopping = True
+            self._halt.set()
+            with contextlib.suppress(Exception):
+                await self._journal_task
+            self._journal_task = None
         if self._drainer is not None:
             with contextlib.suppress(Exception):
                 await self._drainer
@@ -286,6 +392,10 @@ class AuditWriter:
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
+        if self._journal_io is not None:
+            self._journal_io.submit(self.journal.close)
+            self._journal_io.shutdown(wait=True)
+            self._journal_io = None
 
     async def _run(self) -> None:
         """Seal every interval, and drain beside it. Sealing (tallies to chained rows on disk)
@@ -310,6 +420,90 @@ class AuditWriter:
             else:
                 self._drainer = asyncio.create_task(self._drain_behind(batch), name="audit-drain")
 
+    async def _journal_run(self) -> None:
+        """A journal tick every interval until the writer stops."""
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._halt.wait(), timeout=self.journal_interval)
+            if self._stopping:
+                return
+            try:
+                await self._journal_tick(_Slices(min(self.rest, _JOURNAL_REST)))
+            except Exception:  # the journal must outlive one bad tick
+                log.exception("audit.journal_error")
+
+    async def journal_tick(self) -> bool:
+        """Journal now what was counted since the last tick (the background task does this
+        every ``journal_interval``); whether a line was written."""
+        async with self._tick_lock:
+            return await self._tick(_Slices(0.0), final=False)
+
+    async def _journal_tick(self, slices: _Slices) -> None:
+        async with self._tick_lock:
+            await self._tick(slices, final=False)
+
+    async def _tick(self, slices: _Slices, *, final: bool) -> bool:
+        """Take what was counted since the last tick into the window, and append it to the
+        window's journal file: from then on a kill -9 does not lose it. ``final``: the seal's
+        own take, which is journaled too (a seal paced over most of a second would otherwise
+        hold the answers of its last moments in memory only, for as long as it runs). Called
+        with ``_tick_lock`` held."""
+        window, generation = self._window, self._generation
+        journaling = generation != self._journal_broken
+        if not final:
+            if not journaling:
+                return False  # a write of this window failed: its seal covers it
+            if len(window) >= self.max_pending:
+                # Memory stays bounded as before the journal: leave the tallies with their
+                # sources (which shed new decisions past their budget) and seal now.
+                self._wake.set()
+                return False
+        at = self._clock()  # every answer counted before this instant is in this tick
+        # Per decision answered since the last tick: its index in the window and answers, and
+        # its first and last answer. Arrays, written out in one call each: this loop runs for
+        # every such decision ten times a second, so it is kept to the merge and four appends.
+        numbers = array("q")
+        spans = array("d")
+        index, counts, times = window.index, window.counts, window.times
+        clock = time.perf_counter
+        for record, n, first, last in self._take():
+            if n > 0:
+                i = index.get(record)
+                if i is None:
+                    i = window.add(record, n, first, last)
+                else:
+                    counts[i] += n
+                    if first < times[2 * i]:
+                        times[2 * i] = first
+                    if last > times[2 * i + 1]:
+                        times[2 * i + 1] = last
+                numbers.append(i)
+                numbers.append(n)
+                spans.append(first)
+                spans.append(last)
+            if clock() > slices.deadline:
+                await slices.next()
+        if not numbers or not journaling:
+            return False
+        body = self.journal.encode(generation, at, window.records, numbers, spans)
+        try:
+            await self._in_journal(self.journal.write, generation, body, self.spool.bound_store())
+        except OSError as exc:
+            self._journal_broken = generation
+            log.warning("audit.journal_write_failed", error=str(exc))
+            return False
+        self.journal_ticks += 1
+        if len(window) >= self.max_pending:
+            self._wake.set()
+        return True
+
+    async def _in_journal(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._journal_io is None:
+            # Not lowered in priority like the spool's thread: its work is a MAC and a write()
+            # per tick, and while it waits for a core the tick's answers are in memory only.
+            self._journal_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-journal")
+        return await asyncio.get_running_loop().run_in_executor(self._journal_io, fn, *args)
+
     async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._io is None:
             self._io = ThreadPoolExecutor(
@@ -332,11 +526,25 @@ class AuditWriter:
         """The window's tallies as chained rows, appended to the spool (on disk from here on,
         whatever happens to this task)."""
         async with self._lock:
-            records, counts, times = await self._gather(self._take(), slices)
-            batch = await self._seal(records, counts, times, slices)
+            self.seals += 1
+            journaled = self.journal_interval > 0
+            async with self._tick_lock:  # a tick in progress finishes first
+                if journaled:
+                    await self._tick(_Slices(min(slices.rest, _JOURNAL_REST)), final=True)
+                window, self._window = self._window, _Window()
+                generation = self._generation
+                self._generation += 1
+            if not journaled:
+                await self._gather(self._take(), slices, window)
+            batch = await self._seal(window.records, window.counts, window.times, slices)
             if len(batch):
-                batch.end = await self._in_io(_append, self.spool, batch)
+                # The rows and, with the chain's end, the journal generation they seal.
+                batch.end = await self._in_io(_append, self.spool, batch, generation)
                 batch.lines = []  # on disk now; a queued window keeps only what COPY needs
+            # Sealed (fsynced): the window's journal file is no longer needed. (Dropped in the
+            # journal's thread, after any write to it; dropping it before the rows were on
+            # disk would lose them to a crash in between.)
+            await self._in_journal(self.journal.drop_through, generation)
             return batch
 
     def _queue(self, batch: _Batch) -> None:
@@ -392,30 +600,14 @@ class AuditWriter:
                 self.counted += tally[1]
                 yield tally
 
-    async def _gather(
-        self, tallies: Iterator[Tally], slices: _Slices
-    ) -> tuple[list[AuditRecord], array[int], array[float]]:
-        """The tallies merged by record (identical decisions share a row), in order of first
-        appearance: records, their answer counts, and (first, last) answer times."""
-        index: dict[AuditRecord, int] = {}
-        records: list[AuditRecord] = []
-        counts = array("q")
-        times = array("d")
+    async def _gather(self, tallies: Iterator[Tally], slices: _Slices, window: _Window) -> None:
+        """The tallies merged by record into ``window`` (identical decisions share a row)."""
+        add = window.add
         clock = time.perf_counter
         for record, n, first, last in tallies:
-            i = index.get(record)
-            if i is None:
-                index[record] = len(records)
-                records.append(record)
-                counts.append(n)
-                times.extend((first, last))
-            else:
-                counts[i] += n
-                times[2 * i] = min(times[2 * i], first)
-                times[2 * i + 1] = max(times[2 * i + 1], last)
+            add(record, n, first, last)
             if clock() > slices.deadline:
                 await slices.next()
-        return records, counts, times
 
     async def _seal(
         self, records: list[AuditRecord], counts: array[int], times: array[float], slices: _Slices
@@ -636,11 +828,15 @@ class AuditWriter:
         return ChainHead(row.node_seq, row.row_hash, int(answers or 0))
 
 
-def _append(spool: Spool, batch: _Batch) -> int:
+def _append(spool: Spool, batch: _Batch, journal: int) -> int:
     """Append a batch's lines to the spool (the rows as :meth:`Spool.append` would write
-    them, rendered while sealing); where they end in it."""
+    them, rendered while sealing) and the journal generation they seal; where they end."""
     return spool.append_lines(
-        batch.lines, batch.first_seq + len(batch) - 1, batch.hashes[-1], batch.answers
+        batch.lines,
+        batch.first_seq + len(batch) - 1,
+        batch.hashes[-1],
+        batch.answers,
+        journal=journal,
     )
 
 
