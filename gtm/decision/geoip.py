@@ -55,9 +55,9 @@ UNKNOWN = Location(None, None, None, None, None)
 _V4_BUCKET = 24
 _V6_BUCKET = 48
 _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds several networks
-# Bounded (DESIGN.md rule 8): about 450 bytes an entry, so some 22 MiB at most; a flood of
-# random client subnets clears it often, which costs lookups, never memory.
-_CACHE_LIMIT = 50_000
+# Bounded (DESIGN.md rule 8): about 450 bytes an entry, so some 7 MiB a table at most; a flood
+# of random client subnets clears it often, which costs lookups, never memory.
+_CACHE_LIMIT = 16_384
 
 
 class GeoDatabase:

@@ -25,7 +25,10 @@ from gtm.decision.policy import DnsFailure, Place, Verdict
 from gtm.decision.snapshot import HealthState, RegionView, Snapshot
 from gtm.decision.topology import Service
 
-_PLAN_LIMIT = 50_000
+# About 1.1 KiB a plan (tracemalloc, demo topology): at most some 9 MiB. A flood of random
+# subnets makes a location, so a plan, per GeoIP network: past the limit the memo is cleared
+# and refills with the working set (a plan costs some tens of microseconds to make).
+_PLAN_LIMIT = 8_192
 
 
 # The fields of a Decision before ``location``, in order.
