@@ -73,7 +73,9 @@ Tally = tuple[AuditRecord, int, float, float]
 TallySource = Callable[[], Iterator[Tally]]
 
 _INSERT_BATCH = 64  # about a millisecond of SQLite work per statement
-_MAX_QUEUED_ROWS = 100_000  # sealed rows kept for the drain; beyond, it reads the spool
+# Sealed rows kept in memory for the drain (a few hundred bytes each); beyond, it reads them
+# back from the spool. 25,000: some 10 MiB, not the 100 MiB 100,000 came to under a flood.
+_MAX_QUEUED_ROWS = 25_000
 _PARTITIONS_EVERY_S = 3600.0  # how often the days ahead are checked for partitions
 _PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
@@ -411,7 +413,7 @@ class AuditWriter:
             if self._stopping:
                 return
             try:
-                batch = await self._seal_window(_Slices(self.rest))
+                batch = await self._seal_window(_Slices(self._pace()))
             except Exception:  # the writer must outlive one bad flush (a full disk, say)
                 log.exception("audit.flush_error")
                 continue
@@ -419,6 +421,21 @@ class AuditWriter:
                 self._queue(batch)
             else:
                 self._drainer = asyncio.create_task(self._drain_behind(batch), name="audit-drain")
+
+    def _pace(self) -> float:
+        """How long paced work rests, per second of work, now: ``rest``, except while new
+        decisions come faster than paced work seals and writes them (the open window past half
+        of ``max_pending``, or sealed windows waiting for the database), when it rests no
+        longer than it worked: the writer then takes about half the core instead of a seventh,
+        and the answering paths answer more slowly rather than shed what it cannot take (a
+        random-subnet flood: the DNS responder sheds new decisions past its budget)."""
+        if (
+            self._queued
+            or self._behind
+            or len(self._window) + len(self._pending) >= self.max_pending // 2
+        ):
+            return min(self.rest, 1.0)
+        return self.rest
 
     async def _journal_run(self) -> None:
         """A journal tick every interval until the writer stops."""
@@ -580,13 +597,13 @@ class AuditWriter:
     async def _drain_behind(self, batch: _Batch) -> None:
         """A background drain: this window, then the windows sealed meanwhile, in order."""
         try:
-            await self._drain_window(batch, _Slices(self.rest))
+            await self._drain_window(batch, _Slices(self._pace()))
             while (self._queued or self._behind) and not self._stopping and not self._backlog:
                 if self._queued:
                     oldest = self._queued.popleft()
-                    await self._drain_window(oldest, _Slices(self.rest), oldest=True)
+                    await self._drain_window(oldest, _Slices(self._pace()), oldest=True)
                 else:
-                    await self._drain_window(None, _Slices(self.rest))
+                    await self._drain_window(None, _Slices(self._pace()))
             # A drain that failed leaves the rest queued: the next one reads the spool.
         except Exception:  # the writer must outlive one bad drain; the spool keeps the rows
             log.exception("audit.flush_error")

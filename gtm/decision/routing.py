@@ -186,9 +186,7 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
         return Decision(*held, location, net, scope, snapshot.versions, basis)
     spill = snapshot.topology.routing.spillover
     cap = snapshot.capacity.get(chosen.id)
-    sharing = (
-        cap is not None and cap.spilling and now - cap.reported_at <= spill.stale_after_s
-    )
+    sharing = cap is not None and cap.spilling and now - cap.reported_at <= spill.stale_after_s
     if (
         cap is None
         or not sharing
