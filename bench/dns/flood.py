@@ -1,6 +1,6 @@
 """Cache-busting floods against GTM's DNS responder: goodput, peak memory and audit rows.
 
-    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k]
+    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k] [--before REV]
                               [--budget-mb 64] [--no-before] [--json FILE]
 
 Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
@@ -12,7 +12,7 @@ Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
 
 Every set is sent by dnsperf (closed loop, CPU 1) to, in turn: the bare Python ceiling (one
 pre-rendered answer, ``bare.py``), GTM as it is in this checkout, and, unless ``--no-before``,
-GTM as committed at HEAD (``git archive``: the code before the working tree's changes), each
+GTM as committed at ``--before`` (default HEAD, the code before the working tree's changes; ``git archive``), each
 pinned to CPU 0. GTM is started afresh for each set, so its peak RSS (VmHWM) is that set's;
 the ceiling runs once per set too, just before, so each row's figures are taken side by side.
 Response rate limiting is off (every query comes from one loopback address), the audit store is
@@ -140,12 +140,12 @@ def audit_rows(database: Path) -> int:
         return int(conn.execute("SELECT COUNT(*) FROM decisions").fetchone()[0])
 
 
-def before_checkout(work: Path) -> Path:
-    """HEAD's tree, unpacked (git archive reads the repository; it changes nothing)."""
+def before_checkout(work: Path, rev: str = "HEAD") -> Path:
+    """The tree at ``rev``, unpacked (git archive reads the repository; it changes nothing)."""
     target = work / "before"
     target.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
     return target
@@ -170,14 +170,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--sets", nargs="*", default=list(SETS), choices=list(SETS))
     parser.add_argument("--budget-mb", type=float, default=64)
-    parser.add_argument("--no-before", action="store_true", help="skip GTM as at HEAD")
+    parser.add_argument("--no-before", action="store_true", help="skip GTM as at --before")
+    parser.add_argument("--before", default="HEAD", help="the commit to compare with")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     geoip = default_database_path()
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="gtm-flood-") as tmp:
         work = Path(tmp)
-        before = None if args.no_before else before_checkout(work)
+        before = None if args.no_before else before_checkout(work, args.before)
         for set_name in args.sets:
             data = write_set(work / f"{set_name}.bin", set_name, SETS[set_name])
             row: dict[str, dict[str, float]] = {}
