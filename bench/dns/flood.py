@@ -1,7 +1,7 @@
 """Cache-busting floods against GTM's DNS responder: goodput, peak memory and audit rows.
 
-    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k] [--before REV]
-                              [--budget-mb 64] [--no-before] [--json FILE]
+    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k]
+                              [--budget-mb 64] [--no-before] [--before REV] [--json FILE]
 
 Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
 
@@ -12,9 +12,10 @@ Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
 
 Every set is sent by dnsperf (closed loop, CPU 1) to, in turn: the bare Python ceiling (one
 pre-rendered answer, ``bare.py``), GTM as it is in this checkout, and, unless ``--no-before``,
-GTM as committed at ``--before`` (default HEAD, the code before the working tree's changes; ``git archive``), each
-pinned to CPU 0. GTM is started afresh for each set, so its peak RSS (VmHWM) is that set's;
-the ceiling runs once per set too, just before, so each row's figures are taken side by side.
+GTM as committed at ``--before`` (default HEAD: the code before the working tree's changes;
+``git archive``), each pinned to CPU 0. GTM is started afresh for each set, so its peak RSS
+(VmHWM) is that set's; the ceiling runs once per set too, just before, so each row's figures
+are taken side by side.
 Response rate limiting is off (every query comes from one loopback address), the audit store is
 SQLite. Reported per set and server: goodput (answers/s), its share of the ceiling's, lost
 queries, peak RSS, the heap (RssAnon) when the flood starts and how far it grows under it (the

@@ -40,6 +40,7 @@ from gtm.geodns.zone import zone_data
 from gtm.node import Node, run_node
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES, ROOT
+from tests.support import resolvers
 from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
@@ -623,73 +624,25 @@ def test_nsec_next_name_is_lower_case_whatever_the_question() -> None:
 StartUnbound = Callable[[int, ZoneKey], Awaitable[int]]
 
 
-def validating_unbound_argv(work: Path, port: int, auth: int, anchor: str) -> list[str]:
-    (work / "unbound.conf").write_text(
-        f"""server:
-  interface: 127.0.0.1
-  port: {port}
-  do-daemonize: no
-  username: ""
-  chroot: ""
-  directory: "{work}"
-  pidfile: ""
-  use-syslog: no
-  logfile: ""
-  verbosity: 1
-  do-ip6: no
-  do-not-query-localhost: no
-  module-config: "subnetcache validator iterator"
-  send-client-subnet: 127.0.0.1
-  max-client-subnet-ipv4: 24
-  qname-minimisation: no
-  trust-anchor-file: ""
-  trust-anchor: "{anchor}"
-  val-log-level: 2
-remote-control:
-  control-enable: no
-stub-zone:
-  name: "gtm.example."
-  stub-addr: 127.0.0.1@{auth}
-"""
-    )
-    return [require("unbound"), "-d", "-c", str(work / "unbound.conf")]
-
-
 @pytest.fixture
 async def start_unbound(tmp_path: Path) -> AsyncIterator[StartUnbound]:
     """unbound validating the zone served at ``auth`` from ``key``'s DS as its trust anchor."""
-    procs: list[asyncio.subprocess.Process] = []
+    running = resolvers.Resolvers()
+
+    async def answers(port: int) -> bool:
+        await resolve(port, "gtm.example.", "SOA")
+        return True
 
     async def start(auth: int, anchored: ZoneKey) -> int:
-        work = tmp_path / f"unbound{len(procs)}"
+        work = tmp_path / f"unbound{len(running.procs)}"
         work.mkdir()
         port = free_tcp_udp_port()
         anchor = f"gtm.example. IN DS {anchored.ds('gtm.example.').to_text()}"
-        with (work / "log").open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *validating_unbound_argv(work, port, auth, anchor), stdout=log, stderr=log
-            )
-        procs.append(proc)
-
-        async def answers() -> bool:
-            assert proc.returncode is None, (work / "log").read_text()
-            try:
-                await resolve(port, "gtm.example.", "SOA")
-            except (TimeoutError, OSError, dns.exception.DNSException):
-                return False
-            return True
-
-        await eventually(answers, within=30, what="unbound answering")
-        return port
+        argv = resolvers.unbound_argv(require("unbound"), work, port, auth, trust_anchor=anchor)
+        return await running.start(argv, work, port, answers, "unbound answering")
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    await running.stop()
 
 
 async def resolve(

@@ -12,7 +12,6 @@ Recursor turns into a throttled SERVFAIL for 60 s and more, neither happens in t
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gtm.fleet import operator
 from gtm.fleet.region_state import Force
 from tests.conftest import POLICIES
+from tests.support import resolvers
 from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
@@ -71,33 +71,7 @@ def pdns_recursor_argv(work: Path, port: int, auth: int) -> list[str]:
 
 
 def unbound_argv(work: Path, port: int, auth: int) -> list[str]:
-    config = work / "unbound.conf"
-    config.write_text(
-        f"""server:
-  interface: 127.0.0.1
-  port: {port}
-  do-daemonize: no
-  username: ""
-  chroot: ""
-  directory: "{work}"
-  pidfile: ""
-  use-syslog: no
-  logfile: ""
-  do-ip6: no
-  do-not-query-localhost: no
-  module-config: "subnetcache iterator"
-  send-client-subnet: 127.0.0.1
-  max-client-subnet-ipv4: 24
-  qname-minimisation: no
-  trust-anchor-file: ""
-remote-control:
-  control-enable: no
-stub-zone:
-  name: "gtm.example."
-  stub-addr: 127.0.0.1@{auth}
-"""
-    )
-    return [require("unbound"), "-d", "-c", str(config)]
+    return resolvers.unbound_argv(require("unbound"), work, port, auth)
 
 
 ARGV = {"pdns_recursor": pdns_recursor_argv, "unbound": unbound_argv}
@@ -106,37 +80,21 @@ ARGV = {"pdns_recursor": pdns_recursor_argv, "unbound": unbound_argv}
 @pytest.fixture
 async def start_resolver(tmp_path: Path) -> AsyncIterator[StartResolver]:
     """Start a resolver forwarding the zone to ``auth``; its port once it answers."""
-    procs: list[asyncio.subprocess.Process] = []
+    running = resolvers.Resolvers()
+
+    async def answers(port: int) -> bool:
+        return (await ask(port, "gtm.example.", "SOA")).rcode() == dns.rcode.NOERROR
 
     async def start(kind: str, auth: int) -> int:
         work = tmp_path / kind
         work.mkdir()
         port = free_tcp_udp_port()
-        with (work / "log").open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *ARGV[kind](work, port, auth), stdout=log, stderr=log
-            )
-        procs.append(proc)
-
-        async def answers() -> bool:
-            assert proc.returncode is None, (work / "log").read_text()
-            try:
-                reply = await ask(port, "gtm.example.", "SOA")
-            except (TimeoutError, OSError, dns.exception.DNSException):
-                return False
-            return reply.rcode() == dns.rcode.NOERROR
-
-        await eventually(answers, within=30, what=f"{kind} answering")
-        return port
+        return await running.start(
+            ARGV[kind](work, port, auth), work, port, answers, f"{kind} answering"
+        )
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    await running.stop()
 
 
 async def ask(
