@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from ipaddress import ip_network
 from typing import Any
 
 from sqlalchemy import ColumnElement, Text, cast, func, select
@@ -201,16 +202,31 @@ class Filters:
     node: str | None = None
 
 
+def enclosing_networks(text: str) -> list[str]:
+    """The client networks a row may be recorded under for a client in ``text`` (an address or a
+    network): the network itself and every wider one holding it. Rows record the client at the
+    precision its decision depended on (a DNS answer for a whole GeoIP network records that
+    network, gtm.geodns.precision), so a search for a /24 must find the /13 it lies in; as
+    exact strings, the match stays an indexed IN. Text that is not an address is matched as
+    it is."""
+    try:
+        network = ip_network(text.strip(), strict=False)
+    except ValueError:
+        return [text]
+    return [str(network.supernet(new_prefix=p)) for p in range(network.prefixlen, -1, -1)]
+
+
 def _where(query: Any, f: Filters) -> Any:
     c = decisions.c
     if f.since_us is not None:
         query = query.where(c.last_at_us >= f.since_us)
     if f.until_us is not None:
         query = query.where(c.first_at_us < f.until_us)
+    if f.client_network is not None:
+        query = query.where(c.client_network.in_(enclosing_networks(f.client_network)))
     for column, value in (
         (c.service, f.service),
         (c.name, f.name),
-        (c.client_network, f.client_network),
         (c.region, f.region),
         (c.outcome, f.outcome),
         (c.node, f.node),

@@ -56,7 +56,13 @@ def filters(
     until: Annotated[float | None, Query(ge=0, le=_LATEST, description="unix seconds")] = None,
     service: str | None = None,
     name: str | None = None,
-    client_network: str | None = None,
+    client_network: Annotated[
+        str | None,
+        Query(
+            description="an address or network: rows recorded for it or for any network "
+            "holding it (DNS answers for a whole GeoIP network record that network)"
+        ),
+    ] = None,
     region: str | None = None,
     outcome: str | None = None,
     residency_class: str | None = None,

@@ -8,12 +8,14 @@ import time
 
 from sqlalchemy import text
 
+from gtm.audit import query as audit_query
 from gtm.decision.snapshot import RegionCapacity
 
 from .conftest import StartNode, udp
 from .test_server import addresses, ecs_of, q
 
 # The test GeoIP database puts all of 100.72.0.0/13 in Frankfurt (tests/support/geoip.py).
+CHAT = "chat.gtm.example."
 FRANKFURT = [f"100.{72 + i // 256}.{i % 256}.0" for i in range(0, 2048, 41)]
 
 
@@ -51,6 +53,16 @@ async def test_subnets_of_one_geoip_network_share_a_rendering_and_a_row(
         assert echo.scopelen == 13
     assert responder.stats.cache_misses - misses == 1
     assert await _rows(node) == {"100.72.0.0/13": len(FRANKFURT)}
+    # Searching the audit for one of those clients finds the network's row.
+    for client in ("100.72.41.0/24", "100.73.1.9"):
+        found, _ = await audit_query.search(
+            node.runtime.engine, audit_query.Filters(client_network=client, name=CHAT)
+        )
+        assert [r["client_network"] for r in found] == ["100.72.0.0/13"], client
+    elsewhere, _ = await audit_query.search(
+        node.runtime.engine, audit_query.Filters(client_network="100.80.0.0/24", name=CHAT)
+    )
+    assert elsewhere == []
 
 
 async def test_a_network_split_by_a_spill_share_is_rendered_and_audited_per_subnet(
