@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 ## test: the suite CI runs (slow suites excluded; PostgreSQL tests need GTM_TEST_POSTGRES_URL or pg_ctl)
 test: $(STAMP)
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow -q
