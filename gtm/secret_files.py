@@ -6,6 +6,7 @@ the file, its mode and the fix, instead of reading a key that others on the mach
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from gtm.errors import ConfigError, Problem
@@ -44,4 +45,14 @@ def read_owner_only(path: Path, what: str) -> bytes:
         ) from None
 
 
-__all__ = ["check_owner_only", "read_owner_only"]
+def write_new_owner_only(path: Path, data: bytes) -> None:
+    """Write a new secret file: mode 0600 from the first byte, flushed to disk, and never over
+    an existing file (:class:`FileExistsError`): a key others already trust is not replaced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+__all__ = ["check_owner_only", "read_owner_only", "write_new_owner_only"]

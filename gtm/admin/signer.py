@@ -8,7 +8,6 @@ version every node accepts (:mod:`gtm.fleet.signed_documents`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from gtm.audit.keys import load_private_key
 from gtm.fleet.signed_documents import Manifest, key_id
+from gtm.secret_files import write_new_owner_only
 
 PRIVATE_NAME = "document-signing.key"
 PUBLIC_NAME = "document-signing.pub"
@@ -55,10 +55,7 @@ def generate(directory: Path) -> tuple[Path, Path]:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    # O_EXCL: never replace a key nodes already trust; 0600 from the first byte.
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(pem)
+    write_new_owner_only(private, pem)  # never replaces a key nodes already trust
     public.write_bytes(
         key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

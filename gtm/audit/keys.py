@@ -11,14 +11,13 @@ hashes recomputed, no longer verifies.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from gtm.errors import ConfigError, Problem
-from gtm.secret_files import read_owner_only
+from gtm.secret_files import read_owner_only, write_new_owner_only
 
 KEY_NAME = "audit-signing.key"
 
@@ -56,21 +55,16 @@ def load_or_create(path: Path) -> ChainKey:
     """The key in ``path``, made (0600 from the first byte) when there is none. A key file that
     others may read, or that is not an Ed25519 private key, is a start-up error."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        write_new_owner_only(path, pem)
     except FileExistsError:
         return _load(path)
-    key = Ed25519PrivateKey.generate()
-    with os.fdopen(fd, "wb") as out:
-        out.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        out.flush()
-        os.fsync(out.fileno())
     return ChainKey(key)
 
 

@@ -12,7 +12,6 @@ is a start-up error naming the file: a zone configured as signed never answers u
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from gtm.errors import ConfigError, Problem
-from gtm.secret_files import read_owner_only
+from gtm.secret_files import read_owner_only, write_new_owner_only
 
 ALGORITHM = 13  # ECDSAP256SHA256 (RFC 6605)
 CSK_FLAGS = 257  # ZONE | SEP: one key signs the DNSKEY RRset and the zone's data
@@ -126,11 +125,7 @@ def generate(path: Path) -> ZoneKey:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(pem)
-        out.flush()
-        os.fsync(out.fileno())
+    write_new_owner_only(path, pem)
     return zone_key(path, private)
 
 
