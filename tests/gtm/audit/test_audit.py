@@ -308,3 +308,20 @@ def test_row_templates_render_the_canonical_row_byte_for_byte(snapshot: Snapshot
             )
             assert body == canonical
             assert hashlib.sha256(b"prev" + body).hexdigest() == row_hash("prev", row)
+
+
+async def test_paced_work_rests_less_while_new_decisions_pile_up(
+    engine: AsyncEngine, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    """Paced flushes rest ``rest`` times as long as they worked; with the open window past half
+    of max_pending they rest no longer than they worked, so the writer keeps up with a flood of
+    new decisions instead of the DNS responder shedding them."""
+    writer = AuditWriter(engine, "node-a", Spool(tmp_path / "spool", "node-a"), max_pending=4)
+    assert writer._pace() == writer.rest > 1.0
+    a, b, _ = records(snapshot)
+    writer.count(a, n=5)  # many answers, one decision: no pressure
+    assert writer._pace() == writer.rest
+    writer.count(b)
+    assert writer._pace() == 1.0
+    await writer.flush()  # sealed and written: back to the usual pace
+    assert writer._pace() == writer.rest
