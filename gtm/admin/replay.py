@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ipaddress import ip_network
 from typing import Any
 
+from gtm.audit.record import is_folded
 from gtm.decision.model import Channel, DecisionRequest, Reason
 from gtm.decision.routing import decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot
@@ -65,6 +66,12 @@ def replay(row: dict[str, Any], snapshot: Snapshot, now: float) -> Replayed:
         )
     state = snapshot.evolve(now, health=health, capacity={})
     network = ip_network(row["client_network"], strict=False)
+    if row["channel"] == Channel.DNS.value and is_folded(network):
+        notes.append(
+            f"a folded row: this decision's answers to every client in {network} while new"
+            " client networks came faster than the audit writer sealed them; replayed for"
+            " the bucket's first address: approximate"
+        )
     ecs = ip_network(row["ecs_prefix"], strict=False) if row["ecs_prefix"] else None
     request = DecisionRequest(
         Channel(row["channel"]),

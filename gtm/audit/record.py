@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any, NamedTuple
 
 import orjson
@@ -19,6 +20,16 @@ from gtm.decision.model import Decision
 from gtm.decision.snapshot import Versions
 
 GENESIS = "0" * 64
+
+# Folded DNS rows (gtm.geodns.shapes) count a decision per client bucket while new client
+# networks come faster than the writer seals them: an IPv4 /8 (at most 256 of them), an IPv6
+# /20 (RIR allocations; the address space GeoIP places holds a few thousand).
+FOLD_V4, FOLD_V6 = 8, 20
+
+
+def is_folded(network: IPv4Network | IPv6Network) -> bool:
+    """Whether a recorded client network is a fold bucket's (or wider)."""
+    return network.prefixlen <= (FOLD_V4 if network.version == 4 else FOLD_V6)
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,45 +166,56 @@ class Spool:
     def pending(self) -> list[dict[str, Any]]:
         return self.pending_through()[0]
 
-    def pending_through(self) -> tuple[list[dict[str, Any]], int]:
-        """Rows waiting for the database, in order, and the logical offset where they end. A
-        line whose MAC does not verify (edited on disk, or torn by a crash: never acknowledged
-        as flushed) is refused, kept aside with the reason in ``audit-<node>.rejected`` and
-        counted; rows after it still count, and if rows were lost with it, the chain shows the
-        gap (``gtm audit verify``)."""
+    def pending_through(self, max_rows: int | None = None) -> tuple[list[dict[str, Any]], int]:
+        """Rows waiting for the database, in order, and the logical offset where they end: all
+        of them, or the first ``max_rows`` (a writer that fell behind drains the spool a part at
+        a time, so reading it back costs bounded memory). A line whose MAC does not verify
+        (edited on disk, or torn by a crash: never acknowledged as flushed) is refused, kept
+        aside with the reason in ``audit-<node>.rejected`` and counted; rows after it still
+        count, and if rows were lost with it, the chain shows the gap (``gtm audit verify``)."""
         try:
-            data = self.path.read_bytes()
+            f = self.path.open("rb")
         except FileNotFoundError:
             return [], self._base
-        rows = []
+        rows: list[dict[str, Any]] = []
         kept: list[bytes] = []
+        lines: list[bytes] = []
         self.rejected = []
-        for n, line in enumerate(data.splitlines(), 1):
-            if not line:
-                continue
-            body, _, mac = line.rpartition(b"\t")
-            reason = None
-            if not body:
-                reason = "no MAC (torn write, or written by something else)"
-            elif not hmac.compare_digest(mac, self._mac(body)):
-                reason = "MAC does not verify: the line was altered after it was written"
-            else:
-                try:
-                    rows.append(orjson.loads(body))
-                    kept.append(line + b"\n")
-                except orjson.JSONDecodeError:
-                    reason = "MAC verifies but the row does not parse"
-            if reason is not None:
-                self.rejected.append(Rejected(n, reason))
+        consumed = 0
+        with f:
+            for raw in f:
+                if max_rows is not None and len(rows) >= max_rows:
+                    break
+                consumed += len(raw)
+                line = raw.rstrip(b"\n")
+                lines.append(line)
+                if not line:
+                    continue
+                body, _, mac = line.rpartition(b"\t")
+                reason = None
+                if not body:
+                    reason = "no MAC (torn write, or written by something else)"
+                elif not hmac.compare_digest(mac, self._mac(body)):
+                    reason = "MAC does not verify: the line was altered after it was written"
+                else:
+                    try:
+                        rows.append(orjson.loads(body))
+                        kept.append(line + b"\n")
+                    except orjson.JSONDecodeError:
+                        reason = "MAC verifies but the row does not parse"
+                if reason is not None:
+                    self.rejected.append(Rejected(len(lines), reason))
+            rest = f.read() if self.rejected else b""
         if self.rejected:
-            self._keep_rejected(data.splitlines())
+            self._keep_rejected(lines)
             # Set aside once: the spool keeps only the lines that verify, so a retry while the
             # database is away does not refuse (and count) the same line again.
             compact = b"".join(kept)
-            _write_private(self.path, compact)
+            _write_private(self.path, compact + rest)
             # The refused bytes count as discarded: later offsets keep their meaning.
-            self._base += len(data) - len(compact)
-        return rows, self._base + self.size()
+            self._base += consumed - len(compact)
+            return rows, self._base + len(compact)
+        return rows, self._base + consumed
 
     def _keep_rejected(self, lines: list[bytes]) -> None:
         fd = os.open(self.rejected_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

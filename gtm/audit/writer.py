@@ -107,6 +107,8 @@ def _insert_sql(paramstyle: str) -> str:
     )
 
 
+# Rows read back from the spool per part of a drain (about 2 KiB each as dictionaries).
+_SPOOL_READ_ROWS = 5_000
 # The COPY path calls psycopg itself: an error there may reach us unwrapped by SQLAlchemy.
 _DB_ERRORS = (SQLAlchemyError, OSError, psycopg.Error)
 # Text COPY. Binary COPY takes 15% more rows a second raw (bench/audit.py's baselines) but did
@@ -668,12 +670,29 @@ class AuditWriter:
     async def _drain(self, batch: _Batch | None, slices: _Slices) -> int:
         """Insert the sealed rows (``batch``, or what the spool holds when it may hold more),
         then empty the spool. One transaction per insert batch, so a paced drain holds no write
-        lock while it rests: a crash in between leaves committed rows that the replay skips."""
+        lock while it rests: a crash in between leaves committed rows that the replay skips.
+        The spool is read back :data:`_SPOOL_READ_ROWS` rows at a time: a writer far behind (a
+        flood of new decisions, a database back after an outage) read it whole, hundreds of
+        megabytes of row dictionaries at once."""
+        if batch is not None:
+            return (await self._drain_part(batch, slices))[0]
+        written = 0
+        while True:
+            self._backlog = True  # until this part is in, the spool holds rows no drain took
+            part, more = await self._drain_part(None, slices)
+            written += part
+            if not more:
+                return written
+
+    async def _drain_part(self, batch: _Batch | None, slices: _Slices) -> tuple[int, bool]:
+        """:meth:`_drain` for ``batch``, or for the spool's next rows: rows written, and
+        whether the spool may hold more after them."""
         rows: list[dict[str, Any]] = []
         if batch is None:
-            rows, end = await self._in_io(self.spool.pending_through)
+            rows, end = await self._in_io(self.spool.pending_through, _SPOOL_READ_ROWS)
         else:
             end = batch.end
+        more = batch is None and len(rows) >= _SPOOL_READ_ROWS
         total = len(rows) if batch is None else len(batch)
         if not total:
             # Nothing in the spool, nor sealed: the next flush need not read the spool back.
@@ -681,7 +700,7 @@ class AuditWriter:
             # spool, parsing each row back from JSON, on the answering path's core.)
             self._backlog = False
             metrics.AUDIT_SPOOLED_ROWS.set(0)
-            return 0
+            return 0, False
         written = 0
         await self._ensure_partitions()
         try:
@@ -748,7 +767,7 @@ class AuditWriter:
             metrics.AUDIT_ROWS_WRITTEN.inc(written)
             log.warning("audit.flush_failed", spooled=total, error=self.last_error)
             await self._watch_spool()
-            return 0
+            return 0, False
         await self._in_io(self.spool.discard_through, end)
         while self._queued and self._queued[0].end <= end:
             self._queued.popleft()  # read back from the spool with the rest, and committed
@@ -758,7 +777,7 @@ class AuditWriter:
         metrics.AUDIT_SPOOL_BYTES.set(0)
         metrics.AUDIT_SPOOL_OVER_CAP.set(0)
         metrics.AUDIT_ROWS_WRITTEN.inc(written)
-        return written
+        return written, more
 
     async def _copy(
         self, conn: AsyncConnection, chunks: Iterator[list[tuple[Any, ...]]], slices: _Slices

@@ -23,6 +23,7 @@ from pathlib import Path
 import maxminddb
 import structlog
 
+from gtm.decision.mmdb_offsets import open_offsets
 from gtm.errors import GeoIPError
 
 log = structlog.get_logger(__name__)
@@ -86,26 +87,40 @@ class GeoDatabase:
         self._buckets6: dict[int, Location] = {}
         self._exact: dict[IPAddress, Location] = {}
         self.lookups = 0  # reader calls (cache misses), for metrics and the benchmark
+        # The tree walk without the decoding (gtm.decision.mmdb_offsets), and the decoded
+        # records by their offset: each distinct record is decoded once.
+        self._offsets = open_offsets(path, meta.ip_version == 6)
+        self._places: dict[int, _Place] = {}
+        self._where: dict[int, tuple[_Place, int]] = {}
 
     def close(self) -> None:
+        if self._offsets is not None:
+            self._offsets.close()
         self._reader.close()
 
     def locate(self, address: IPAddress) -> Location:
         """The client's location; :data:`UNKNOWN` (with its network) if not in the database."""
-        if address.version == 4:
-            buckets, key = self._buckets4, int(address) >> (32 - _V4_BUCKET)
+        return self.locate_int(address.version, int(address), address)
+
+    def locate_int(self, version: int, value: int, address: IPAddress | None = None) -> Location:
+        """:meth:`locate` for the address given as its version and integer (the DNS path's ECS
+        addresses come as octets: no address object is made unless the database is read)."""
+        if version == 4:
+            buckets, key = self._buckets4, value >> (32 - _V4_BUCKET)
             bucket_len = _V4_BUCKET
         else:
-            buckets, key = self._buckets6, int(address) >> (128 - _V6_BUCKET)
+            buckets, key = self._buckets6, value >> (128 - _V6_BUCKET)
             bucket_len = _V6_BUCKET
         hit = buckets.get(key)
         if hit is not None and hit is not _SPLIT:
             return hit
+        if address is None:
+            address = IPv4Address(value) if version == 4 else IPv6Address(value)
         if hit is _SPLIT:
             exact = self._exact.get(address)
             if exact is not None:
                 return exact
-        loc = self._lookup(address)
+        loc = self._lookup(address, value)
         if len(buckets) >= _CACHE_LIMIT or len(self._exact) >= _CACHE_LIMIT:
             # A full clear is cheap and keeps memory bounded; the working set refills quickly.
             buckets.clear()
@@ -117,41 +132,113 @@ class GeoDatabase:
             self._exact[address] = loc
         return loc
 
-    def _lookup(self, address: IPAddress) -> Location:
+    def where(self, version: int, value: int) -> tuple[_Place, int]:
+        """(country, continent, latitude, longitude) of an address given as its version and
+        integer, and the prefix length of its database network: what the DNS path's ECS answers
+        depend on (gtm.geodns.shapes), without the network and location objects
+        :meth:`locate` makes. Memoised per /24 (/48), like :meth:`locate`."""
+        key = value >> 8 if version == 4 else -(value >> 80) - 1  # v6 keys negative: one table
+        hit = self._where.get(key)
+        if hit is not None and hit[1] <= (24 if version == 4 else 48):
+            return hit
+        offsets = self._offsets
+        if offsets is None:
+            loc = self.locate_int(version, value)
+            net = loc.network
+            found = ((loc.country, loc.continent, loc.lat, loc.lon), net.prefixlen if net else 0)
+        else:
+            self.lookups += 1
+            try:
+                offset, prefix_len = offsets.lookup(version, value)
+            except ValueError:
+                loc = self.locate_int(version, value)  # says so in the log, gives UNKNOWN
+                return (None, None, None, None), loc.network.prefixlen if loc.network else 0
+            place = _NOWHERE if offset < 0 else self._places.get(offset)
+            if place is None:
+                if len(self._places) >= _PLACES_LIMIT:
+                    self._places.clear()
+                address = IPv4Address(value) if version == 4 else IPv6Address(value)
+                place = self._places[offset] = _place(self._reader.get(address))
+            found = (place, prefix_len)
+        if len(self._where) >= _WHERE_LIMIT:
+            self._where.clear()
+        # A network narrower than the bucket is not kept: another address of the bucket may
+        # be elsewhere (the check above sends such buckets back here).
+        self._where[key] = found
+        return found
+
+    def _lookup(self, address: IPAddress, value: int) -> Location:
         self.lookups += 1
+        offsets = self._offsets
         try:
+            if offsets is not None:
+                offset, prefix_len = offsets.lookup(address.version, value)
+                network = _network(address.version, value, prefix_len)
+                if offset < 0:
+                    return Location(None, None, None, None, network)
+                place = self._places.get(offset)
+                if place is None:
+                    if len(self._places) >= _PLACES_LIMIT:
+                        self._places.clear()
+                    record = self._reader.get(address)
+                    place = self._places[offset] = _place(record)
+                return Location(*place, network)
             record, prefix_len = self._reader.get_with_prefix_len(address)
         except (ValueError, maxminddb.InvalidDatabaseError) as exc:
             # A database corrupt past its metadata: this address is unknown, nothing crashes.
             log.warning("geoip.lookup_failed", address=str(address), error=str(exc))
             return UNKNOWN
-        network = _network(address, prefix_len)
-        if not isinstance(record, dict):
-            return Location(None, None, None, None, network)
-        country = _field(record, "country", "iso_code") or _field(
-            record, "registered_country", "iso_code"
+        return Location(*_place(record), _network(address.version, value, prefix_len))
+
+
+_Place = tuple[str | None, str | None, float | None, float | None]
+_NOWHERE: _Place = (None, None, None, None)
+# where()'s memo: about 100 bytes a /24 (the place tuples are shared), some 6 MiB at most.
+_WHERE_LIMIT = 65_536
+# Decoded records by offset: a few hundred thousand at most in a City database, about 200
+# bytes each; bounded all the same (DESIGN.md rule 8).
+_PLACES_LIMIT = 65_536
+
+
+def _place(record: object) -> _Place:
+    """(country, continent, latitude, longitude) of a decoded City record."""
+    if not isinstance(record, dict):
+        return (None, None, None, None)
+    get = record.get
+    country = _field(get("country"), "iso_code") or _field(get("registered_country"), "iso_code")
+    where = get("location")
+    lat, lon = _field(where, "latitude"), _field(where, "longitude")
+    return (
+        _text(country),
+        _text(_field(get("continent"), "code")),
+        float(lat) if isinstance(lat, int | float) else None,
+        float(lon) if isinstance(lon, int | float) else None,
+    )
+
+
+_NETWORKS: dict[tuple[int, int, int], IPNetwork] = {}
+_NETWORKS_LIMIT = 16_384  # about 150 bytes each: some 2.5 MiB
+
+
+def _network(version: int, value: int, prefix_len: int) -> IPNetwork:
+    """The database network holding an address. Memoised: a network is read for each /24
+    looked up in it (a random-subnet flood reads about two per network), and making one costs
+    more than the dictionary lookup; integer masking beats ip_network((addr, len), False)."""
+    shift = (32 if version == 4 else 128) - prefix_len
+    key = (version, value >> shift, prefix_len)
+    network = _NETWORKS.get(key)
+    if network is None:
+        if len(_NETWORKS) >= _NETWORKS_LIMIT:
+            _NETWORKS.clear()
+        network = _NETWORKS[key] = (
+            IPv4Network((key[1] << shift, prefix_len))
+            if version == 4
+            else IPv6Network((key[1] << shift, prefix_len))
         )
-        lat, lon = _field(record, "location", "latitude"), _field(record, "location", "longitude")
-        return Location(
-            country=_text(country),
-            continent=_text(_field(record, "continent", "code")),
-            lat=float(lat) if isinstance(lat, int | float) else None,
-            lon=float(lon) if isinstance(lon, int | float) else None,
-            network=network,
-        )
+    return network
 
 
-def _network(address: IPAddress, prefix_len: int) -> IPNetwork:
-    # Integer masking: several times cheaper than ip_network((address, len), strict=False).
-    if address.version == 4:
-        shift = 32 - prefix_len
-        return IPv4Network((int(address) >> shift << shift, prefix_len))
-    shift = 128 - prefix_len
-    return IPv6Network((int(address) >> shift << shift, prefix_len))
-
-
-def _field(record: dict[str, object], section: str, key: str) -> object:
-    part = record.get(section)
+def _field(part: object, key: str) -> object:
     return part.get(key) if isinstance(part, dict) else None
 
 

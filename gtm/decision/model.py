@@ -113,3 +113,7 @@ class Decision(NamedTuple):
     scope_prefix: int
     versions: Versions
     residency_basis: Basis = Basis.ADDRESS
+    # The answer depends on the client network itself, not only on where it is: a re-admission
+    # or spill share splits the chosen region's clients by a hash of their network. Answers
+    # for one GeoIP location can then differ from network to network (gtm.geodns.shapes).
+    by_network: bool = False

@@ -428,3 +428,25 @@ def _health_table(snapshot: Snapshot) -> dict[str, Reason | None]:
 
 def _ordered(candidates: dict[str, Candidate], service: Service) -> tuple[Candidate, ...]:
     return tuple(candidates[r] for r in service.regions if r in candidates)
+
+
+def location_class(
+    snapshot: Snapshot, service: Service, location: Location, resolver: Place | None
+) -> tuple[object, ...]:
+    """What a DNS plan (no extra residency classes, no tenant) reads of ``location``: its
+    country and continent (the policy's rules, the latency map) and the order in which its
+    coordinates rank the regions the verdict allows. Two locations of one class, with the same
+    resolver place, get plans that differ only in their distances, so decisions that differ
+    only in location, client network and scope (``gtm.geodns.shapes`` renders one answer per
+    class). Costs a ranking, memoised like :func:`plan_for`'s."""
+    classes = frozenset({service.residency_class}) if service.residency_class else frozenset()
+    verdict = _verdict(snapshot, classes, None, location, resolver)
+    ranking = _rank(snapshot, service, verdict, location)
+    return (
+        service.id,
+        location.country,
+        location.continent,
+        resolver,
+        tuple(r.id for r in ranking.order),
+        ranking.reason,
+    )

@@ -183,7 +183,7 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
     ):
         held = _held_back_head(plan, health.admitted, snapshot)
         scope = _scope(location, net, ecs, plan.location_dependent, spilled=True)
-        return Decision(*held, location, net, scope, snapshot.versions, basis)
+        return Decision(*held, location, net, scope, snapshot.versions, basis, True)
     spill = snapshot.topology.routing.spillover
     cap = snapshot.capacity.get(chosen.id)
     sharing = cap is not None and cap.spilling and now - cap.reported_at <= spill.stale_after_s
@@ -195,11 +195,11 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
     ):
         split = readmitting or sharing
         scope = _scope(location, net, ecs, plan.location_dependent, spilled=split)
-        return Decision(*head, location, net, scope, snapshot.versions, basis)
+        return Decision(*head, location, net, scope, snapshot.versions, basis, split)
 
     spilled = _spilled_head(plan, cap.utilisation, snapshot, now)
     scope = _scope(location, net, ecs, plan.location_dependent, spilled=True)
-    return Decision(*spilled, location, net, scope, snapshot.versions, basis)
+    return Decision(*spilled, location, net, scope, snapshot.versions, basis, True)
 
 
 def _spilled_head(plan: Plan, utilisation: float, snapshot: Snapshot, now: float) -> Head:

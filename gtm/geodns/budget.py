@@ -36,11 +36,21 @@ RATE_BUCKET_BYTES = 250  # (family, network) key, [tokens, time, count]
 # An audit record waiting for the writer (about 750 bytes: tracemalloc on record.py and the
 # writer under a flood), with its row while the writer seals it.
 AUDIT_RECORD_BYTES = 1000
+# The ECS path (gtm.geodns.shapes): an answer rendered for a GeoIP place (its body, key and
+# audit records), and a GeoIP network's tally entry with its own audit record.
+PLACED_ENTRY_BYTES = 400  # a place's key, pointing at its location class's answer
+CLASS_ENTRY_BYTES = 2000  # the answer's body, key and audit records
+NETWORK_ENTRY_BYTES = 1000
+FOLD_ENTRY_BYTES = 1000  # a folded row's tally entry and audit record
+SHAPE_ENTRIES = 4096  # query shapes kept per worker: a few per resolver
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
-# a miss falls back on; the rate limiter's buckets are one per client network; the audit
-# backlog is the new decisions a flood of distinct clients makes faster than the writer seals
-# them (each a row: the audit keeps every client network a decision was made for).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.35, 0.35, 0.10, 0.20
+# a miss falls back on; the ECS path's answers per place and tallies per network are what a
+# flood of new client subnets is answered from; the rate limiter's buckets are one per client
+# network; the audit backlog is the new decisions a flood of distinct clients makes faster
+# than the writer seals them (each a row: the audit keeps every client network a decision was
+# made for, until it folds them, gtm.geodns.shapes).
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.22, 0.13, 0.10, 0.05
+_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.08, 0.30, 0.10
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
 
@@ -52,8 +62,16 @@ class Budget:
     rendered_entries: int
     rate_buckets: int
     # New decisions (audit records) the responder adds between two drains by the audit writer;
-    # past it, queries that need a new decision are dropped unanswered until the writer drains.
+    # past it, the ECS path folds its rows, and the slow path drops queries that need a new
+    # decision unanswered until the writer drains.
     audit_records: int
+    placed_entries: int = _MIN_ENTRIES
+    class_entries: int = _MIN_ENTRIES
+    network_entries: int = _MIN_ENTRIES
+    # Folded rows (gtm.geodns.shapes) the ECS path starts between two seals; past it, queries
+    # needing another are dropped unanswered.
+    fold_entries: int = _MIN_ENTRIES
+    shapes: int = SHAPE_ENTRIES
 
     @classmethod
     def from_mb(cls, mb: float) -> Budget:
@@ -63,6 +81,11 @@ class Budget:
             rendered_entries=max(_MIN_ENTRIES, int(total * _RENDERED_SHARE / RENDERED_ENTRY_BYTES)),
             rate_buckets=max(_MIN_ENTRIES, int(total * _RATE_SHARE / RATE_BUCKET_BYTES)),
             audit_records=max(_MIN_ENTRIES, int(total * _AUDIT_SHARE / AUDIT_RECORD_BYTES)),
+            placed_entries=max(_MIN_ENTRIES, int(total * _PLACED_SHARE / PLACED_ENTRY_BYTES)),
+            class_entries=max(_MIN_ENTRIES, int(total * 0.02 / CLASS_ENTRY_BYTES)),
+            network_entries=max(_MIN_ENTRIES, int(total * _NETWORK_SHARE / NETWORK_ENTRY_BYTES)),
+            fold_entries=max(_MIN_ENTRIES, int(total * _FOLD_SHARE / FOLD_ENTRY_BYTES)),
+            shapes=max(_MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * 0.01 / 1000))),
         )
 
 

@@ -29,18 +29,22 @@ import structlog
 from gtm.audit.record import AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
+from gtm.decision.geoip import Location
 from gtm.decision.model import IPNetwork
+from gtm.decision.plan import location_class
 from gtm.decision.policy import Place
 from gtm.decision.routing import resolver_place
 from gtm.decision.snapshot import Snapshot
+from gtm.decision.topology import Service
 from gtm.geodns.budget import Budget, Generations
 from gtm.geodns.dnssec import Signer
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
+from gtm.geodns.shapes import SCOPES, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
-from gtm.geodns.zone import aggregated_record, answer, stats_qtype, zone_data
+from gtm.geodns.zone import Answer, aggregated_record, answer, stats_qtype, zone_data
 from gtm.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -65,6 +69,11 @@ class _Cached:
 
 # Under a GeoIP network's key: its decisions split the network, look the client bucket up.
 _SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
+# Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
+# with the ECS echo: the slow path answers them.
+_UNPLACED = Placed(b"", False, None, None, ("", "", ""), False)  # type: ignore[arg-type]
+# What the ECS path returns for a query it drops (the audit budget is spent even on folds).
+_SHED = b""
 
 
 class _Exact:
@@ -138,10 +147,31 @@ class Responder:
         # past the budget's audit_records, queries needing another are shed (gtm.geodns.budget).
         self._new_decisions = 0
         self._drained_seals = -1  # the writer's seal count at the last drain
-        self._services: Mapping[str, object] = {}
+        self._services: Mapping[str, Service] = {}
         # Entries answered from since the last drain. They stay here when the caches are
         # dropped, so no tally is lost to a new snapshot.
         self._tallied: list[_Exact] = []
+        # The ECS path (gtm.geodns.shapes): per UDP sender, its query shapes by their bytes
+        # after the ID up to the ECS address; the address lengths any shape has; answers per
+        # (shape, GeoIP place); tallies per (answer, GeoIP network), and per (decision, client
+        # bucket) when folded.
+        self._shapes: dict[str, dict[bytes, Shape]] = {}
+        self._shape_count = 0
+        self._sizes: tuple[int, ...] = ()
+        self._placed: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
+            budget.placed_entries
+        )
+        self._networks: Generations[tuple[Placed, int, int], _Exact] = Generations(
+            budget.network_entries
+        )
+        self._classes: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
+            budget.class_entries
+        )
+        self._folds: Generations[tuple[AuditRecord, tuple[int, int]], _Exact] = Generations(
+            budget.fold_entries
+        )
+        self._new_folds = 0  # folded rows started since the writer last sealed
+        self._blanks: dict[AuditRecord, AuditRecord] = {}
         runtime.writer.add_source(self.drain_tallies)
 
     def drain_tallies(self) -> Iterator[Tally]:
@@ -158,6 +188,7 @@ class Responder:
         if seals != self._drained_seals:
             self._drained_seals = seals
             self._new_decisions = 0
+            self._new_folds = 0
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -184,6 +215,12 @@ class Responder:
         out = self._repeat(self._udp.get(host), wire)
         if out is None and self._promote(True, host, wire):
             out = self._repeat(self._udp.get(host), wire)
+        if out is None and self._shape_count:
+            shapes = self._shapes.get(host)
+            if shapes is not None:
+                out = self._shaped(shapes, wire)
+                if out is _SHED:
+                    return None
         return out if out is not None else self._answer(wire, peer_address(host), True, host)
 
     def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
@@ -264,8 +301,241 @@ class Responder:
         self._cache.clear()
         self._udp, self._tcp, self._entries = {}, {}, 0
         self._udp_old, self._tcp_old = {}, {}
+        self._shapes, self._shape_count, self._sizes = {}, 0, ()
+        self._placed.clear()
+        self._classes.clear()
+        self._networks.clear()
+        self._folds.clear()
+        self._blanks = {}
         self._services = zone_data(snapshot.topology).services
         return False
+
+    def _shaped(self, shapes: dict[bytes, Shape], wire: bytes) -> bytes | None:
+        """The ECS path (:mod:`gtm.geodns.shapes`): the response to a query of a shape this
+        sender has sent before, from the answer rendered for its GeoIP place; None to answer it
+        the long way, :data:`_SHED` to drop it."""
+        for size in self._sizes:
+            shape = shapes.get(wire[2:-size])
+            if shape is not None:
+                break
+        else:
+            return None
+        now = self.clock()
+        snapshot = self._store.current
+        window = self._window
+        if not (now < window.until and snapshot is window.snapshot) and not self._advance(
+            snapshot, now
+        ):
+            return None
+        octets = wire[-size:]
+        value = int.from_bytes(octets, "big") << shape.pad
+        place, prefix_len = snapshot.geo.where(shape.version, value)
+        if prefix_len > shape.source:
+            # A GeoIP network narrower than the subnet: the subnet is located by its first
+            # address, as the slow path does, and is itself the unit of the answer's scope and
+            # of its audit row (gtm.geodns.precision).
+            prefix_len = shape.source
+        key = (shape, place)
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._place(shape, wire, place, snapshot, now, key)
+        if placed is _UNPLACED:
+            return None
+        if self._new_decisions < self.budget.audit_records:
+            net_key = (placed, prefix_len, value >> (shape.bits - prefix_len))
+            entry = self._networks.get(net_key)
+            if entry is None:
+                text = network_text(shape.version, value, prefix_len)
+                record = with_client(placed.record, text, text)
+                entry = _Exact(b"", record, placed.stats_key, placed.truncated)
+                self._networks.put(net_key, entry)
+                self._new_decisions += 1
+        else:
+            entry = self._fold(
+                placed.blank, placed.stats_key, placed.truncated, shape.family, value
+            )
+            if entry is None:
+                self.stats.shed += 1
+                return _SHED
+        if entry.n:
+            entry.n += 1
+        else:
+            entry.n = 1
+            entry.first = now
+            self._tallied.append(entry)
+        entry.last = now
+        return wire[:2] + placed.body + SCOPES[prefix_len if placed.scoped else 0] + octets
+
+    def _place(
+        self,
+        shape: Shape,
+        wire: bytes,
+        place: tuple[str | None, str | None, float | None, float | None],
+        snapshot: Snapshot,
+        now: float,
+        key: tuple[Shape, tuple[object, ...]],
+    ) -> Placed:
+        """The shape's answer for a GeoIP place not seen yet: the one of its location class
+        (:func:`gtm.decision.plan.location_class`), rendered from this query if the class is
+        new too; :data:`_UNPLACED` when answers differ by network within it."""
+        placed = _UNPLACED
+        service = self._services.get(shape.query.qname_text)
+        ecs = shape.query.edns.ecs if shape.query.edns is not None else None
+        if service is not None and ecs is not None:
+            loc = Location(*place, None)
+            resolver = resolver_place(snapshot, shape.client, ecs.network, loc)
+            cls = (shape, location_class(snapshot, service, loc, resolver))
+            found = self._classes.get(cls)
+            if found is None:
+                found = self._render_class(shape, wire, snapshot, now)
+                self._classes.put(cls, found)
+            placed = found
+        self._placed.put(key, placed)
+        return placed
+
+    def _render_class(self, shape: Shape, wire: bytes, snapshot: Snapshot, now: float) -> Placed:
+        """Render a shape's answer for a location class from this query (of the shape)."""
+        parsed = parse_query(wire)
+        if not (isinstance(parsed, Query) and parsed.edns is not None and parsed.edns.ecs):
+            return _UNPLACED
+        self.stats.cache_misses += 1
+        client, limit = shape.client, shape.limit
+        if self.signer is None:
+            result = answer(parsed, client, snapshot, now, limit)
+        else:
+            result = self.signer.answer(parsed, client, snapshot, now, limit)
+        return self._placed_from(shape, parsed, result)
+
+    def _placed_from(self, shape: Shape, query: Query, result: Answer) -> Placed:
+        """The shape's answer for a location class, from one rendered for a query of it;
+        :data:`_UNPLACED` unless it holds for every network of the class."""
+        decision = result.decision
+        net = decision.location.network if decision is not None else None
+        ecs = query.edns.ecs if query.edns is not None else None
+        if (
+            decision is None
+            or net is None
+            or ecs is None
+            or decision.by_network
+            or not holds_network_wide(decision, net)
+            or not patchable(result.wire, ecs, decision.scope_prefix)
+        ):
+            return _UNPLACED
+        record = result.record
+        blank = with_client(record, "", None)
+        blank = self._blanks.setdefault(blank, blank)
+        return Placed(
+            result.wire[2 : -shape.size - 1],
+            decision.scope_prefix > 0,
+            record,
+            blank,
+            ("udp", stats_qtype(query.qtype), record.response or rcode_name(result.rcode)),
+            bool(result.wire[2] & 0x02),
+        )
+
+    def _seed(self, shape: Shape, query: Query, result: Answer, snapshot: Snapshot) -> None:
+        """Keep an answer the slow path rendered for a query of ``shape`` as its location
+        class's, so the ECS path does not render it again."""
+        decision = result.decision
+        ecs = query.edns.ecs if query.edns is not None else None
+        service = self._services.get(query.qname_text)
+        if decision is None or ecs is None or service is None:
+            return
+        loc = decision.location
+        resolver = resolver_place(snapshot, shape.client, ecs.network, loc)
+        cls = (shape, location_class(snapshot, service, loc, resolver))
+        if self._classes.get(cls) is None:
+            self._classes.put(cls, self._placed_from(shape, query, result))
+
+    def _fold(
+        self,
+        blank: AuditRecord,
+        stats_key: tuple[str, str, str],
+        truncated: bool,
+        family: int,
+        address: int,
+    ) -> _Exact | None:
+        """The tally entry counting answers of the decision ``blank`` stands for in the client
+        bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes); None when
+        the folded rows started since the last seal are past their budget too."""
+        bucket, text = fold_bucket(family, address)
+        key = (blank, bucket)
+        entry = self._folds.get(key)
+        if entry is None:
+            if self._new_folds >= self.budget.fold_entries:
+                return None
+            self._new_folds += 1
+            record = with_client(blank, text, text)
+            entry = _Exact(b"", record, stats_key, truncated)
+            self._folds.put(key, entry)
+        return entry
+
+    def _answer_folded(
+        self,
+        query: Query,
+        client: IPAddress,
+        snapshot: Snapshot,
+        now: float,
+        limit: int | None,
+        udp: bool,
+    ) -> bytes | None:
+        """The slow path's answer to a query needing a new decision while the writer is
+        behind: rendered, counted on a folded row, kept in no cache (its row is not its
+        own); None, dropped, when even the folded rows are past their budget."""
+        if self.signer is None:
+            result = answer(query, client, snapshot, now, limit)
+        else:
+            result = self.signer.answer(query, client, snapshot, now, limit)
+        record = result.record
+        blank = with_client(record, "", None)
+        blank = self._blanks.setdefault(blank, blank)
+        ecs = query.edns.ecs if query.edns is not None else None
+        located = ecs.network.network_address if ecs is not None and ecs.source else client
+        stats_key = (
+            "udp" if udp else "tcp",
+            stats_qtype(query.qtype),
+            record.response or rcode_name(result.rcode),
+        )
+        truncated = bool(result.wire[2] & 0x02)
+        family = 1 if located.version == 4 else 2
+        entry = self._fold(blank, stats_key, truncated, family, int(located))
+        if entry is None:
+            self.stats.shed += 1
+            return None
+        self.stats.cache_misses += 1
+        if entry.n:
+            entry.n += 1
+        else:
+            entry.n = 1
+            entry.first = now
+            self._tallied.append(entry)
+        entry.last = now
+        return result.wire
+
+    def _add_shape(
+        self, host: str, wire: bytes, query: Query, client: IPAddress, limit: int
+    ) -> Shape | None:
+        """The shape of a query the slow path answers for a service name, kept for the ECS
+        path to answer its kind from now on; None when the ECS path cannot take it."""
+        by_prefix = self._shapes.get(host)
+        if by_prefix is not None:
+            for n in self._sizes:
+                known = by_prefix.get(wire[2:-n])
+                if known is not None:
+                    return known
+        shape = Shape.of(wire, query, client, limit)
+        if shape is None:
+            return None
+        if self._shape_count >= self.budget.shapes:
+            self._shapes, self._shape_count = {}, 0  # bounded; busy senders come back at once
+        by_prefix = self._shapes.get(host)
+        if by_prefix is None:
+            by_prefix = self._shapes[host] = {}
+        by_prefix[wire[2 : -shape.size]] = shape
+        self._shape_count += 1
+        if shape.size not in self._sizes:
+            self._sizes = (*self._sizes, shape.size)
+        return shape
 
     def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
         """The response to one message from ``client`` over UDP or TCP, or None."""
@@ -287,6 +557,7 @@ class Responder:
         limit = udp_limit(query.edns) if udp else None
         key, network, network_key = self._key(query, client, limit, snapshot, self._services)
         cached = None
+        rendered: Answer | None = None
         if network_key is not None:
             cached = self._cache.get(network_key)
             if cached is _SPLIT:
@@ -299,14 +570,14 @@ class Responder:
                 and query.qname_text in self._services
             ):
                 # A new decision would be a new audit row, and the writer is that far behind:
-                # drop it unanswered (nothing answered, nothing to count; the resolver retries).
-                self.stats.shed += 1
-                return None
+                # answered, counted on a folded row, kept in no cache (gtm.geodns.shapes).
+                return self._answer_folded(query, client, snapshot, now, limit, udp)
             self.stats.cache_misses += 1
             if self.signer is None:
                 result = answer(query, client, snapshot, now, limit)
             else:
                 result = self.signer.answer(query, client, snapshot, now, limit)
+            rendered = result
             decision, record, patch = result.decision, result.record, 0
             if decision is not None:
                 self._new_decisions += 1
@@ -347,6 +618,17 @@ class Responder:
             )
             if cached.patch:
                 out = out[: -cached.patch] + query.edns.ecs.address  # type: ignore[union-attr]
+        if (
+            udp
+            and query.edns is not None
+            and query.edns.ecs is not None
+            and isinstance(sender, str)
+            and limit is not None
+            and query.qname_text in self._services
+        ):
+            shape = self._add_shape(sender, wire, query, client, limit)
+            if shape is not None and rendered is not None:
+                self._seed(shape, query, rendered, snapshot)
         stats_key = ("udp" if udp else "tcp", stats_qtype(query.qtype), cached.rcode_name)
         # Entries dropped with their generation while their answers are not yet drained stay
         # listed in self._tallied: no answer goes uncounted.

@@ -8,12 +8,15 @@ is what the tables hold and what the audit writes. The rates and peak memory und
 from __future__ import annotations
 
 import random
+import time
 from ipaddress import IPv4Address, ip_address, ip_network
 from pathlib import Path
 
 import dns.rcode
 from sqlalchemy import text
 
+from gtm.admin.replay import replay
+from gtm.audit import query as audit_query
 from gtm.geodns.budget import Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder
@@ -149,16 +152,18 @@ def test_rate_limiting_is_on_by_default_and_spares_loopback() -> None:
     assert "127.0.0.0/8" in settings.dns_rate_limit_exempt
 
 
-async def test_new_decisions_past_the_audit_budget_are_shed_until_the_writer_drains(
+async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_drains(
     start_node: StartNode, tmp_path: Path
 ) -> None:
-    """Each decision for a client network not seen before is a new audit row; the writer's
-    backlog of them is bounded by shedding such queries (before: it grew with the flood, 823 MiB
-    after 40 s of random subnets). Repeats, zone names and NXDOMAIN are still answered."""
+    """Each decision for a client network not seen before is a new audit row. Past the budget's
+    backlog of them (before: the backlog grew with the flood, 823 MiB after 40 s of random
+    subnets; then: such queries were shed unanswered), the ECS path counts new networks'
+    answers per decision and client /8 until the writer seals (gtm.geodns.shapes): every query
+    is answered and counted, on a bounded number of rows."""
     # Decisions are made (and audited) per GeoIP network (gtm.geodns.precision): give each
     # subnet a database network of its own, so each is a new decision.
     limit = Budget.from_mb(TINY_MB).audit_records
-    subnets = random_subnets(limit + 10, seed=9)
+    subnets = [f"100.{64 + i // 200}.{i % 200}.0" for i in range(limit + 40)]
     world = {
         **WORLD,
         **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
@@ -175,12 +180,76 @@ async def test_new_decisions_past_the_audit_budget_are_shed_until_the_writer_dra
     await writer.flush()  # whatever start-up counted
     counted = writer.counted
     for subnet in subnets:
-        await raw_udp(node, q(ecs=(subnet, 24)).to_wire(), wait=0.3)
-    assert node.dns_stats.shed == 10
-    assert writer.counted - counted == limit  # what was answered, and only that, is counted
-    # Meanwhile the zone and names that do not exist are answered: they make no new rows.
-    assert (await udp(node, q("gtm.example.", "SOA"))).answer
-    assert (await udp(node, q("nope.gtm.example."))).rcode() == dns.rcode.NXDOMAIN
-    # The writer drains: new decisions are answered again.
+        assert addresses(await udp(node, q(ecs=(subnet, 24)))) == {"192.0.2.40"}
+    assert node.dns_stats.shed == 0
     await writer.flush()
-    assert addresses(await udp(node, q(ecs=(subnets[-1], 24))))
+    assert writer.counted - counted == len(subnets)  # every answer counted
+    async with node.runtime.engine.connect() as conn:
+        rows = dict(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT client_network, SUM(count) FROM decisions"
+                        " WHERE name = 'chat.gtm.example.' GROUP BY client_network"
+                    )
+                )
+            ).all()
+        )
+    # The first ``limit`` networks have rows of their own; the rest share the /8's row.
+    assert len(rows) == limit + 1
+    assert rows["100.0.0.0/8"] == 40
+    assert all(rows[f"{s}/24"] == 1 for s in subnets[:limit])
+    # The writer has sealed: a network counted on the /8's row gets a row of its own again.
+    await udp(node, q(ecs=(subnets[-1], 24)))
+    await writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        after = dict(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT client_network, SUM(count) FROM decisions"
+                        " WHERE client_network IN ('100.0.0.0/8', :last) GROUP BY client_network"
+                    ),
+                    {"last": f"{subnets[-1]}/24"},
+                )
+            ).all()
+        )
+    assert after == {"100.0.0.0/8": 40, f"{subnets[-1]}/24": 1}
+    # Searching for a client of the flood finds the folded row; its replay says what it is.
+    found, _ = await audit_query.search(
+        node.runtime.engine,
+        audit_query.Filters(client_network=f"{subnets[-2]}/24", name="chat.gtm.example."),
+    )
+    assert [r["client_network"] for r in found] == ["100.0.0.0/8"]
+    replayed = replay(found[0], node.runtime.store.current, time.time())
+    assert any("folded row" in note for note in replayed.notes)
+
+
+async def test_a_flood_past_even_the_folded_budget_is_shed(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Folded rows are bounded too: past ``audit_records`` of them (decisions times /8s) before
+    the writer seals, queries needing another are dropped unanswered."""
+    limit = Budget.from_mb(TINY_MB).audit_records
+    # One /24 (a GeoIP network of its own) in each of many /8s: a precise row each up to the
+    # limit, then a folded row each up to the limit again, then nothing.
+    firsts = [f for f in range(1, 224) if f not in (10, 100, 127)][: 2 * limit + 5]
+    subnets = [f"{first}.1.2.0" for first in firsts]
+    world = {
+        **WORLD,
+        **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
+    }
+    node = await start_node(
+        dns_cache_budget_mb=TINY_MB,
+        audit_flush_interval_s=3600,
+        audit_max_pending=10**6,
+        geoip_path=build_city_db(tmp_path / "per-subnet.mmdb", world),
+    )
+    writer = node.runtime.writer
+    await writer.flush()
+    counted = writer.counted
+    replies = [await raw_udp(node, q(ecs=(s, 24)).to_wire(), wait=0.3) for s in subnets]
+    assert [r is not None for r in replies] == [True] * (2 * limit) + [False] * 5
+    assert node.dns_stats.shed == 5
+    await writer.flush()
+    assert writer.counted - counted == 2 * limit  # what was answered, and only that

@@ -1,0 +1,148 @@
+"""The ECS path: answers for new client subnets without parsing or deciding again.
+
+A resolver asks for the same few names over and over, each time with another client subnet.
+Its queries then differ only in the ID and the ECS address, which ends the message (the ECS
+option is the OPT record's last, and the OPT record the message's). Such a query's bytes after
+the ID and before the address are its :class:`Shape`, kept per sender once the slow path has
+answered one (:meth:`Shape.of`). Another query with the same shape needs no parsing: the
+address is its last bytes.
+
+What a decision depends on, for a client subnet, is where the GeoIP database places it
+(country, continent, coordinates) unless a re-admission or spill share splits clients by their
+network (``Decision.by_network``). So a shape's answers are rendered once per GeoIP *place*
+(:class:`Placed`): a random-subnet flood of 200,000 /24s lands in some 97,000 GeoIP networks
+but only about 23,000 places, and the answer for every subnet of a place is that rendering with
+the query's ID, its ECS address and the scope of its own GeoIP network patched in. Residency is
+the same decision's: the place holds the country and continent the rules read, and the shape
+belongs to one sender, so an untrusted resolver's own place is judged as the slow path does.
+
+The audit keeps each answer's client at its GeoIP network's precision (the row the slow path
+would write, :mod:`gtm.geodns.precision`) while the audit writer keeps up. When new rows would
+outrun it (more new decisions since the last seal than the budget's ``audit_records``), answers
+are counted per decision and coarse client bucket instead (:func:`fold_bucket`: the IPv4 /8,
+the IPv6 /20) until the next seal: every answer is still counted (DESIGN.md rule 2), on a few
+hundred rows rather than one per attacker subnet, and nothing is shed. A folded row names the
+bucket as its client network and ECS prefix; a replay says it stands for the bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
+from gtm.geodns.wire import ClientSubnet, Query
+
+IPAddress = IPv4Address | IPv6Address
+
+# The client networks a query's shape may carry: at most the precision the audit records (the
+# ECS source is then at least as wide as any client network recorded), and whole octets (no
+# bits past the prefix to check).
+_MAX_SOURCE = {1: 24, 2: 56}
+SCOPES = [bytes((i,)) for i in range(129)]  # the ECS echo's scope octet, prebuilt
+
+
+@dataclass(slots=True, eq=False)
+class Shape:
+    """One sender's query, but for its ID and ECS address (hashed by identity)."""
+
+    query: Query  # the first query of the shape, parsed
+    client: IPAddress  # the sender
+    limit: int  # the UDP size the response is cut to
+    family: int
+    source: int
+    size: int  # octets of ECS address ending the message
+    pad: int  # bits past the address in a full-length address
+
+    @classmethod
+    def of(cls, wire: bytes, query: Query, client: IPAddress, limit: int) -> Shape | None:
+        """The shape of ``wire`` (parsed as ``query``), or None when the ECS path cannot take
+        its kind: no ECS, a source length it does not take, or an ECS not ending the message."""
+        ecs: ClientSubnet | None = query.edns.ecs if query.edns is not None else None
+        if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family] or ecs.source % 8:
+            return None
+        size = len(ecs.address)
+        if not wire.endswith(ecs.address) or wire[-size - 4 : -size - 2] != bytes((0, ecs.family)):
+            return None
+        bits = 32 if ecs.family == 1 else 128
+        return cls(query, client, limit, ecs.family, ecs.source, size, bits - 8 * size)
+
+    @property
+    def version(self) -> int:
+        return 4 if self.family == 1 else 6
+
+    @property
+    def bits(self) -> int:
+        return 32 if self.family == 1 else 128
+
+
+@dataclass(slots=True, eq=False)
+class Placed:
+    """A shape's answer for one GeoIP place, rendered once (hashed by identity)."""
+
+    body: bytes  # the response after its ID, up to the ECS echo's scope octet
+    scoped: bool  # the scope is the client's GeoIP network (else 0: the same everywhere)
+    record: AuditRecord  # the audit record of the subnet it was rendered for
+    blank: AuditRecord  # the same, its client left out: equal for equal decisions
+    stats_key: tuple[str, str, str]
+    truncated: bool
+
+
+def with_client(record: AuditRecord, network: str, ecs: str | None) -> AuditRecord:
+    """``record`` for another client network (and ECS prefix). Field by field: several times
+    cheaper than :func:`dataclasses.replace`, and made for every new network of a flood."""
+    r = record
+    return AuditRecord(
+        r.channel,
+        r.query_type,
+        r.response,
+        network,
+        ecs,
+        r.country,
+        r.continent,
+        r.name,
+        r.service,
+        r.residency_classes,
+        r.tenant,
+        r.matched_rules,
+        r.snapshot_version,
+        r.topology_version,
+        r.policy_version,
+        r.geoip_build,
+        r.candidates,
+        r.region,
+        r.answer,
+        r.outcome,
+        r.ttl,
+    )
+
+
+def network_text(version: int, value: int, prefix_len: int) -> str:
+    """The network of ``prefix_len`` holding an address (version and integer), as text."""
+    shift = (32 if version == 4 else 128) - prefix_len
+    network: IPv4Network | IPv6Network = (
+        IPv4Network((value >> shift << shift, prefix_len))
+        if version == 4
+        else IPv6Network((value >> shift << shift, prefix_len))
+    )
+    return str(network)
+
+
+_BUCKETS: dict[tuple[int, int], str] = {}
+
+
+def fold_bucket(family: int, address: int) -> tuple[tuple[int, int], str]:
+    """The bucket a folded row counts a client in (key, network text), from the integer of a
+    full-length address."""
+    key = (1, address >> (32 - FOLD_V4)) if family == 1 else (2, address >> (128 - FOLD_V6))
+    text = _BUCKETS.get(key)
+    if text is None:
+        if len(_BUCKETS) >= 65_536:  # IPv6 buckets are many; the working set refills
+            _BUCKETS.clear()
+        net: IPv4Network | IPv6Network = (
+            IPv4Network((key[1] << (32 - FOLD_V4), FOLD_V4))
+            if family == 1
+            else IPv6Network((key[1] << (128 - FOLD_V6), FOLD_V6))
+        )
+        text = _BUCKETS[key] = str(net)
+    return key, text

@@ -1,0 +1,118 @@
+"""The ECS path (gtm.geodns.shapes): queries that differ only in ID and client subnet are
+answered from one rendering per location class, byte for byte what the full path gives, and
+audited per GeoIP network as the full path audits them."""
+
+from __future__ import annotations
+
+import random
+import time
+from ipaddress import IPv4Address, IPv6Address, ip_network
+from pathlib import Path
+
+import dns.message
+import pytest
+from sqlalchemy import text
+
+from gtm.decision.geoip import default_database_path
+from gtm.errors import GeoIPError
+from gtm.geodns.precision import widened
+from gtm.geodns.responder import udp_limit
+from gtm.geodns.wire import Query, parse_query
+from gtm.geodns.zone import answer
+from tests.conftest import POLICIES
+from tests.support.geoip import WORLD, build_city_db
+
+from .conftest import StartNode, udp
+from .test_ecs_residency import EU_V4, US_V4, addresses, de_rule
+from .test_server import q
+
+
+def _geolite() -> Path:
+    try:
+        return default_database_path()
+    except GeoIPError:
+        pytest.skip("the bundled GeoLite2-City (the 'geolite' extra) is not installed")
+
+
+def _subnets(seed: int, n: int, v6: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        first = rng.choice([o for o in range(1, 224) if o not in (10, 127)])
+        out.append((str(IPv4Address((first << 24) | (rng.getrandbits(16) << 8))), 24))
+    for _ in range(v6):
+        out.append((str(IPv6Address((0x2A00 << 112) | (rng.getrandbits(44) << 72))), 56))
+    return out
+
+
+async def test_the_ecs_path_answers_and_audits_as_the_full_path(start_node: StartNode) -> None:
+    node = await start_node(geoip_path=_geolite(), audit_flush_interval_s=3600)
+    responder = node.dns.responder  # type: ignore[union-attr]
+    snapshot = node.runtime.store.current
+    client = IPv4Address("127.0.0.1")
+    expected_rows: dict[str, int] = {}
+    subnets = _subnets(seed=3, n=1500, v6=150)
+    for subnet, source in subnets:
+        query = q(ecs=(subnet, source))
+        wire = query.to_wire()
+        got = await udp(node, query)
+        parsed = parse_query(wire)
+        assert isinstance(parsed, Query)
+        full = answer(parsed, client, snapshot, time.time(), udp_limit(parsed.edns))
+        # Byte for byte: ID, flags, question, answers and TTLs, the ECS echo and its scope.
+        assert got.to_wire() == dns.message.from_wire(full.wire).to_wire(), subnet
+        record = full.record
+        decision = full.decision
+        assert decision is not None and decision.location.network is not None
+        if decision.scope_prefix and decision.location.network.prefixlen <= source:
+            record = widened(record, decision.location.network)
+        expected_rows[record.client_network] = expected_rows.get(record.client_network, 0) + 1
+    # One rendering per location class (and one per class the full path met first), not one
+    # per subnet: the ECS path answered nearly all of them.
+    assert responder.stats.cache_misses < len(subnets) // 4
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT client_network, ecs_prefix, SUM(count) FROM decisions"
+                    " WHERE name = 'chat.gtm.example.' GROUP BY client_network, ecs_prefix"
+                )
+            )
+        ).all()
+    got_rows = {network: int(n) for network, _, n in rows}
+    assert got_rows == expected_rows
+    assert all(ecs == network for network, ecs, _ in rows)
+    assert all(ip_network(n).prefixlen <= 56 for n in got_rows)
+
+
+async def test_an_untrusted_senders_subnets_never_loosen_residency_on_the_ecs_path(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """The shape belongs to its sender: the same US subnets get US answers from a trusted
+    resolver and EU ones from an untrusted German sender (a "DE stays in the EU" rule judged on
+    the sender's place too, DESIGN.md rule 1), one subnet after another on the ECS path,
+    whichever sender asked first."""
+    world = {
+        **WORLD,
+        "127.0.0.0/24": ("DE", "EU", 50.11, 8.68),
+        "127.0.1.0/24": ("DE", "EU", 52.52, 13.40),
+        "8.8.0.0/16": ("US", "NA", 37.39, -122.08),
+    }
+    node = await start_node(
+        policies=(POLICIES, de_rule(tmp_path, "stricter")),
+        geoip_path=build_city_db(tmp_path / "senders.mmdb", world),
+        audit_flush_interval_s=3600,
+    )
+    snapshot = node.runtime.store.current
+    for sender, region in (("127.0.1.2", US_V4), ("127.0.0.2", EU_V4), ("127.0.1.3", US_V4)):
+        for i in range(0, 256, 5):
+            query = q(ecs=(f"8.8.{i}.0", 24))
+            got = await udp(node, query, source=sender)
+            assert addresses(got) <= region, (sender, i)
+            parsed = parse_query(query.to_wire())
+            assert isinstance(parsed, Query)
+            full = answer(
+                parsed, IPv4Address(sender), snapshot, time.time(), udp_limit(parsed.edns)
+            )
+            assert got.to_wire() == dns.message.from_wire(full.wire).to_wire()
