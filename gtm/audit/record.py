@@ -74,6 +74,10 @@ class AuditRecord:
                     self.response,
                     self.client_network,
                     self.ecs_prefix,
+                    # Decisions alike but for the client's country share everything else: left
+                    # out, a folded row's records (gtm.geodns.shapes) all collided.
+                    self.country,
+                    self.continent,
                     self.name,
                     self.snapshot_version,
                     self.region,

@@ -49,8 +49,8 @@ SHAPE_ENTRIES = 4096  # query shapes kept per worker: a few per resolver
 # network; the audit backlog is the new decisions a flood of distinct clients makes faster
 # than the writer seals them (each a row: the audit keeps every client network a decision was
 # made for, until it folds them, gtm.geodns.shapes).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.22, 0.13, 0.10, 0.05
-_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.08, 0.30, 0.10
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.20, 0.10, 0.10, 0.02
+_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.16, 0.30, 0.10
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from gtm.audit.record import AuditRecord
+from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.geoip import Location
@@ -167,7 +167,7 @@ class Responder:
         self._classes: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
             budget.class_entries
         )
-        self._folds: Generations[tuple[AuditRecord, tuple[int, int]], _Exact] = Generations(
+        self._folds: Generations[tuple[AuditRecord, int, int], _Exact] = Generations(
             budget.fold_entries
         )
         self._new_folds = 0  # folded rows started since the writer last sealed
@@ -200,25 +200,27 @@ class Responder:
                 stats.truncated += n
             yield entry.record, n, entry.first, entry.last
 
-    def answer_udp(self, wire: bytes, host: str) -> bytes | None:
+    def answer_udp(self, wire: bytes, host: str, exact_missed: bool = False) -> bytes | None:
         """The response to a datagram from ``host`` (the address as the transport gives it), or
         None to send nothing. Never raises on input.
 
         Nearly every query takes the first lines: these exact bytes from this sender answered
         before, in this snapshot. Answering then is a dictionary lookup, a tally on the entry
-        (the audit writer drains it) and the ID put in front of the stored response."""
+        (the audit writer drains it) and the ID put in front of the stored response.
+        ``exact_missed``: the caller looked these bytes up in the young generation already
+        (:mod:`gtm.geodns.server` does, inline) and found nothing."""
         rrl = self.rrl
         if rrl is not None:
             verdict = rrl.check_host(host)
             if verdict is not _ANSWER:
                 return self._limited(wire, host, verdict)
-        out = self._repeat(self._udp.get(host), wire)
+        out = None if exact_missed else self._repeat(self._udp.get(host), wire)
         if out is None and self._promote(True, host, wire):
             out = self._repeat(self._udp.get(host), wire)
         if out is None and self._shape_count:
             shapes = self._shapes.get(host)
             if shapes is not None:
-                out = self._shaped(shapes, wire)
+                out = self._shaped(shapes, wire, host)
                 if out is _SHED:
                     return None
         return out if out is not None else self._answer(wire, peer_address(host), True, host)
@@ -310,7 +312,7 @@ class Responder:
         self._services = zone_data(snapshot.topology).services
         return False
 
-    def _shaped(self, shapes: dict[bytes, Shape], wire: bytes) -> bytes | None:
+    def _shaped(self, shapes: dict[bytes, Shape], wire: bytes, host: str) -> bytes | None:
         """The ECS path (:mod:`gtm.geodns.shapes`): the response to a query of a shape this
         sender has sent before, from the answer rendered for its GeoIP place; None to answer it
         the long way, :data:`_SHED` to drop it."""
@@ -336,27 +338,29 @@ class Responder:
             # of its audit row (gtm.geodns.precision).
             prefix_len = shape.source
         key = (shape, place)
-        placed = self._placed.get(key)
+        # Generations.get inlined for the young generation: three tables a query.
+        placed = self._placed.young.get(key) or self._placed.get(key)
         if placed is None:
             placed = self._place(shape, wire, place, snapshot, now, key)
         if placed is _UNPLACED:
             return None
-        if self._new_decisions < self.budget.audit_records:
-            net_key = (placed, prefix_len, value >> (shape.bits - prefix_len))
-            entry = self._networks.get(net_key)
-            if entry is None:
+        net_key = (placed, prefix_len, value >> (shape.bits - prefix_len))
+        entry = self._networks.young.get(net_key) or self._networks.get(net_key)
+        repeat = entry is not None
+        if entry is None:
+            if self._new_decisions < self.budget.audit_records:
                 text = network_text(shape.version, value, prefix_len)
                 record = with_client(placed.record, text, text)
                 entry = _Exact(b"", record, placed.stats_key, placed.truncated)
                 self._networks.put(net_key, entry)
                 self._new_decisions += 1
-        else:
-            entry = self._fold(
-                placed.blank, placed.stats_key, placed.truncated, shape.family, value
-            )
-            if entry is None:
-                self.stats.shed += 1
-                return _SHED
+            else:
+                entry = self._fold(
+                    placed.blank, placed.stats_key, placed.truncated, shape.family, value
+                )
+                if entry is None:
+                    self.stats.shed += 1
+                    return _SHED
         if entry.n:
             entry.n += 1
         else:
@@ -364,7 +368,17 @@ class Responder:
             entry.first = now
             self._tallied.append(entry)
         entry.last = now
-        return wire[:2] + placed.body + SCOPES[prefix_len if placed.scoped else 0] + octets
+        out = wire[:2] + placed.body + SCOPES[prefix_len if placed.scoped else 0] + octets
+        if repeat:
+            # A network asked for again: its subnets are likely to be too (a resolver's steady
+            # population, not a flood's entropy), so these bytes get a first-level entry.
+            self._keep(
+                True,
+                host,
+                wire[2:],
+                _Exact(out[2:], entry.record, entry.stats_key, entry.truncated),
+            )
+        return out
 
     def _place(
         self,
@@ -458,13 +472,14 @@ class Responder:
         """The tally entry counting answers of the decision ``blank`` stands for in the client
         bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes); None when
         the folded rows started since the last seal are past their budget too."""
-        bucket, text = fold_bucket(family, address)
-        key = (blank, bucket)
-        entry = self._folds.get(key)
+        shift = 32 - FOLD_V4 if family == 1 else 128 - FOLD_V6
+        key = (blank, family, address >> shift)
+        entry = self._folds.young.get(key) or self._folds.get(key)
         if entry is None:
             if self._new_folds >= self.budget.fold_entries:
                 return None
             self._new_folds += 1
+            text = fold_bucket(family, address)
             record = with_client(blank, text, text)
             entry = _Exact(b"", record, stats_key, truncated)
             self._folds.put(key, entry)

@@ -64,7 +64,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
                         self._sendto(data[:2] + exact.tail, addr)
                         return
         try:
-            out = r.answer_udp(data, addr[0])
+            out = r.answer_udp(data, addr[0], r.rrl is None)
         except Exception:  # one bad packet must never take the listener down
             log.exception("dns.udp_failed", peer=str(addr[0]))
             return

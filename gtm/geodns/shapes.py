@@ -128,21 +128,11 @@ def network_text(version: int, value: int, prefix_len: int) -> str:
     return str(network)
 
 
-_BUCKETS: dict[tuple[int, int], str] = {}
-
-
-def fold_bucket(family: int, address: int) -> tuple[tuple[int, int], str]:
-    """The bucket a folded row counts a client in (key, network text), from the integer of a
+def fold_bucket(family: int, address: int) -> str:
+    """The bucket a folded row counts a client in, as text, from the integer of a
     full-length address."""
-    key = (1, address >> (32 - FOLD_V4)) if family == 1 else (2, address >> (128 - FOLD_V6))
-    text = _BUCKETS.get(key)
-    if text is None:
-        if len(_BUCKETS) >= 65_536:  # IPv6 buckets are many; the working set refills
-            _BUCKETS.clear()
-        net: IPv4Network | IPv6Network = (
-            IPv4Network((key[1] << (32 - FOLD_V4), FOLD_V4))
-            if family == 1
-            else IPv6Network((key[1] << (128 - FOLD_V6), FOLD_V6))
-        )
-        text = _BUCKETS[key] = str(net)
-    return key, text
+    if family == 1:
+        shift = 32 - FOLD_V4
+        return str(IPv4Network((address >> shift << shift, FOLD_V4)))
+    shift = 128 - FOLD_V6
+    return str(IPv6Network((address >> shift << shift, FOLD_V6)))

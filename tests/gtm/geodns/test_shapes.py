@@ -46,7 +46,10 @@ def _subnets(seed: int, n: int, v6: int) -> list[tuple[str, int]]:
 
 
 async def test_the_ecs_path_answers_and_audits_as_the_full_path(start_node: StartNode) -> None:
-    node = await start_node(geoip_path=_geolite(), audit_flush_interval_s=3600)
+    # A budget whose backlog of new rows holds them all: none folded here (test_budget.py).
+    node = await start_node(
+        geoip_path=_geolite(), audit_flush_interval_s=3600, dns_cache_budget_mb=256
+    )
     responder = node.dns.responder  # type: ignore[union-attr]
     snapshot = node.runtime.store.current
     client = IPv4Address("127.0.0.1")
