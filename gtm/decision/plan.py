@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from math import asin, sqrt
 from typing import NamedTuple
 
 from gtm.decision.geoip import Location
-from gtm.decision.geometry import UnitVector, chord_km, unit_vector
+from gtm.decision.geometry import EARTH_RADIUS_KM, UnitVector, unit_vector
 from gtm.decision.model import Candidate, Outcome, Reason, Status
 from gtm.decision.policy import DnsFailure, Place, Verdict
 from gtm.decision.snapshot import HealthState, RegionView, Snapshot
@@ -29,6 +30,7 @@ from gtm.decision.topology import Service
 # subnets makes a location, so a plan, per GeoIP network: past the limit the memo is cleared
 # and refills with the working set (a plan costs some tens of microseconds to make).
 _PLAN_LIMIT = 8_192
+_DIAMETER_KM = 2 * EARTH_RADIUS_KM
 
 
 # The fields of a Decision before ``location``, in order.
@@ -381,13 +383,20 @@ def _ranking(allowed: list[RegionView], location: Location, snapshot: Snapshot) 
         point = unit_vector(*routing.unknown_location)
     distances: dict[str, float] = {}
     keyed = []
+    last = len(preferred)
     for index, region in enumerate(allowed):
-        rank = preferred.index(region.id) if region.id in preferred else len(preferred)
+        rid = region.id
+        rank = preferred.index(rid) if rid in preferred else last
         score = 0.0
         if point is not None:
-            distances[region.id] = chord_km(point, region.point)
+            # chord_km inlined (a new client place ranks every region: a flood of random
+            # subnets makes tens of thousands of places), to the same float.
+            (ax, ay, az), (bx, by, bz) = point, region.point
+            dx, dy, dz = ax - bx, ay - by, az - bz
+            km = _DIAMETER_KM * asin(min(1.0, sqrt(dx * dx + dy * dy + dz * dz) / 2))
+            distances[rid] = km
             # Weight 0 is dropped by the health step; guard the division regardless.
-            score = distances[region.id] / max(region.weight, 1e-9)
+            score = km / max(region.weight, 1e-9)
         keyed.append((rank, score, index, region))
     keyed.sort()  # the index is unique: regions themselves are never compared
     order = tuple(k[3] for k in keyed)

@@ -117,6 +117,15 @@ def resolver_place(
     return _resolver_place(snapshot, client, residency_basis(snapshot, client, ecs), ecs_location)
 
 
+def resolver_place_on(
+    snapshot: Snapshot, client: IPAddress, basis: Basis, ecs_location: Location
+) -> Place | None:
+    """:func:`resolver_place` with the residency basis already known (it depends on the
+    sender and the policy only: a caller answering many ECS subnets from one resolver works it
+    out once)."""
+    return _resolver_place(snapshot, client, basis, ecs_location)
+
+
 def _resolver_place(
     snapshot: Snapshot, client: IPAddress, basis: Basis, ecs_location: Location
 ) -> Place | None:
@@ -319,6 +328,7 @@ __all__ = [
     "great_circle_km",
     "residency_basis",
     "resolver_place",
+    "resolver_place_on",
     "spill_point",
     "spill_share",
 ]

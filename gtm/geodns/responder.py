@@ -33,7 +33,7 @@ from gtm.decision.geoip import Location
 from gtm.decision.model import IPNetwork
 from gtm.decision.plan import location_class
 from gtm.decision.policy import Place
-from gtm.decision.routing import resolver_place
+from gtm.decision.routing import residency_basis, resolver_place, resolver_place_on
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
 from gtm.geodns.budget import Budget, Generations
@@ -397,7 +397,9 @@ class Responder:
         ecs = shape.query.edns.ecs if shape.query.edns is not None else None
         if service is not None and ecs is not None:
             loc = Location(*place, None)
-            resolver = resolver_place(snapshot, shape.client, ecs.network, loc)
+            if shape.basis is None:
+                shape.basis = residency_basis(snapshot, shape.client, ecs.network)
+            resolver = resolver_place_on(snapshot, shape.client, shape.basis, loc)
             cls = (shape, location_class(snapshot, service, loc, resolver))
             found = self._classes.get(cls)
             if found is None:

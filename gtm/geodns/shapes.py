@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
+from gtm.decision.model import Basis
 from gtm.geodns.wire import ClientSubnet, Query
 
 IPAddress = IPv4Address | IPv6Address
@@ -53,6 +54,9 @@ class Shape:
     source: int
     size: int  # octets of ECS address ending the message
     pad: int  # bits past the address in a full-length address
+    # Whose address residency is judged on, for this sender (worked out on first use; the
+    # shape goes with the snapshot's policy, gtm.geodns.responder drops shapes with it).
+    basis: Basis | None = None
 
     @classmethod
     def of(cls, wire: bytes, query: Query, client: IPAddress, limit: int) -> Shape | None:

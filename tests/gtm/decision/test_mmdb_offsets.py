@@ -63,7 +63,7 @@ def test_locations_are_the_same_with_and_without_the_tree_walk(
         decoded = GeoDatabase(path)
         monkeypatch.undo()
         assert decoded._offsets is None
-        for address in _addresses(seed=8, n=5_000):
+        for address in _addresses(seed=8, n=20_000):
             expected = decoded.locate(address)
             assert walked.locate(address) == expected, address
             place, prefix_len = walked.where(address.version, int(address))
