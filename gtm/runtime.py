@@ -30,7 +30,7 @@ from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.decision.documents import parse_yaml
-from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path
+from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
 from gtm.decision.policy import PolicySet, load_policy, parse_policies
 from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
@@ -85,14 +85,15 @@ def geoip_path(settings: Settings) -> Path:
 
 def build_snapshot(settings: Settings, now: float) -> Snapshot:
     docs = load_documents(settings.config, settings.policies)
-    return Snapshot(1, docs.topology, docs.policy, GeoDatabase(geoip_path(settings)), built_at=now)
+    geo = GeoDatabase(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
+    return Snapshot(1, docs.topology, docs.policy, geo, built_at=now)
 
 
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         docs = load_documents(settings.config, settings.policies)
-        self.geoip = GeoIPSource(geoip_path(settings))
+        self.geoip = GeoIPSource(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
         self.store = SnapshotStore(
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
         )

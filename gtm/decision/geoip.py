@@ -61,10 +61,25 @@ _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds sev
 _CACHE_LIMIT = 16_384
 
 
+# where()'s memo (about 190 bytes a /24: the place tuples are shared) and the decoded records by
+# offset (about 300 bytes each, fewer of them: a 200k-subnet flood reads some 38,000 records
+# over 200,000 /24s): both hold at most ``memo_entries``, a share of the DNS path's budget (gtm.geodns.budget: GEO_SHARE).
+MEMO_ENTRY_BYTES = 250
+GEO_SHARE = 0.30
+
+
+def memo_entries(budget_mb: float) -> int:
+    """``memo_entries`` for a DNS budget of ``budget_mb`` MiB (DESIGN.md rule 8)."""
+    return max(1024, int(budget_mb * (1 << 20) * GEO_SHARE / MEMO_ENTRY_BYTES))
+
+
+DEFAULT_MEMO_ENTRIES = memo_entries(64)
+
+
 class GeoDatabase:
     """One opened City database. Thread-safe for lookups; close() when swapped out."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, memo_entries: int = DEFAULT_MEMO_ENTRIES) -> None:
         try:
             self._reader = maxminddb.open_database(str(path))
         except FileNotFoundError as exc:
@@ -92,6 +107,7 @@ class GeoDatabase:
         self._offsets = open_offsets(path, meta.ip_version == 6)
         self._places: dict[int, _Place] = {}
         self._where: dict[int, tuple[_Place, int]] = {}
+        self.memo_entries = memo_entries  # where()'s /24s, and decoded records, each at most
 
     def close(self) -> None:
         if self._offsets is not None:
@@ -155,12 +171,12 @@ class GeoDatabase:
                 return (None, None, None, None), loc.network.prefixlen if loc.network else 0
             place = _NOWHERE if offset < 0 else self._places.get(offset)
             if place is None:
-                if len(self._places) >= _PLACES_LIMIT:
+                if len(self._places) >= self.memo_entries:
                     self._places.clear()
                 address = IPv4Address(value) if version == 4 else IPv6Address(value)
                 place = self._places[offset] = self._read_place(offset, address)
             found = (place, prefix_len)
-        if len(self._where) >= _WHERE_LIMIT:
+        if len(self._where) >= self.memo_entries:
             self._where.clear()
         # A network narrower than the bucket is not kept: another address of the bucket may
         # be elsewhere (the check above sends such buckets back here).
@@ -184,7 +200,7 @@ class GeoDatabase:
                     return Location(None, None, None, None, network)
                 place = self._places.get(offset)
                 if place is None:
-                    if len(self._places) >= _PLACES_LIMIT:
+                    if len(self._places) >= self.memo_entries:
                         self._places.clear()
                     place = self._places[offset] = self._read_place(offset, address)
                 return Location(*place, network)
@@ -198,11 +214,6 @@ class GeoDatabase:
 
 _Place = tuple[str | None, str | None, float | None, float | None]
 _NOWHERE: _Place = (None, None, None, None)
-# where()'s memo: about 100 bytes a /24 (the place tuples are shared), some 6 MiB at most.
-_WHERE_LIMIT = 65_536
-# Decoded records by offset: a few hundred thousand at most in a City database, about 200
-# bytes each; bounded all the same (DESIGN.md rule 8).
-_PLACES_LIMIT = 65_536
 
 
 def _place(record: object) -> _Place:
@@ -288,9 +299,10 @@ class GeoIPSource:
     events, also catches files replaced by rename on bind mounts and network filesystems.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, memo_entries: int = DEFAULT_MEMO_ENTRIES) -> None:
         self.path = path
-        self.current = GeoDatabase(path)
+        self.memo_entries = memo_entries
+        self.current = GeoDatabase(path, memo_entries)
         self._stamp = _stamp(path)
         self._rejected: _FileStamp | None = None
         self.last_error: str | None = None
@@ -305,7 +317,7 @@ class GeoIPSource:
         if stamp == self._stamp or stamp == self._rejected:
             return None
         try:
-            fresh = GeoDatabase(self.path)
+            fresh = GeoDatabase(self.path, self.memo_entries)
         except GeoIPError as exc:
             self._rejected = stamp
             self.last_error = f"{exc}; keeping {self.current.build}"

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from gtm.decision.geoip import GEO_SHARE
+
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -40,8 +42,8 @@ AUDIT_RECORD_BYTES = 1000
 # audit records), and a GeoIP network's tally entry with its own audit record.
 PLACED_ENTRY_BYTES = 400  # a place's key, pointing at its location class's answer
 CLASS_ENTRY_BYTES = 2000  # the answer's body, key and audit records
-NETWORK_ENTRY_BYTES = 1000
-FOLD_ENTRY_BYTES = 1000  # a folded row's tally entry and audit record
+NETWORK_ENTRY_BYTES = 1500  # with its record's row form, once a seal made it
+FOLD_ENTRY_BYTES = 1500  # a folded row's tally entry, audit record and row form
 SHAPE_ENTRIES = 4096  # query shapes kept per worker: a few per resolver
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
@@ -49,8 +51,15 @@ SHAPE_ENTRIES = 4096  # query shapes kept per worker: a few per resolver
 # network; the audit backlog is the new decisions a flood of distinct clients makes faster
 # than the writer seals them (each a row: the audit keeps every client network a decision was
 # made for, until it folds them, gtm.geodns.shapes).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.20, 0.10, 0.10, 0.02
-_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.16, 0.30, 0.10
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.05, 0.08, 0.02
+_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.16, 0.14, 0.12
+_CLASS_SHARE, _SHAPE_SHARE = 0.02, 0.01
+# The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
+# lookups, so counted here; the shares sum to the whole budget (tests/gtm/geodns/test_budget.py).
+SHARES = (
+    _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE, _PLACED_SHARE, _NETWORK_SHARE,
+    _FOLD_SHARE, _CLASS_SHARE, _SHAPE_SHARE, GEO_SHARE,
+)  # fmt: skip
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
 
@@ -82,10 +91,10 @@ class Budget:
             rate_buckets=max(_MIN_ENTRIES, int(total * _RATE_SHARE / RATE_BUCKET_BYTES)),
             audit_records=max(_MIN_ENTRIES, int(total * _AUDIT_SHARE / AUDIT_RECORD_BYTES)),
             placed_entries=max(_MIN_ENTRIES, int(total * _PLACED_SHARE / PLACED_ENTRY_BYTES)),
-            class_entries=max(_MIN_ENTRIES, int(total * 0.02 / CLASS_ENTRY_BYTES)),
+            class_entries=max(_MIN_ENTRIES, int(total * _CLASS_SHARE / CLASS_ENTRY_BYTES)),
             network_entries=max(_MIN_ENTRIES, int(total * _NETWORK_SHARE / NETWORK_ENTRY_BYTES)),
             fold_entries=max(_MIN_ENTRIES, int(total * _FOLD_SHARE / FOLD_ENTRY_BYTES)),
-            shapes=max(_MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * 0.01 / 1000))),
+            shapes=max(_MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / 1000))),
         )
 
 

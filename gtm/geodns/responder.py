@@ -167,10 +167,8 @@ class Responder:
         self._classes: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
             budget.class_entries
         )
-        self._folds: Generations[tuple[AuditRecord, int, int], _Exact] = Generations(
-            budget.fold_entries
-        )
-        self._new_folds = 0  # folded rows started since the writer last sealed
+        # Folded rows started since the writer last sealed: at most the budget's fold_entries.
+        self._folds: dict[tuple[AuditRecord, int, int], _Exact] = {}
         self._blanks: dict[AuditRecord, AuditRecord] = {}
         runtime.writer.add_source(self.drain_tallies)
 
@@ -188,7 +186,9 @@ class Responder:
         if seals != self._drained_seals:
             self._drained_seals = seals
             self._new_decisions = 0
-            self._new_folds = 0
+            # Folded rows live one seal window (entries with answers not yet drained stay in
+            # _tallied): each window's are bounded, and the next starts with room.
+            self._folds = {}
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -307,7 +307,7 @@ class Responder:
         self._placed.clear()
         self._classes.clear()
         self._networks.clear()
-        self._folds.clear()
+        self._folds = {}
         self._blanks = {}
         self._services = zone_data(snapshot.topology).services
         return False
@@ -476,15 +476,13 @@ class Responder:
         the folded rows started since the last seal are past their budget too."""
         shift = 32 - FOLD_V4 if family == 1 else 128 - FOLD_V6
         key = (blank, family, address >> shift)
-        entry = self._folds.young.get(key) or self._folds.get(key)
+        entry = self._folds.get(key)
         if entry is None:
-            if self._new_folds >= self.budget.fold_entries:
+            if len(self._folds) >= self.budget.fold_entries:
                 return None
-            self._new_folds += 1
             text = fold_bucket(family, address)
             record = with_client(blank, text, text)
-            entry = _Exact(b"", record, stats_key, truncated)
-            self._folds.put(key, entry)
+            entry = self._folds[key] = _Exact(b"", record, stats_key, truncated)
         return entry
 
     def _answer_folded(

@@ -17,7 +17,8 @@ from sqlalchemy import text
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
-from gtm.geodns.budget import Budget, Generations
+from gtm.decision.geoip import GEO_SHARE, MEMO_ENTRY_BYTES, memo_entries
+from gtm.geodns.budget import MIB, SHARES, Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder
 from gtm.node import Node
@@ -253,3 +254,9 @@ async def test_a_flood_past_even_the_folded_budget_is_shed(
     assert node.dns_stats.shed == 5
     await writer.flush()
     assert writer.counted - counted == 2 * limit  # what was answered, and only that
+
+
+def test_the_shares_of_the_budget_make_the_whole_of_it() -> None:
+    """Every table's share, the GeoIP memos' included, adds up to the configured figure."""
+    assert abs(sum(SHARES) - 1.0) < 1e-9
+    assert memo_entries(64) * MEMO_ENTRY_BYTES <= 64 * MIB * GEO_SHARE
