@@ -63,7 +63,8 @@ _CACHE_LIMIT = 16_384
 
 # where()'s memo (about 190 bytes a /24: the place tuples are shared) and the decoded records by
 # offset (about 300 bytes each, fewer of them: a 200k-subnet flood reads some 38,000 records
-# over 200,000 /24s): both hold at most ``memo_entries``, a share of the DNS path's budget (gtm.geodns.budget: GEO_SHARE).
+# over 200,000 /24s): both hold at most ``memo_entries``, a share of the DNS path's budget
+# (gtm.geodns.budget counts GEO_SHARE among its tables').
 MEMO_ENTRY_BYTES = 250
 GEO_SHARE = 0.30
 
