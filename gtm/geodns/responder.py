@@ -72,8 +72,6 @@ _SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
 # Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
 # with the ECS echo: the slow path answers them.
 _UNPLACED = Placed(b"", False, None, None, ("", "", ""), False)  # type: ignore[arg-type]
-# What the ECS path returns for a query it drops (the audit budget is spent even on folds).
-_SHED = b""
 
 
 class _Exact:
@@ -144,7 +142,7 @@ class Responder:
         self._entries = 0
         self._exact_half = max(1, budget.exact_entries // 2)
         # New decisions counted since the audit writer last drained this responder for a seal;
-        # past the budget's audit_records, queries needing another are shed (gtm.geodns.budget).
+        # past the budget's audit_records, answers needing another are counted on folded rows.
         self._new_decisions = 0
         self._drained_seals = -1  # the writer's seal count at the last drain
         self._services: Mapping[str, Service] = {}
@@ -221,8 +219,6 @@ class Responder:
             shapes = self._shapes.get(host)
             if shapes is not None:
                 out = self._shaped(shapes, wire, host)
-                if out is _SHED:
-                    return None
         return out if out is not None else self._answer(wire, peer_address(host), True, host)
 
     def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
@@ -315,7 +311,7 @@ class Responder:
     def _shaped(self, shapes: dict[bytes, Shape], wire: bytes, host: str) -> bytes | None:
         """The ECS path (:mod:`gtm.geodns.shapes`): the response to a query of a shape this
         sender has sent before, from the answer rendered for its GeoIP place; None to answer it
-        the long way, :data:`_SHED` to drop it."""
+        the long way."""
         for size in self._sizes:
             shape = shapes.get(wire[2:-size])
             if shape is not None:
@@ -358,9 +354,6 @@ class Responder:
                 entry = self._fold(
                     placed.blank, placed.stats_key, placed.truncated, shape.family, value
                 )
-                if entry is None:
-                    self.stats.shed += 1
-                    return _SHED
         if entry.n:
             entry.n += 1
         else:
@@ -470,17 +463,23 @@ class Responder:
         truncated: bool,
         family: int,
         address: int,
-    ) -> _Exact | None:
+    ) -> _Exact:
         """The tally entry counting answers of the decision ``blank`` stands for in the client
-        bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes); None when
-        the folded rows started since the last seal are past their budget too."""
+        bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes). Past the
+        budget's ``fold_entries`` in one seal window, in the bucket of every client (0.0.0.0/0,
+        ::/0): at most one row per decision, so even then nothing is dropped."""
         shift = 32 - FOLD_V4 if family == 1 else 128 - FOLD_V6
         key = (blank, family, address >> shift)
         entry = self._folds.get(key)
         if entry is None:
             if len(self._folds) >= self.budget.fold_entries:
-                return None
-            text = fold_bucket(family, address)
+                key = (blank, family, -1)
+                entry = self._folds.get(key)
+                if entry is not None:
+                    return entry
+                text = "0.0.0.0/0" if family == 1 else "::/0"
+            else:
+                text = fold_bucket(family, address)
             record = with_client(blank, text, text)
             entry = self._folds[key] = _Exact(b"", record, stats_key, truncated)
         return entry
@@ -493,10 +492,10 @@ class Responder:
         now: float,
         limit: int | None,
         udp: bool,
-    ) -> bytes | None:
+    ) -> bytes:
         """The slow path's answer to a query needing a new decision while the writer is
         behind: rendered, counted on a folded row, kept in no cache (its row is not its
-        own); None, dropped, when even the folded rows are past their budget."""
+        own)."""
         if self.signer is None:
             result = answer(query, client, snapshot, now, limit)
         else:
@@ -514,9 +513,6 @@ class Responder:
         truncated = bool(result.wire[2] & 0x02)
         family = 1 if located.version == 4 else 2
         entry = self._fold(blank, stats_key, truncated, family, int(located))
-        if entry is None:
-            self.stats.shed += 1
-            return None
         self.stats.cache_misses += 1
         if entry.n:
             entry.n += 1

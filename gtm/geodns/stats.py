@@ -29,7 +29,6 @@ class DnsStats:
         self.tcp_refused = 0
         # Queries dropped unanswered because the audit backlog was over its budget
         # (gtm.geodns.budget): never counted in the audit, as nothing was answered.
-        self.shed = 0
 
 
 class DnsCollector(Collector):
@@ -52,7 +51,6 @@ class DnsCollector(Collector):
             ("gtm_dns_rate_limited", "responses over the rate limit", s.rate_limited),
             ("gtm_dns_rate_limit_slipped", "rate-limited responses sent truncated", s.slipped),
             ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
-            ("gtm_dns_shed", "queries dropped while the audit backlog was over budget", s.shed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(
