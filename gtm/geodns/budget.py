@@ -4,8 +4,9 @@ One figure (``GTM_DNS_CACHE_BUDGET_MB``, per worker process) becomes an entry li
 table, from what one entry costs (measured with tracemalloc on ECS answers for the demo zone:
 about 530 bytes a first-level entry, which holds the query's bytes and the whole response, and
 about 1,200 a rendered one, which adds its key tuple and an audit record; a rate-limit bucket is
-a small list under a tuple key). The parse and GeoIP memos beside them have fixed small caps
-(``gtm.geodns.wire``, ``gtm.decision.geoip``, ``gtm.decision.routing``). Every table keeps two
+a small list under a tuple key). The parse, client-network and plan memos beside them have
+fixed small caps (``gtm.geodns.wire``, ``gtm.decision.routing``, ``gtm.decision.plan``).
+Every table keeps two
 generations (:class:`Generations`): lookups try the young one, then the old one, moving a hit
 back into the young one; when the young one is full the old one is dropped and the young one
 becomes old. Entries used at least once a generation stay, entries seen once (an attacker's
@@ -14,10 +15,13 @@ a flood costs hit rate, never memory (DESIGN.md rule 8).
 
 The audit writer's backlog is the one table a cache cannot bound: every answer must be counted
 (rule 2), and a decision for a client network not seen before is a new row. When more new
-decisions wait for the writer than :attr:`Budget.audit_records`, the responder drops queries
-that would make another one (a resolver retries them), and answers the rest (repeats, zone
-names, names that do not exist) as usual: goodput under a random-subnet flood follows what the
-writer can seal, and memory stays where it is.
+decisions wait for the writer than :attr:`Budget.audit_records` in one seal window, the
+responder counts further ones on folded rows (per decision and client /8, then per decision:
+:mod:`gtm.geodns.shapes`) until the writer seals: goodput under a random-subnet flood no longer
+follows what the writer can seal, and the rows it must seal stay a few thousand a second.
+
+The GeoIP memos (:mod:`gtm.decision.geoip`, ``GEO_SHARE``) are the DNS path's per-subnet
+lookups, so their share comes out of the same figure, and the shares add up to the whole.
 """
 
 from __future__ import annotations

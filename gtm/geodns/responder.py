@@ -1,8 +1,10 @@
 """The DNS answering path: a query's wire bytes in, the response's wire bytes out, from memory.
 
 :meth:`Responder.answer_udp` and :meth:`Responder.answer_tcp` are the whole answering path and
-never await: rate limit (UDP), look the exact query up, else parse, look the rendered answer up
-(or render it), patch in the ID, flags and question case, count it towards the audit. Rendered
+never await: rate limit (UDP), look the exact query up, else (UDP, an ECS query of a shape this
+sender sent before: :mod:`gtm.geodns.shapes`) take the answer rendered for the subnet's location
+class, else parse, look the rendered answer up (or render it), patch in the ID, flags and
+question case, count it towards the audit. Rendered
 answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
 one decision epoch (successor snapshots that decide alike: routine capacity reports keep the
 caches, :mod:`gtm.decision.answer_window`), and only until the next instant at which a decision
@@ -351,6 +353,7 @@ class Responder:
                 self._networks.put(net_key, entry)
                 self._new_decisions += 1
             else:
+                self.stats.folded += 1
                 entry = self._fold(
                     placed.blank, placed.stats_key, placed.truncated, shape.family, value
                 )
@@ -513,6 +516,7 @@ class Responder:
         truncated = bool(result.wire[2] & 0x02)
         family = 1 if located.version == 4 else 2
         entry = self._fold(blank, stats_key, truncated, family, int(located))
+        self.stats.folded += 1
         self.stats.cache_misses += 1
         if entry.n:
             entry.n += 1

@@ -27,8 +27,9 @@ class DnsStats:
         self.slipped = 0
         self.tcp_connections = 0
         self.tcp_refused = 0
-        # Queries dropped unanswered because the audit backlog was over its budget
-        # (gtm.geodns.budget): never counted in the audit, as nothing was answered.
+        # Answers counted on folded audit rows (per decision and client bucket) because new
+        # client networks came faster than the audit writer sealed them (gtm.geodns.shapes).
+        self.folded = 0
 
 
 class DnsCollector(Collector):
@@ -51,6 +52,7 @@ class DnsCollector(Collector):
             ("gtm_dns_rate_limited", "responses over the rate limit", s.rate_limited),
             ("gtm_dns_rate_limit_slipped", "rate-limited responses sent truncated", s.slipped),
             ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
+            ("gtm_dns_folded", "answers counted on folded audit rows (a client bucket)", s.folded),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(

@@ -198,6 +198,7 @@ async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_d
     # The first ``limit`` networks have rows of their own; the rest share the /8's row.
     assert len(rows) == limit + 1
     assert rows["100.0.0.0/8"] == 40
+    assert node.dns_stats.folded == 40
     assert all(rows[f"{s}/24"] == 1 for s in subnets[:limit])
     # The writer has sealed: a network counted on the /8's row gets a row of its own again.
     await udp(node, q(ecs=(subnets[-1], 24)))
@@ -269,6 +270,7 @@ async def test_a_flood_past_even_the_folded_budget_is_answered_on_one_row_per_de
     assert sum(1 for n in rows if n.endswith("/24")) == budget.audit_records
     assert sum(1 for n in rows if n.endswith("/8")) == budget.fold_entries
     assert rows["0.0.0.0/0"] == 7
+    assert node.dns_stats.folded == budget.fold_entries + 7
 
 
 def test_the_shares_of_the_budget_make_the_whole_of_it() -> None:
