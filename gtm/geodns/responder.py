@@ -275,11 +275,7 @@ class Responder:
         if exact is None:
             return None
         now = self.clock()
-        snapshot = self._store.current
-        window = self._window
-        if not (now < window.until and snapshot is window.snapshot) and not self._advance(
-            snapshot, now
-        ):
+        if self._holding(now) is None:
             return None
         if exact.n:
             exact.n += 1
@@ -289,6 +285,16 @@ class Responder:
             self._tallied.append(exact)
         exact.last = now
         return wire[:2] + exact.tail
+
+    def _holding(self, now: float) -> Snapshot | None:
+        """The current snapshot if the caches' answer window holds at ``now`` (moved on to a
+        successor in the same decision epoch if need be); None when the caches were dropped
+        and the query must be answered the long way."""
+        snapshot = self._store.current
+        window = self._window
+        if (now < window.until and snapshot is window.snapshot) or self._advance(snapshot, now):
+            return snapshot
+        return None
 
     def _advance(self, snapshot: Snapshot, now: float) -> bool:
         """Move the answer window to ``snapshot``, dropping the caches unless they still hold
@@ -321,11 +327,8 @@ class Responder:
         else:
             return None
         now = self.clock()
-        snapshot = self._store.current
-        window = self._window
-        if not (now < window.until and snapshot is window.snapshot) and not self._advance(
-            snapshot, now
-        ):
+        snapshot = self._holding(now)
+        if snapshot is None:
             return None
         octets = wire[-size:]
         value = int.from_bytes(octets, "big") << shape.pad

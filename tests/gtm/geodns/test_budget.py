@@ -153,6 +153,37 @@ def test_rate_limiting_is_on_by_default_and_spares_loopback() -> None:
     assert "127.0.0.0/8" in settings.dns_rate_limit_exempt
 
 
+async def _per_subnet_node(start_node: StartNode, tmp_path: Path, subnets: list[str]) -> Node:
+    """A node on a tiny budget whose GeoIP database gives each subnet a network (and a place)
+    of its own, so each is a new decision; no timed flush and no early wake: the backlog only
+    drains when the test flushes."""
+    world = {
+        **WORLD,
+        **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
+    }
+    node = await start_node(
+        dns_cache_budget_mb=TINY_MB,
+        audit_flush_interval_s=3600,
+        audit_max_pending=10**6,
+        geoip_path=build_city_db(tmp_path / "per-subnet.mmdb", world),
+    )
+    await node.runtime.writer.flush()  # whatever start-up counted
+    return node
+
+
+async def _answers_by_client(node: Node) -> dict[str, int]:
+    """Answers for chat.gtm.example. in the audit store, by recorded client network."""
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT client_network, SUM(count) FROM decisions"
+                " WHERE name = 'chat.gtm.example.' GROUP BY client_network"
+            )
+        )
+        return {network: int(n) for network, n in rows.all()}
+
+
 async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_drains(
     start_node: StartNode, tmp_path: Path
 ) -> None:
@@ -161,40 +192,17 @@ async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_d
     subnets; then: such queries were shed unanswered), the ECS path counts new networks'
     answers per decision and client /8 until the writer seals (gtm.geodns.shapes): every query
     is answered and counted, on a bounded number of rows."""
-    # Decisions are made (and audited) per GeoIP network (gtm.geodns.precision): give each
-    # subnet a database network of its own, so each is a new decision.
+    # Decisions are made (and audited) per GeoIP network (gtm.geodns.precision).
     limit = Budget.from_mb(TINY_MB).audit_records
     subnets = [f"100.{64 + i // 200}.{i % 200}.0" for i in range(limit + 40)]
-    world = {
-        **WORLD,
-        **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
-    }
-    # No timed flush and no early wake: the backlog only drains when the test flushes.
-    node = await start_node(
-        dns_cache_budget_mb=TINY_MB,
-        audit_flush_interval_s=3600,
-        audit_max_pending=10**6,
-        geoip_path=build_city_db(tmp_path / "per-subnet.mmdb", world),
-    )
+    node = await _per_subnet_node(start_node, tmp_path, subnets)
     assert responder_of(node).budget.audit_records == limit
     writer = node.runtime.writer
-    await writer.flush()  # whatever start-up counted
     counted = writer.counted
     for subnet in subnets:
         assert addresses(await udp(node, q(ecs=(subnet, 24)))) == {"192.0.2.40"}
-    await writer.flush()
+    rows = await _answers_by_client(node)
     assert writer.counted - counted == len(subnets)  # every answer counted
-    async with node.runtime.engine.connect() as conn:
-        rows = dict(
-            (
-                await conn.execute(
-                    text(
-                        "SELECT client_network, SUM(count) FROM decisions"
-                        " WHERE name = 'chat.gtm.example.' GROUP BY client_network"
-                    )
-                )
-            ).all()
-        )
     # The first ``limit`` networks have rows of their own; the rest share the /8's row.
     assert len(rows) == limit + 1
     assert rows["100.0.0.0/8"] == 40
@@ -202,20 +210,8 @@ async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_d
     assert all(rows[f"{s}/24"] == 1 for s in subnets[:limit])
     # The writer has sealed: a network counted on the /8's row gets a row of its own again.
     await udp(node, q(ecs=(subnets[-1], 24)))
-    await writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        after = dict(
-            (
-                await conn.execute(
-                    text(
-                        "SELECT client_network, SUM(count) FROM decisions"
-                        " WHERE client_network IN ('100.0.0.0/8', :last) GROUP BY client_network"
-                    ),
-                    {"last": f"{subnets[-1]}/24"},
-                )
-            ).all()
-        )
-    assert after == {"100.0.0.0/8": 40, f"{subnets[-1]}/24": 1}
+    after = await _answers_by_client(node)
+    assert after["100.0.0.0/8"] == 40 and after[f"{subnets[-1]}/24"] == 1
     # Searching for a client of the flood finds the folded row; its replay says what it is.
     found, _ = await audit_query.search(
         node.runtime.engine,
@@ -239,34 +235,13 @@ async def test_a_flood_past_even_the_folded_budget_is_answered_on_one_row_per_de
     firsts = [f for f in range(1, 224) if f not in (10, 100, 127)]
     firsts = firsts[: budget.audit_records + budget.fold_entries + 7]
     subnets = [f"{first}.1.2.0" for first in firsts]
-    world = {
-        **WORLD,
-        **{f"{s}/24": ("DE", "EU", 50.0 + i / 100, 8.68) for i, s in enumerate(subnets)},
-    }
-    node = await start_node(
-        dns_cache_budget_mb=TINY_MB,
-        audit_flush_interval_s=3600,
-        audit_max_pending=10**6,
-        geoip_path=build_city_db(tmp_path / "per-subnet.mmdb", world),
-    )
+    node = await _per_subnet_node(start_node, tmp_path, subnets)
     writer = node.runtime.writer
-    await writer.flush()
     counted = writer.counted
     for subnet in subnets:
         assert addresses(await udp(node, q(ecs=(subnet, 24)))) == {"192.0.2.40"}
-    await writer.flush()
+    rows = await _answers_by_client(node)
     assert writer.counted - counted == len(subnets)
-    async with node.runtime.engine.connect() as conn:
-        rows = dict(
-            (
-                await conn.execute(
-                    text(
-                        "SELECT client_network, SUM(count) FROM decisions"
-                        " WHERE name = 'chat.gtm.example.' GROUP BY client_network"
-                    )
-                )
-            ).all()
-        )
     assert sum(1 for n in rows if n.endswith("/24")) == budget.audit_records
     assert sum(1 for n in rows if n.endswith("/8")) == budget.fold_entries
     assert rows["0.0.0.0/0"] == 7
