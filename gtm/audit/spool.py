@@ -182,9 +182,11 @@ class Spool:
         lines: list[bytes] = []
         self.rejected = []
         consumed = 0
+        unread = b""  # the line read past the last row taken, when max_rows cut the read
         with f:
             for raw in f:
                 if max_rows is not None and len(rows) >= max_rows:
+                    unread = raw
                     break
                 consumed += len(raw)
                 line = raw.rstrip(b"\n")
@@ -205,7 +207,7 @@ class Spool:
                         reason = "MAC verifies but the row does not parse"
                 if reason is not None:
                     self.rejected.append(Rejected(len(lines), reason))
-            rest = f.read() if self.rejected else b""
+            rest = unread + f.read() if self.rejected else b""
         if self.rejected:
             self._keep_rejected(lines)
             # Set aside once: the spool keeps only the lines that verify, so a retry while the

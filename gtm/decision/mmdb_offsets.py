@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import struct
 import sys
+import weakref
 from pathlib import Path
 
 import structlog
@@ -59,7 +60,11 @@ def _library() -> ctypes.CDLL | None:
         candidates.append(system)
     for name in candidates:
         try:
-            lib = ctypes.CDLL(name)
+            # PyDLL: calls keep the GIL. A lookup takes about a microsecond; releasing and
+            # taking back the GIL around it would cost as much, and while another thread is
+            # busy (the audit spool's, under a flood) each taking back could wait a switch
+            # interval.
+            lib = ctypes.PyDLL(name)
             lookup, opener, closer = lib.MMDB_lookup_sockaddr, lib.MMDB_open, lib.MMDB_close
         except (OSError, AttributeError):
             continue
@@ -91,18 +96,21 @@ class OffsetReader:
         status = lib.MMDB_open(str(path).encode(), _MMDB_MODE_MMAP, self._mmdb)
         if status != _MMDB_SUCCESS:
             raise OSError(f"libmaxminddb could not open {path} (status {status})")
-        self._lib = lib
         self._lookup = lib.MMDB_lookup_sockaddr
         self._error = ctypes.c_int(0)
         self._error_ref = ctypes.byref(self._error)
         # An IPv4 address in an IPv6 tree sits under ::/96: its netmask counts those 96 bits.
         self._v4_base = 96 if ipv6_tree else 0
-        self._open = True
+        # MMDB_close unmaps the file: when close() is not called (a reloaded database), the
+        # finaliser does it once the reader goes.
+        self._closer = weakref.finalize(self, lib.MMDB_close, self._mmdb)
 
     def lookup(self, version: int, value: int) -> tuple[int, int]:
         """(offset of the address's record, or -1 when it has none; prefix length of its
         network), for the address given as its version and integer. Raises ValueError when
         the database is corrupt where the walk went."""
+        if not self._closer.alive:
+            raise ValueError("the GeoIP database was closed")
         if version == 4:
             sockaddr = _V4_HEAD + value.to_bytes(4, "big") + _V4_TAIL
         else:
@@ -112,13 +120,12 @@ class OffsetReader:
             raise ValueError(f"libmaxminddb lookup failed (error {self._error.value})")
         netmask = result.netmask
         if version == 4:
-            netmask -= self._v4_base
+            # As the maxminddb reader does: an IPv6 tree without an IPv4 subtree stops above it.
+            netmask = netmask - self._v4_base if netmask >= self._v4_base else 0
         return (result.entry.offset if result.found_entry else -1), netmask
 
     def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._lib.MMDB_close(self._mmdb)
+        self._closer()  # once only, whoever calls it first
 
 
 def open_offsets(path: Path, ipv6_tree: bool) -> OffsetReader | None:

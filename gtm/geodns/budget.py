@@ -74,15 +74,14 @@ class Budget:
     exact_entries: int
     rendered_entries: int
     rate_buckets: int
-    # New decisions (audit records) the responder adds between two drains by the audit writer;
-    # past it, the ECS path folds its rows, and the slow path drops queries that need a new
-    # decision unanswered until the writer drains.
+    # New decisions (audit records) the responder adds between two seals by the audit writer;
+    # past it, answers needing another are counted on folded rows (gtm.geodns.shapes).
     audit_records: int
     placed_entries: int = _MIN_ENTRIES
     class_entries: int = _MIN_ENTRIES
     network_entries: int = _MIN_ENTRIES
-    # Folded rows (gtm.geodns.shapes) the ECS path starts between two seals; past it, queries
-    # needing another are dropped unanswered.
+    # Folded rows per decision and client /8 (/20) started between two seals; past it, the
+    # decision's one row for every client (0.0.0.0/0, ::/0) counts the rest.
     fold_entries: int = _MIN_ENTRIES
     shapes: int = SHAPE_ENTRIES
 

@@ -19,6 +19,7 @@ Their response counters are folded into :class:`DnsStats` at the same time. The 
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -168,7 +169,7 @@ class Responder:
             budget.class_entries
         )
         # Folded rows started since the writer last sealed: at most the budget's fold_entries.
-        self._folds: dict[tuple[AuditRecord, int, int], _Exact] = {}
+        self._folds: dict[tuple[AuditRecord, int, int, bool], _Exact] = {}
         self._blanks: dict[AuditRecord, AuditRecord] = {}
         runtime.writer.add_source(self.drain_tallies)
 
@@ -437,8 +438,7 @@ class Responder:
         ):
             return _UNPLACED
         record = result.record
-        blank = with_client(record, "", None)
-        blank = self._blanks.setdefault(blank, blank)
+        blank = self._intern(with_client(record, "", None))
         return Placed(
             result.wire[2 : -shape.size - 1],
             decision.scope_prefix > 0,
@@ -469,24 +469,27 @@ class Responder:
         truncated: bool,
         family: int,
         address: int,
+        ecs: bool = True,
     ) -> _Exact:
         """The tally entry counting answers of the decision ``blank`` stands for in the client
         bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes). Past the
         budget's ``fold_entries`` in one seal window, in the bucket of every client (0.0.0.0/0,
         ::/0): at most one row per decision, so even then nothing is dropped."""
         shift = 32 - FOLD_V4 if family == 1 else 128 - FOLD_V6
-        key = (blank, family, address >> shift)
+        key = (blank, family, address >> shift, ecs)
         entry = self._folds.get(key)
         if entry is None:
             if len(self._folds) >= self.budget.fold_entries:
-                key = (blank, family, -1)
+                key = (blank, family, -1, ecs)
                 entry = self._folds.get(key)
                 if entry is not None:
                     return entry
                 text = "0.0.0.0/0" if family == 1 else "::/0"
             else:
                 text = fold_bucket(family, address)
-            record = with_client(blank, text, text)
+            # The bucket stands for the ECS too when the answers had one (never claimed for
+            # queries without).
+            record = with_client(blank, text, text if ecs else None)
             entry = self._folds[key] = _Exact(b"", record, stats_key, truncated)
         return entry
 
@@ -507,8 +510,12 @@ class Responder:
         else:
             result = self.signer.answer(query, client, snapshot, now, limit)
         record = result.record
-        blank = with_client(record, "", None)
-        blank = self._blanks.setdefault(blank, blank)
+        # The type as metric labels say it ("other" past the known ones): a sender cycling
+        # through 65,536 types must not make a folded row each (gtm.geodns.zone.stats_qtype).
+        blank = dataclasses.replace(
+            with_client(record, "", None), query_type=stats_qtype(query.qtype)
+        )
+        blank = self._intern(blank)
         ecs = query.edns.ecs if query.edns is not None else None
         located = ecs.network.network_address if ecs is not None and ecs.source else client
         stats_key = (
@@ -518,7 +525,7 @@ class Responder:
         )
         truncated = bool(result.wire[2] & 0x02)
         family = 1 if located.version == 4 else 2
-        entry = self._fold(blank, stats_key, truncated, family, int(located))
+        entry = self._fold(blank, stats_key, truncated, family, int(located), ecs is not None)
         self.stats.folded += 1
         self.stats.cache_misses += 1
         if entry.n:
@@ -529,6 +536,13 @@ class Responder:
             self._tallied.append(entry)
         entry.last = now
         return result.wire
+
+    def _intern(self, blank: AuditRecord) -> AuditRecord:
+        """One object per distinct blank record (fold keys then compare by identity); an
+        interning table only, so emptied when it reaches its bound."""
+        if len(self._blanks) >= self.budget.class_entries * 4:
+            self._blanks = {}
+        return self._blanks.setdefault(blank, blank)
 
     def _add_shape(
         self, host: str, wire: bytes, query: Query, client: IPAddress, limit: int

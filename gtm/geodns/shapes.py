@@ -27,12 +27,13 @@ bucket as its client network and ECS prefix; a replay says it stands for the buc
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.decision.model import Basis
-from gtm.geodns.wire import ClientSubnet, Query
+from gtm.geodns.wire import ClientSubnet, Query, parse_query
 
 IPAddress = IPv4Address | IPv6Address
 
@@ -66,7 +67,18 @@ class Shape:
         if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family] or ecs.source % 8:
             return None
         size = len(ecs.address)
-        if not wire.endswith(ecs.address) or wire[-size - 4 : -size - 2] != bytes((0, ecs.family)):
+        # The message must end with the whole ECS option: code 8, its length, the family (then
+        # source and scope, and the address); not with other bytes that happen to look alike.
+        option = struct.pack("!HHH", 8, 4 + size, ecs.family)
+        if not wire.endswith(ecs.address) or wire[-size - 8 : -size - 2] != option:
+            return None
+        # And those last bytes must be the address the parser read: another option ending the
+        # message could carry the same bytes. Parse the query with them changed, once.
+        flipped = bytes(b ^ 0xFF for b in ecs.address)
+        probe = parse_query(wire[:-size] + flipped)
+        if not isinstance(probe, Query) or probe.edns is None or probe.edns.ecs is None:
+            return None
+        if probe.edns.ecs.address != flipped:
             return None
         bits = 32 if ecs.family == 1 else 128
         return cls(query, client, limit, ecs.family, ecs.source, size, bits - 8 * size)

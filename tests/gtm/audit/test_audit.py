@@ -196,6 +196,25 @@ def test_a_torn_spool_line_costs_only_itself(tmp_path: Path) -> None:
     assert head is not None and (head.seq, head.hash) == (3, "c")
 
 
+def test_the_spool_read_back_in_parts_loses_no_row_around_a_refused_line(tmp_path: Path) -> None:
+    """A writer far behind reads its spool a part at a time (pending_through(max_rows)); a
+    refused line inside the first part is set aside and every row after the part's end is
+    still there for the next read (review: the line read past the part's end was lost)."""
+    spool = Spool(tmp_path / "spool", "node-a")
+    spool.append([{"node_seq": 1, "row_hash": "a"}])
+    tear(spool)
+    spool.append([{"node_seq": n, "row_hash": str(n)} for n in range(2, 8)])
+    taken: list[int] = []
+    while True:
+        rows, end = spool.pending_through(3)
+        taken += [r["node_seq"] for r in rows]
+        spool.discard_through(end)
+        if len(rows) < 3:
+            break
+    assert taken == [1, 2, 3, 4, 5, 6, 7]
+    assert spool.pending() == []
+
+
 async def test_rows_spooled_after_a_torn_line_are_not_lost(
     engine: AsyncEngine,
     snapshot: Snapshot,

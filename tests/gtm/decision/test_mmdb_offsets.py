@@ -82,3 +82,15 @@ def test_a_database_libmaxminddb_will_not_open_falls_back_to_decoding(
     assert open_offsets(tmp_path / "missing.mmdb", ipv6_tree=True) is None
     db = GeoDatabase(geoip_path)
     assert db.locate(IPv4Address("100.72.1.1")).country == "DE"
+
+
+def test_a_closed_reader_refuses_lookups_instead_of_reading_unmapped_memory(
+    geoip_path: Path,
+) -> None:
+    offsets = open_offsets(geoip_path, ipv6_tree=True)
+    assert offsets is not None
+    assert offsets.lookup(4, int(IPv4Address("100.72.1.1")))[1] == 13
+    offsets.close()
+    offsets.close()  # once only
+    with pytest.raises(ValueError, match="closed"):
+        offsets.lookup(4, int(IPv4Address("100.72.1.1")))

@@ -25,7 +25,7 @@ from gtm.node import Node
 from gtm.settings import Settings
 from tests.support.geoip import WORLD, build_city_db
 
-from .conftest import StartNode, raw_udp, udp
+from .conftest import StartNode, raw_udp, tcp, udp
 from .test_server import addresses, q
 
 TINY_MB = 0.05  # a few dozen entries per table (gtm.geodns.budget)
@@ -212,6 +212,18 @@ async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_d
     await udp(node, q(ecs=(subnets[-1], 24)))
     after = await _answers_by_client(node)
     assert after["100.0.0.0/8"] == 40 and after[f"{subnets[-1]}/24"] == 1
+    # A query without ECS needing a new decision meanwhile (TCP: the full path) is folded by
+    # its sender's address, and its row claims no ECS.
+    responder_of(node)._new_decisions = limit  # the backlog full again
+    await tcp(node, q())
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        plain = (
+            await conn.execute(
+                text("SELECT ecs_prefix FROM decisions WHERE client_network = '127.0.0.0/8'")
+            )
+        ).all()
+    assert plain == [(None,)]
     # Searching for a client of the flood finds the folded row; its replay says what it is.
     found, _ = await audit_query.search(
         node.runtime.engine,

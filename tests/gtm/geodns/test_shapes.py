@@ -5,10 +5,12 @@ audited per GeoIP network as the full path audits them."""
 from __future__ import annotations
 
 import random
+import struct
 import time
 from ipaddress import IPv4Address, IPv6Address, ip_network
 from pathlib import Path
 
+import dns.edns
 import dns.message
 import pytest
 from sqlalchemy import text
@@ -17,6 +19,7 @@ from gtm.decision.geoip import default_database_path
 from gtm.errors import GeoIPError
 from gtm.geodns.precision import widened
 from gtm.geodns.responder import udp_limit
+from gtm.geodns.shapes import Shape
 from gtm.geodns.wire import Query, parse_query
 from gtm.geodns.zone import answer
 from tests.conftest import POLICIES
@@ -119,3 +122,23 @@ async def test_an_untrusted_senders_subnets_never_loosen_residency_on_the_ecs_pa
                 parsed, IPv4Address(sender), snapshot, time.time(), udp_limit(parsed.edns)
             )
             assert got.to_wire() == dns.message.from_wire(full.wire).to_wire()
+
+
+def test_a_shape_is_taken_only_when_the_ecs_option_really_ends_the_message() -> None:
+    """A cookie option after the ECS whose last bytes copy an ECS option (code, length, family,
+    source, scope, the same address) must not make a shape: the bytes a later query changes
+    there are not its client subnet (review finding)."""
+    address = bytes((198, 51, 100))
+    fake = struct.pack("!HHHBB", 8, 7, 1, 24, 0) + address
+    cookie = dns.edns.GenericOption(10, bytes(8) + fake)
+    ecs = dns.edns.ECSOption("198.51.100.0", 24)
+    crafted = dns.message.make_query(
+        "chat.gtm.example.", "A", use_edns=0, options=[ecs, cookie]
+    ).to_wire()
+    parsed = parse_query(crafted)
+    assert isinstance(parsed, Query) and crafted.endswith(fake)
+    assert Shape.of(crafted, parsed, IPv4Address("127.0.0.1"), 1232) is None
+    plain = q(ecs=("198.51.100.0", 24)).to_wire()
+    parsed = parse_query(plain)
+    assert isinstance(parsed, Query)
+    assert Shape.of(plain, parsed, IPv4Address("127.0.0.1"), 1232) is not None
