@@ -170,13 +170,7 @@ class GeoDatabase:
             except ValueError:
                 loc = self.locate_int(version, value)  # says so in the log, gives UNKNOWN
                 return (None, None, None, None), loc.network.prefixlen if loc.network else 0
-            place = _NOWHERE if offset < 0 else self._places.get(offset)
-            if place is None:
-                if len(self._places) >= self.memo_entries:
-                    self._places.clear()
-                address = IPv4Address(value) if version == 4 else IPv6Address(value)
-                place = self._places[offset] = self._read_place(offset, address)
-            found = (place, prefix_len)
+            found = (self._place_at(offset, version, value), prefix_len)
         if len(self._where) >= self.memo_entries:
             self._where.clear()
         # A network narrower than the bucket is not kept: another address of the bucket may
@@ -184,11 +178,19 @@ class GeoDatabase:
         self._where[key] = found
         return found
 
-    def _read_place(self, offset: int, address: IPAddress) -> _Place:
-        """The place of the record at ``offset`` (``address``'s), decoded. (Reading the four
-        fields through libmaxminddb instead saved 8% of a lookup: not worth its layout
-        guessing.)"""
-        return _place(self._reader.get(address))
+    def _place_at(self, offset: int, version: int, value: int) -> _Place:
+        """The place of the record at ``offset`` (the address's, given as its version and
+        integer; -1: none), each record decoded once. (Reading the four fields through
+        libmaxminddb instead saved 8% of a lookup: not worth guessing its struct layout.)"""
+        if offset < 0:
+            return _NOWHERE
+        place = self._places.get(offset)
+        if place is None:
+            if len(self._places) >= self.memo_entries:
+                self._places.clear()
+            address = IPv4Address(value) if version == 4 else IPv6Address(value)
+            place = self._places[offset] = _place(self._reader.get(address))
+        return place
 
     def _lookup(self, address: IPAddress, value: int) -> Location:
         self.lookups += 1
@@ -196,15 +198,8 @@ class GeoDatabase:
         try:
             if offsets is not None:
                 offset, prefix_len = offsets.lookup(address.version, value)
-                network = _network(address.version, value, prefix_len)
-                if offset < 0:
-                    return Location(None, None, None, None, network)
-                place = self._places.get(offset)
-                if place is None:
-                    if len(self._places) >= self.memo_entries:
-                        self._places.clear()
-                    place = self._places[offset] = self._read_place(offset, address)
-                return Location(*place, network)
+                place = self._place_at(offset, address.version, value)
+                return Location(*place, _network(address.version, value, prefix_len))
             record, prefix_len = self._reader.get_with_prefix_len(address)
         except (ValueError, maxminddb.InvalidDatabaseError) as exc:
             # A database corrupt past its metadata: this address is unknown, nothing crashes.

@@ -114,7 +114,7 @@ def resolver_place(
 
     Answer caches keyed by the ECS add this to their key: two resolvers sending the same ECS
     may get different answers."""
-    return _resolver_place(snapshot, client, residency_basis(snapshot, client, ecs), ecs_location)
+    return resolver_place_on(snapshot, client, residency_basis(snapshot, client, ecs), ecs_location)
 
 
 def resolver_place_on(
@@ -123,12 +123,6 @@ def resolver_place_on(
     """:func:`resolver_place` with the residency basis already known (it depends on the
     sender and the policy only: a caller answering many ECS subnets from one resolver works it
     out once)."""
-    return _resolver_place(snapshot, client, basis, ecs_location)
-
-
-def _resolver_place(
-    snapshot: Snapshot, client: IPAddress, basis: Basis, ecs_location: Location
-) -> Place | None:
     if basis is not Basis.ECS_AND_ADDRESS or not snapshot.policy.uses_location:
         return None
     at = snapshot.geo.locate(client)
@@ -145,7 +139,7 @@ def decide(request: DecisionRequest, snapshot: Snapshot, now: float) -> Decision
     location = snapshot.geo.locate(
         ecs.network_address if ecs is not None and basis is not Basis.ADDRESS else request.client
     )
-    resolver = _resolver_place(snapshot, request.client, basis, location)
+    resolver = resolver_place_on(snapshot, request.client, basis, location)
     service = snapshot.services.get(request.service)
     if service is None:
         return Decision(

@@ -48,7 +48,8 @@ PLACED_ENTRY_BYTES = 400  # a place's key, pointing at its location class's answ
 CLASS_ENTRY_BYTES = 2000  # the answer's body, key and audit records
 NETWORK_ENTRY_BYTES = 1500  # with its record's row form, once a seal made it
 FOLD_ENTRY_BYTES = 1500  # a folded row's tally entry, audit record and row form
-SHAPE_ENTRIES = 4096  # query shapes kept per worker: a few per resolver
+SHAPE_ENTRIES = 4096  # query shapes kept per worker at most: a few per resolver
+SHAPE_ENTRY_BYTES = 1000  # the shape's prefix bytes, its parsed query, the dict slot
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
 # flood of new client subnets is answered from; the rate limiter's buckets are one per client
@@ -97,7 +98,9 @@ class Budget:
             class_entries=max(_MIN_ENTRIES, int(total * _CLASS_SHARE / CLASS_ENTRY_BYTES)),
             network_entries=max(_MIN_ENTRIES, int(total * _NETWORK_SHARE / NETWORK_ENTRY_BYTES)),
             fold_entries=max(_MIN_ENTRIES, int(total * _FOLD_SHARE / FOLD_ENTRY_BYTES)),
-            shapes=max(_MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / 1000))),
+            shapes=max(
+                _MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / SHAPE_ENTRY_BYTES))
+            ),
         )
 
 

