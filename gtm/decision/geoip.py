@@ -61,12 +61,11 @@ _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds sev
 _CACHE_LIMIT = 16_384
 
 
-# where()'s memo (about 190 bytes a /24: the place tuples are shared) and the decoded records by
-# offset (about 300 bytes each, fewer of them: a 200k-subnet flood reads some 38,000 records
-# over 200,000 /24s): both hold at most ``memo_entries``, a share of the DNS path's budget
+# The decoded records by offset (about 250 bytes each: a 200k-subnet flood reads some 38,000
+# records over 200,000 /24s) hold at most ``memo_entries``, a share of the DNS path's budget
 # (gtm.geodns.budget counts GEO_SHARE among its tables').
 MEMO_ENTRY_BYTES = 250
-GEO_SHARE = 0.30
+GEO_SHARE = 0.12
 
 
 def memo_entries(budget_mb: float) -> int:
@@ -107,8 +106,7 @@ class GeoDatabase:
         # records by their offset: each distinct record is decoded once.
         self._offsets = open_offsets(path, meta.ip_version == 6)
         self._places: dict[int, _Place] = {}
-        self._where: dict[int, tuple[_Place, int]] = {}
-        self.memo_entries = memo_entries  # where()'s /24s, and decoded records, each at most
+        self.memo_entries = memo_entries  # decoded records at most
 
     def close(self) -> None:
         if self._offsets is not None:
@@ -153,30 +151,20 @@ class GeoDatabase:
         """(country, continent, latitude, longitude) of an address given as its version and
         integer, and the prefix length of its database network: what the DNS path's ECS answers
         depend on (gtm.geodns.shapes), without the network and location objects
-        :meth:`locate` makes. Memoised per /24 (/48), like :meth:`locate`."""
-        key = value >> 8 if version == 4 else -(value >> 80) - 1  # v6 keys negative: one table
-        hit = self._where.get(key)
-        if hit is not None and hit[1] <= (24 if version == 4 else 48):
-            return hit
+        :meth:`locate` makes. Not memoised per address: the ECS path keeps what it found per
+        client subnet (its memo holds the answer too); records are decoded once each."""
         offsets = self._offsets
         if offsets is None:
             loc = self.locate_int(version, value)
             net = loc.network
-            found = ((loc.country, loc.continent, loc.lat, loc.lon), net.prefixlen if net else 0)
-        else:
-            self.lookups += 1
-            try:
-                offset, prefix_len = offsets.lookup(version, value)
-            except ValueError:
-                loc = self.locate_int(version, value)  # says so in the log, gives UNKNOWN
-                return (None, None, None, None), loc.network.prefixlen if loc.network else 0
-            found = (self._place_at(offset, version, value), prefix_len)
-        if len(self._where) >= self.memo_entries:
-            self._where.clear()
-        # A network narrower than the bucket is not kept: another address of the bucket may
-        # be elsewhere (the check above sends such buckets back here).
-        self._where[key] = found
-        return found
+            return (loc.country, loc.continent, loc.lat, loc.lon), net.prefixlen if net else 0
+        self.lookups += 1
+        try:
+            offset, prefix_len = offsets.lookup(version, value)
+        except ValueError:
+            loc = self.locate_int(version, value)  # says so in the log, gives UNKNOWN
+            return (None, None, None, None), loc.network.prefixlen if loc.network else 0
+        return self._place_at(offset, version, value), prefix_len
 
     def _place_at(self, offset: int, version: int, value: int) -> _Place:
         """The place of the record at ``offset`` (the address's, given as its version and

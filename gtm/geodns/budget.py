@@ -20,8 +20,12 @@ responder counts further ones on folded rows (per decision and client /8, then p
 :mod:`gtm.geodns.shapes`) until the writer seals: goodput under a random-subnet flood no longer
 follows what the writer can seal, and the rows it must seal stay a few thousand a second.
 
-The GeoIP memos (:mod:`gtm.decision.geoip`, ``GEO_SHARE``) are the DNS path's per-subnet
-lookups, so their share comes out of the same figure, and the shares add up to the whole.
+The ECS path's memo of client subnets (:mod:`gtm.geodns.shapes`: each subnet's answer, with no
+GeoIP lookup) is the one table a working set cycled through may outgrow: a large resolver
+population, or a flood looping over its subnets, asks for each in turn. Two generations would
+then drop every entry before its turn came again; :class:`Admitted` keeps what it took and
+hits on that share. The GeoIP memo of decoded records (:mod:`gtm.decision.geoip`,
+``GEO_SHARE``) comes out of the same figure, and the shares add up to the whole.
 """
 
 from __future__ import annotations
@@ -50,20 +54,24 @@ NETWORK_ENTRY_BYTES = 1500  # with its record's row form, once a seal made it
 FOLD_ENTRY_BYTES = 1500  # a folded row's tally entry, audit record and row form
 SHAPE_ENTRIES = 4096  # query shapes kept per worker at most: a few per resolver
 SHAPE_ENTRY_BYTES = 1000  # the shape's prefix bytes, its parsed query, the dict slot
+# A client subnet in the ECS path's memo: its key (an integer past 2**128) and dict slot, about
+# 100 bytes (tracemalloc over 200,000 /24s; the faces it points at are shared by thousands),
+# doubled for what the allocator keeps around them under a flood's churn.
+SUBNET_ENTRY_BYTES = 200
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
 # flood of new client subnets is answered from; the rate limiter's buckets are one per client
 # network; the audit backlog is the new decisions a flood of distinct clients makes faster
 # than the writer seals them (each a row: the audit keeps every client network a decision was
 # made for, until it folds them, gtm.geodns.shapes).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.05, 0.08, 0.02
-_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.16, 0.14, 0.12
-_CLASS_SHARE, _SHAPE_SHARE = 0.02, 0.01
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.04, 0.06, 0.02
+_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.08, 0.12, 0.03
+_CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.02, 0.01, 0.40
 # The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
 # lookups, so counted here; the shares sum to the whole budget (tests/gtm/geodns/test_budget.py).
 SHARES = (
     _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE, _PLACED_SHARE, _NETWORK_SHARE,
-    _FOLD_SHARE, _CLASS_SHARE, _SHAPE_SHARE, GEO_SHARE,
+    _FOLD_SHARE, _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE, GEO_SHARE,
 )  # fmt: skip
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
@@ -85,6 +93,8 @@ class Budget:
     # decision's one row for every client (0.0.0.0/0, ::/0) counts the rest.
     fold_entries: int = _MIN_ENTRIES
     shapes: int = SHAPE_ENTRIES
+    # Client subnets the ECS path answers from memory, each by its GeoIP network's Net.
+    subnet_entries: int = _MIN_ENTRIES
 
     @classmethod
     def from_mb(cls, mb: float) -> Budget:
@@ -101,7 +111,42 @@ class Budget:
             shapes=max(
                 _MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / SHAPE_ENTRY_BYTES))
             ),
+            subnet_entries=max(_MIN_ENTRIES, int(total * _SUBNET_SHARE / SUBNET_ENTRY_BYTES)),
         )
+
+
+class Admitted(Generic[K, V]):
+    """A bounded map for a working set that may be larger than it: it takes entries until it
+    is full, then keeps what it holds, and starts afresh once twice as many lookups have missed as
+    it holds (the population moved on; what is used comes back first). Two generations hit
+    never on a working set cycled through that is larger than they hold; this hits in
+    proportion to the share it holds (the ECS path's memo of client subnets: a large
+    resolver population, or a random-subnet flood, asks for them in turn). Lookups are
+    ``map.get``, inlined by the answering path."""
+
+    __slots__ = ("limit", "map", "misses")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.map: dict[K, V] = {}
+        self.misses = 0
+
+    def put(self, key: K, value: V) -> None:
+        table = self.map
+        if len(table) < self.limit:
+            table[key] = value
+            return
+        self.misses += 1
+        if self.misses >= 2 * self.limit:
+            self.map = {key: value}
+            self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def clear(self) -> None:
+        self.map = {}
+        self.misses = 0
 
 
 class Generations(Generic[K, V]):

@@ -20,6 +20,7 @@ Their response counters are folded into :class:`DnsStats` at the same time. The 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,12 +40,19 @@ from gtm.decision.policy import Place
 from gtm.decision.routing import residency_basis, resolver_place, resolver_place_on
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
-from gtm.geodns.budget import Budget, Generations
+from gtm.geodns.budget import Admitted, Budget, Generations
 from gtm.geodns.dnssec import Signer
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
-from gtm.geodns.shapes import SCOPES, Placed, Shape, fold_bucket, network_text, with_client
+from gtm.geodns.shapes import (
+    Face,
+    Placed,
+    Shape,
+    fold_bucket,
+    network_text,
+    with_client,
+)
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
 from gtm.geodns.zone import Answer, aggregated_record, answer, stats_qtype, zone_data
@@ -55,6 +63,7 @@ log = structlog.get_logger(__name__)
 IPAddress = IPv4Address | IPv6Address
 DEFAULT_BUDGET = Budget.from_mb(64)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
+_FACE_FOLDS = 256  # client buckets a face keeps its folded rows for, per seal window
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
 
@@ -174,14 +183,23 @@ class Responder:
         self._placed: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
             budget.placed_entries
         )
-        self._networks: Generations[tuple[Placed, int, int], _Exact] = Generations(
-            budget.network_entries
-        )
+        # Per (shape, client subnet): its Face, the answer it is given without a GeoIP lookup.
+        self._subnets: Admitted[int, Face] = Admitted(budget.subnet_entries)
+        # The networks counted on rows of their own, by Face.base and network number.
+        self._networks: Generations[int, _Exact] = Generations(budget.network_entries)
+        # Which seal window the faces' folded rows are of (Face.fold_token).
+        self._fold_token = 1
+        self._serials = itertools.count(1)  # of shapes and renderings (Shape.tag, Face.base)
         self._classes: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
             budget.class_entries
         )
         # Folded rows started since the writer last sealed: at most the budget's fold_entries.
         self._folds: dict[tuple[AuditRecord, int, int, bool], _Exact] = {}
+        # The same entries across seal windows: a flood's folded rows are mostly the same
+        # from one window to the next, and a kept record is rendered as a row only once.
+        self._fold_kept: Generations[tuple[AuditRecord, int, int, bool], _Exact] = Generations(
+            budget.fold_entries
+        )
         self._blanks: dict[AuditRecord, AuditRecord] = {}
         runtime.writer.add_source(self.drain_tallies)
 
@@ -202,6 +220,7 @@ class Responder:
             # Folded rows live one seal window (entries with answers not yet drained stay in
             # _tallied): each window's are bounded, and the next starts with room.
             self._folds = {}
+            self._fold_token += 1
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -317,8 +336,11 @@ class Responder:
         self._shapes, self._shape_count, self._sizes = {}, 0, ()
         self._placed.clear()
         self._classes.clear()
+        self._subnets.clear()
         self._networks.clear()
         self._folds = {}
+        self._fold_kept.clear()
+        self._fold_token += 1
         self._blanks = {}
         self._services = zone_data(snapshot.topology).services
         return False
@@ -338,40 +360,32 @@ class Responder:
         if snapshot is None:
             return None
         octets = wire[-size:]
-        value = int.from_bytes(octets, "big") << shape.pad
-        place, prefix_len = snapshot.geo.where(shape.version, value)
-        if prefix_len > shape.source:
-            # A GeoIP network narrower than the subnet: the subnet is located by its first
-            # address, as the slow path does, and is itself the unit of the answer's scope and
-            # of its audit row (gtm.geodns.precision).
-            prefix_len = shape.source
-        key = (shape, place)
-        # Generations.get inlined for the young generation: three tables a query.
-        placed = self._placed.young.get(key) or self._placed.get(key)
-        if placed is None:
-            placed = self._place(shape, wire, place, snapshot, now, key)
-        if placed is _UNPLACED:
-            return None
-        net_key = (placed, prefix_len, value >> (shape.bits - prefix_len))
-        entry = self._networks.young.get(net_key) or self._networks.get(net_key)
-        repeat = entry is not None
+        subnet = int.from_bytes(octets, "big")
+        face = self._subnets.map.get(shape.tag + subnet)
+        known = face is not None
+        if face is None:
+            face = self._face(shape, wire, subnet, snapshot, now)
+            if face is None:
+                return None
+        value = subnet << shape.pad
+        networks = self._networks
+        net_key = face.base | (value >> face.shift)
+        # Generations.get inlined for the young generation.
+        entry = networks.young.get(net_key) or networks.get(net_key)
         if entry is None:
-            if self._new_decisions < self.budget.audit_records:
-                text = network_text(shape.version, value, prefix_len)
-                record = with_client(placed.record, text, text)
-                entry = _Exact(b"", record, placed.stats_key, placed.truncated)
-                self._networks.put(net_key, entry)
-                self._new_decisions += 1
+            known = False
+            bucket = value >> (32 - FOLD_V4 if shape.family == 1 else 128 - FOLD_V6)
+            if face.fold_token == self._fold_token:
+                entry = face.folds.get(bucket)
+            if entry is None:
+                entry = self._unrowed(face, shape, value, net_key, bucket)
             else:
                 self.stats.folded += 1
-                entry = self._fold(
-                    placed.blank, placed.stats_key, placed.truncated, shape.family, value
-                )
         entry.tally(now, self._tallied)
-        out = wire[:2] + placed.body + SCOPES[prefix_len if placed.scoped else 0] + octets
-        if repeat:
-            # A network asked for again: its subnets are likely to be too (a resolver's steady
-            # population, not a flood's entropy), so these bytes get a first-level entry.
+        out = wire[:2] + face.head + octets
+        if known:
+            # A subnet asked for again, of a network with a row of its own: a resolver's
+            # steady population, not a flood's entropy; these bytes get a first-level entry.
             self._keep(
                 True,
                 host,
@@ -379,6 +393,49 @@ class Responder:
                 _Exact(out[2:], entry.record, entry.stats_key, entry.truncated),
             )
         return out
+
+    def _face(
+        self, shape: Shape, wire: bytes, subnet: int, snapshot: Snapshot, now: float
+    ) -> Face | None:
+        """The :class:`Face` a subnet not in the memo is answered from (its place's answer,
+        rendered if its location class is new), kept in the memo; None when answers differ
+        by network there (the slow path answers)."""
+        place, prefix_len = snapshot.geo.where(shape.version, subnet << shape.pad)
+        if prefix_len > shape.source:
+            # A GeoIP network narrower than the subnet: the subnet is located by its first
+            # address, as the slow path does, and is itself the unit of the answer's scope and
+            # of its audit row (gtm.geodns.precision).
+            prefix_len = shape.source
+        key = (shape, place)
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._place(shape, wire, place, snapshot, now, key)
+        if placed is _UNPLACED:
+            return None
+        face = placed.face(prefix_len, shape.bits)
+        self._subnets.put(shape.tag + subnet, face)
+        return face
+
+    def _unrowed(self, face: Face, shape: Shape, value: int, net_key: int, bucket: int) -> _Exact:
+        """The entry for an answer from ``face`` to a network without a row of its own: a new
+        row if the audit budget has room for a new decision this seal window, else the
+        window's folded row for its decision and the subnet's client bucket."""
+        placed = face.placed
+        if self._new_decisions < self.budget.audit_records:
+            text = network_text(shape.version, value, face.prefix_len)
+            record = with_client(placed.record, text, text)
+            entry = _Exact(b"", record, placed.stats_key, placed.truncated)
+            self._networks.put(net_key, entry)
+            self._new_decisions += 1
+            return entry
+        self.stats.folded += 1
+        entry = self._fold(placed.blank, placed.stats_key, placed.truncated, shape.family, value)
+        if face.fold_token != self._fold_token:
+            face.folds = {}
+            face.fold_token = self._fold_token
+        if len(face.folds) < _FACE_FOLDS:  # every IPv4 /8; IPv6 /20s beyond go to _fold
+            face.folds[bucket] = entry
+        return entry
 
     def _place(
         self,
@@ -446,6 +503,7 @@ class Responder:
             blank,
             ("udp", stats_qtype(query.qtype), record.response or rcode_name(result.rcode)),
             bool(result.wire[2] & 0x02),
+            next(self._serials),
         )
 
     def _seed(self, shape: Shape, query: Query, result: Answer, snapshot: Snapshot) -> None:
@@ -487,10 +545,14 @@ class Responder:
                 text = "0.0.0.0/0" if family == 1 else "::/0"
             else:
                 text = fold_bucket(family, address)
-            # The bucket stands for the ECS too when the answers had one (never claimed for
-            # queries without).
-            record = with_client(blank, text, text if ecs else None)
-            entry = self._folds[key] = _Exact(b"", record, stats_key, truncated)
+            entry = self._fold_kept.get(key)
+            if entry is None:
+                # The bucket stands for the ECS too when the answers had one (never claimed
+                # for queries without).
+                record = with_client(blank, text, text if ecs else None)
+                entry = _Exact(b"", record, stats_key, truncated)
+                self._fold_kept.put(key, entry)
+            self._folds[key] = entry
         return entry
 
     def _answer_folded(
@@ -552,6 +614,8 @@ class Responder:
         shape = Shape.of(wire, query, client, limit)
         if shape is None:
             return None
+        # Above any ECS address (16 octets at most): the shape's subnets key the memo apart.
+        shape.tag = next(self._serials) << 128
         if self._shape_count >= self.budget.shapes:
             self._shapes, self._shape_count = {}, 0  # bounded; busy senders come back at once
         by_prefix = self._shapes.get(host)

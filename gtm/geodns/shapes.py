@@ -16,6 +16,11 @@ the query's ID, its ECS address and the scope of its own GeoIP network patched i
 the same decision's: the place holds the country and continent the rules read, and the shape
 belongs to one sender, so an untrusted resolver's own place is judged as the slow path does.
 
+A subnet asked for again is answered from memory: the responder keeps each (shape, subnet)'s
+:class:`Face` (the answer of its place for its GeoIP network's prefix length), so it needs no
+GeoIP lookup, and looks its network up among those counted on rows of their own by one integer
+(:attr:`Face.base` and the network number).
+
 The audit keeps each answer's client at its GeoIP network's precision (the row the slow path
 would write, :mod:`gtm.geodns.precision`) while the audit writer keeps up. When new rows would
 outrun it (more new decisions since the last seal than the budget's ``audit_records``), answers
@@ -27,8 +32,9 @@ bucket as its client network and ECS prefix; a replay says it stands for the buc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from typing import Any
 
 from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.decision.model import Basis
@@ -57,6 +63,9 @@ class Shape:
     # Whose address residency is judged on, for this sender (worked out on first use; the
     # shape goes with the snapshot's policy, gtm.geodns.responder drops shapes with it).
     basis: Basis | None = None
+    # Added to a subnet's address (its ECS octets as an integer) to key the subnet in the
+    # responder's memo: unique per shape (the responder's count of shapes, above any address).
+    tag: int = 0
 
     @classmethod
     def of(cls, wire: bytes, query: Query, client: IPAddress, limit: int) -> Shape | None:
@@ -97,6 +106,35 @@ class Placed:
     blank: AuditRecord  # the same, its client left out: equal for equal decisions
     stats_key: tuple[str, str, str]
     truncated: bool
+    serial: int = 0  # unique per rendering: its networks' keys start with it (Face.base)
+    faces: dict[int, Face] = field(default_factory=dict)
+
+    def face(self, prefix_len: int, bits: int) -> Face:
+        """This answer for the client networks of ``prefix_len`` (of ``bits``-bit addresses)."""
+        face = self.faces.get(prefix_len)
+        if face is None:
+            face = self.faces[prefix_len] = Face(self, prefix_len, bits)
+        return face
+
+
+class Face:
+    """A shape's answer as the subnets of GeoIP networks of one prefix length in one place get
+    it: the response up to the ECS address (the rendering and the networks' scope), and how
+    a subnet's network is keyed among those counted on rows of their own. The ECS path's memo
+    maps each client subnet to its face: a few thousand faces for 200,000 subnets."""
+
+    __slots__ = ("base", "fold_token", "folds", "head", "placed", "prefix_len", "shift")
+
+    def __init__(self, placed: Placed, prefix_len: int, bits: int) -> None:
+        self.placed = placed
+        self.prefix_len = prefix_len
+        self.head = placed.body + SCOPES[prefix_len if placed.scoped else 0]
+        # A network's key: one integer, cheaper to hash and keep than a tuple.
+        self.base = (placed.serial << 136) | (prefix_len << 128)
+        self.shift = bits - prefix_len
+        # This face's folded rows by client bucket, for the seal window of ``fold_token``.
+        self.folds: dict[int, Any] = {}
+        self.fold_token = 0
 
 
 def with_client(record: AuditRecord, network: str, ecs: str | None) -> AuditRecord:

@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
-from gtm.geodns.budget import SHARES, Budget, Generations
+from gtm.geodns.budget import SHARES, Admitted, Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder
 from gtm.node import Node
@@ -51,6 +51,42 @@ def test_generations_keep_what_is_used_and_never_exceed_the_limit() -> None:
     assert table.get(0) is None  # seen once, long ago: gone with its generation
 
 
+def test_admitted_holds_a_share_of_a_cycled_working_set_too_large_for_it() -> None:
+    """A large resolver population, or a random-subnet flood looping over its set, asks for
+    more subnets in turn than the memo holds. Two generations then never hit (each entry is
+    dropped before its turn comes again); Admitted keeps what it took and hits on that."""
+    generations: Generations[int, int] = Generations(limit=100)
+    admitted: Admitted[int, int] = Admitted(limit=100)
+    hits = {"generations": 0, "admitted": 0}
+    for _ in range(3):
+        for key in range(150):
+            if generations.get(key) is not None:
+                hits["generations"] += 1
+            else:
+                generations.put(key, key)
+            if admitted.map.get(key) is not None:
+                hits["admitted"] += 1
+            else:
+                admitted.put(key, key)
+            assert len(generations) <= 100 and len(admitted) <= 100
+    assert hits["generations"] == 0
+    assert hits["admitted"] == 2 * 100  # the first 100, on the second and third rounds
+
+
+def test_admitted_starts_afresh_when_the_population_moves_on() -> None:
+    admitted: Admitted[int, str] = Admitted(limit=10)
+    for key in range(10):
+        admitted.put(key, "old")
+    for key in range(100, 119):  # 19 misses: still the old population
+        admitted.put(key, "new")
+    assert admitted.map.get(0) == "old" and admitted.map.get(100) is None
+    admitted.put(119, "new")  # the 20th miss: twice what it holds
+    assert admitted.map == {119: "new"}
+    for key in range(120, 129):
+        admitted.put(key, "new")
+    assert len(admitted) == 10 and admitted.map.get(0) is None
+
+
 async def test_distinct_subnets_keep_every_cache_within_its_budget(
     start_node: StartNode,
 ) -> None:
@@ -68,6 +104,8 @@ async def test_distinct_subnets_keep_every_cache_within_its_budget(
         assert reply.rcode() == dns.rcode.NOERROR
         exact, rendered = responder.cached_entries()
         assert exact <= budget.exact_entries and rendered <= budget.rendered_entries, i
+        assert len(responder._subnets) <= budget.subnet_entries, i
+        assert len(responder._networks) <= budget.network_entries, i
         if i % 4 == 0:  # a busy resolver's client keeps asking among the flood
             assert addresses(await udp(node, hot)) == {"192.0.2.40"}
             if i == 40:

@@ -100,7 +100,10 @@ async def test_an_untrusted_senders_subnets_never_loosen_residency_on_the_ecs_pa
         audit_flush_interval_s=3600,
     )
     snapshot = node.runtime.store.current
-    for sender, region in (("127.0.1.2", US_V4), ("127.0.0.2", EU_V4), ("127.0.1.3", US_V4)):
+    # Twice over: the second round is answered from the memo of subnets, which must key them
+    # by sender (shape) too.
+    senders = (("127.0.1.2", US_V4), ("127.0.0.2", EU_V4), ("127.0.1.3", US_V4))
+    for sender, region in senders * 2:
         for i in range(0, 256, 5):
             query = q(ecs=(f"8.8.{i}.0", 24))
             got = await udp(node, query, source=sender)
@@ -111,6 +114,50 @@ async def test_an_untrusted_senders_subnets_never_loosen_residency_on_the_ecs_pa
                 parsed, IPv4Address(sender), snapshot, time.time(), udp_limit(parsed.edns)
             )
             assert got.to_wire() == dns.message.from_wire(full.wire).to_wire()
+
+
+async def test_subnets_asked_for_again_are_answered_from_memory_and_counted(
+    start_node: StartNode,
+) -> None:
+    """A resolver population cycling through its clients' subnets: the second round needs no
+    GeoIP lookup (the memo keeps each subnet's answer), gives the same bytes and is counted."""
+    node = await start_node(geoip_path=_geolite(), audit_flush_interval_s=3600)
+    geo = node.runtime.store.current.geo
+    subnets = _subnets(seed=5, n=300, v6=30)
+    first: dict[str, bytes] = {}
+    for subnet, source in subnets:
+        first[subnet] = (await udp(node, q(ecs=(subnet, source)))).to_wire()[2:]
+    lookups = geo.lookups
+    for subnet, source in subnets:
+        again = (await udp(node, q(ecs=(subnet, source)))).to_wire()[2:]
+        assert again == first[subnet], subnet
+    assert geo.lookups == lookups
+    await node.runtime.writer.flush()
+    rows = await _rows(node)
+    assert sum(rows.values()) == 2 * len(subnets)
+
+
+async def test_folded_rows_keep_their_records_from_one_seal_window_to_the_next(
+    start_node: StartNode,
+) -> None:
+    """A flood's folded rows are mostly the same from one window to the next: their records
+    (and the rows rendered from them) are kept, not made again each window."""
+    node = await start_node(geoip_path=_geolite(), audit_flush_interval_s=3600)
+    responder = node.dns.responder  # type: ignore[union-attr]
+    subnets = _subnets(seed=9, n=60, v6=0)
+    kept: list[object] = []
+    for _window in range(2):
+        responder._new_decisions = responder.budget.audit_records  # the backlog full
+        before = node.dns_stats.folded
+        for subnet, source in subnets:
+            await udp(node, q(ecs=(subnet, source)))
+        assert node.dns_stats.folded - before == len(subnets)
+        kept.append({id(e.record) for e in responder._folds.values()})
+        await node.runtime.writer.flush()  # a seal: the window's folded rows are written
+    assert kept[0] and kept[1] == kept[0]
+    rows = await _rows(node)
+    assert sum(rows.values()) == 2 * len(subnets)
+    assert all(net.endswith("/8") for net in rows)
 
 
 def test_a_shape_is_taken_only_when_the_ecs_option_really_ends_the_message() -> None:
