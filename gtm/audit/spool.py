@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,6 +63,25 @@ def _write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _cut_private(path: Path, offset: int) -> int:
+    """Replace ``path`` with its bytes from ``offset`` on, atomically, mode 0600 from the first
+    byte; copied a chunk at a time (a spool behind a slow database holds tens of megabytes).
+    Returns the bytes kept."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with path.open("rb") as src, os.fdopen(fd, "wb") as f:
+        src.seek(offset)
+        shutil.copyfileobj(src, f, _COPY_CHUNK)
+        kept = f.tell()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
+
+
+_COPY_CHUNK = 1 << 20
+
+
 class Spool:
     def __init__(self, directory: Path, node: str, key: ChainKey | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -79,6 +99,10 @@ class Spool:
         # the file. ``_base`` is the logical offset of the file's first byte, so an end handed
         # out before a discard still names the same row after it.
         self._base = 0
+        # Bytes at the file's start whose rows the database has (discarded), not yet cut off:
+        # a writer draining a long spool a part at a time cuts the file once at least half of
+        # it is done with, not after every part (each cut rewrites what follows).
+        self._skip = 0
         # The newest tally-journal generation whose window is sealed in this spool
         # (gtm.audit.journal): saved with the chain's end, so a journal file left behind by a
         # crash between the two steps of a seal is known to be in the rows already.
@@ -184,6 +208,7 @@ class Spool:
         consumed = 0
         unread = b""  # the line read past the last row taken, when max_rows cut the read
         with f:
+            f.seek(self._skip)
             for raw in f:
                 if max_rows is not None and len(rows) >= max_rows:
                     unread = raw
@@ -214,10 +239,12 @@ class Spool:
             # database is away does not refuse (and count) the same line again.
             compact = b"".join(kept)
             _write_private(self.path, compact + rest)
-            # The refused bytes count as discarded: later offsets keep their meaning.
-            self._base += consumed - len(compact)
+            # The refused bytes count as discarded, like the skipped ones before them: later
+            # offsets keep their meaning.
+            self._base += self._skip + consumed - len(compact)
+            self._skip = 0
             return rows, self._base + len(compact)
-        return rows, self._base + consumed
+        return rows, self._base + self._skip + consumed
 
     def _keep_rejected(self, lines: list[bytes]) -> None:
         fd = os.open(self.rejected_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -237,6 +264,7 @@ class Spool:
 
     def clear(self) -> None:
         self._base += self.size()
+        self._skip = 0
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.flush()
@@ -248,16 +276,20 @@ class Spool:
         spool while an earlier flush's rows are still being inserted, so the spool may hold
         more than the drain that calls this took."""
         cut = end - self._base
-        if cut <= 0:
+        if cut <= self._skip:
             return  # an earlier discard took these already
         size = self.size()
         if cut >= size:
             self.clear()
             return
-        with self.path.open("rb") as f:
-            f.seek(cut)
-            rest = f.read()
-        _write_private(self.path, rest)
+        self._skip = cut
+        if 2 * cut < size:
+            # Skipped by reads until more than half the file is: then cut off. (In memory
+            # only: after a crash the replay reads them again and the database's sequence
+            # numbers skip them.)
+            return
+        self._skip = 0
+        _cut_private(self.path, cut)
         self._base += cut
 
     def size(self) -> int:

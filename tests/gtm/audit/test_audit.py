@@ -4,6 +4,8 @@ import json
 from dataclasses import replace
 from ipaddress import ip_address
 from pathlib import Path
+
+import pytest
 from typing import Any
 
 from alembic.autogenerate import compare_metadata
@@ -213,6 +215,50 @@ def test_the_spool_read_back_in_parts_loses_no_row_around_a_refused_line(tmp_pat
             break
     assert taken == [1, 2, 3, 4, 5, 6, 7]
     assert spool.pending() == []
+
+
+def test_a_spool_drained_in_parts_is_cut_off_rarely_and_loses_nothing_to_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each cut of the spool rewrites what follows it: a long spool drained a part at a time
+    was rewritten after every part (quadratic). Parts done with are skipped until at least
+    half the file is, then cut off at once. Skipping is in memory: a restart reads the skipped
+    rows again (the writer skips what the database has by sequence number), never fewer."""
+    from gtm.audit import spool as spool_module
+
+    rewrites: list[int] = []  # bytes rewritten into the spool file, per cut
+    real_cut = spool_module._cut_private
+
+    def counted(path: Path, offset: int) -> int:
+        kept = real_cut(path, offset)
+        rewrites.append(kept)
+        return kept
+
+    monkeypatch.setattr(spool_module, "_cut_private", counted)
+    spool = Spool(tmp_path / "spool", "node-a")
+    spool.append([{"node_seq": n, "row_hash": str(n)} for n in range(1, 41)])
+    size = spool.size()
+    taken: list[int] = []
+    for _ in range(5):  # five parts of four rows: half the spool
+        rows, end = spool.pending_through(4)
+        taken += [r["node_seq"] for r in rows]
+        spool.discard_through(end)
+    assert taken == list(range(1, 21))
+    assert len(rewrites) <= 1  # at most the cut once half the file was done with
+    restarted = Spool(tmp_path / "spool", "node-a")
+    again = [r["node_seq"] for r in restarted.pending()]
+    assert again[-20:] == list(range(21, 41))  # nothing after the last part is lost
+    while True:
+        rows, end = spool.pending_through(4)
+        taken += [r["node_seq"] for r in rows]
+        spool.discard_through(end)
+        if len(rows) < 4:
+            break
+    assert taken == list(range(1, 41))
+    assert spool.pending() == []
+    # Each cut halves what is left: all of them rewrite less than the spool held (before:
+    # after each of the ten parts, what followed it, four and a half times the spool).
+    assert sum(rewrites) < size
 
 
 async def test_rows_spooled_after_a_torn_line_are_not_lost(
