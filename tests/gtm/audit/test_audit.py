@@ -4,10 +4,9 @@ import json
 from dataclasses import replace
 from ipaddress import ip_address
 from pathlib import Path
-
-import pytest
 from typing import Any
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import delete, text, update
