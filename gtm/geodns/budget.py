@@ -55,9 +55,11 @@ FOLD_ENTRY_BYTES = 1500  # a folded row's tally entry, audit record and row form
 SHAPE_ENTRIES = 4096  # query shapes kept per worker at most: a few per resolver
 SHAPE_ENTRY_BYTES = 1000  # the shape's prefix bytes, its parsed query, the dict slot
 # A client subnet in the ECS path's memo: its key (an integer past 2**128) and dict slot, about
-# 100 bytes (tracemalloc over 200,000 /24s; the faces it points at are shared by thousands),
-# doubled for what the allocator keeps around them under a flood's churn.
-SUBNET_ENTRY_BYTES = 200
+# 100 bytes (tracemalloc over 200,000 /24s; the faces it points at are shared by thousands).
+# At 64 MiB the memo holds 244,000: a population of 200,000 subnets is answered from memory
+# (bench/dns/flood.py: sustained goodput half the 5,000-subnet rate; at 200 bytes a subnet,
+# which held 134,000, a third).
+SUBNET_ENTRY_BYTES = 110
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
 # flood of new client subnets is answered from; the rate limiter's buckets are one per client
