@@ -63,7 +63,6 @@ log = structlog.get_logger(__name__)
 IPAddress = IPv4Address | IPv6Address
 DEFAULT_BUDGET = Budget.from_mb(64)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
-_FACE_FOLDS = 256  # client buckets a face keeps its folded rows for, per seal window
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
 
@@ -84,6 +83,7 @@ _SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
 # Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
 # with the ECS echo: the slow path answers them.
 _UNPLACED = Placed(b"", False, None, None, ("", "", ""), False)  # type: ignore[arg-type]
+_NO_FACE = _UNPLACED.face(0, 32)  # in the memo: a subnet of such a place
 
 
 class _Exact:
@@ -187,8 +187,11 @@ class Responder:
         self._subnets: Admitted[int, Face] = Admitted(budget.subnet_entries)
         # The networks counted on rows of their own, by Face.base and network number.
         self._networks: Generations[int, _Exact] = Generations(budget.network_entries)
-        # Which seal window the faces' folded rows are of (Face.fold_token).
-        self._fold_token = 1
+        # This seal window's folded rows by (face, client bucket): Face.base | bucket.
+        self._face_folds: dict[int, _Exact] = {}
+        # Renderings (Placed) made since the memo was last emptied: what its faces may keep
+        # alive past the tables that bound them (_classes, _placed, _shapes).
+        self._renderings = 0
         self._serials = itertools.count(1)  # of shapes and renderings (Shape.tag, Face.base)
         self._classes: Generations[tuple[Shape, tuple[object, ...]], Placed] = Generations(
             budget.class_entries
@@ -220,7 +223,7 @@ class Responder:
             # Folded rows live one seal window (entries with answers not yet drained stay in
             # _tallied): each window's are bounded, and the next starts with room.
             self._folds = {}
-            self._fold_token += 1
+            self._face_folds = {}
         stats = self.stats
         queries = stats.queries
         for entry in tallied:
@@ -340,7 +343,8 @@ class Responder:
         self._networks.clear()
         self._folds = {}
         self._fold_kept.clear()
-        self._fold_token += 1
+        self._face_folds = {}
+        self._renderings = 0
         self._blanks = {}
         self._services = zone_data(snapshot.topology).services
         return False
@@ -365,8 +369,8 @@ class Responder:
         known = face is not None
         if face is None:
             face = self._face(shape, wire, subnet, snapshot, now)
-            if face is None:
-                return None
+        if face is _NO_FACE:
+            return None
         value = subnet << shape.pad
         networks = self._networks
         net_key = face.base | (value >> face.shift)
@@ -375,8 +379,7 @@ class Responder:
         if entry is None:
             known = False
             bucket = value >> (32 - FOLD_V4 if shape.family == 1 else 128 - FOLD_V6)
-            if face.fold_token == self._fold_token:
-                entry = face.folds.get(bucket)
+            entry = self._face_folds.get(face.base | bucket)
             if entry is None:
                 entry = self._unrowed(face, shape, value, net_key, bucket)
             else:
@@ -394,12 +397,10 @@ class Responder:
             )
         return out
 
-    def _face(
-        self, shape: Shape, wire: bytes, subnet: int, snapshot: Snapshot, now: float
-    ) -> Face | None:
+    def _face(self, shape: Shape, wire: bytes, subnet: int, snapshot: Snapshot, now: float) -> Face:
         """The :class:`Face` a subnet not in the memo is answered from (its place's answer,
-        rendered if its location class is new), kept in the memo; None when answers differ
-        by network there (the slow path answers)."""
+        rendered if its location class is new), kept in the memo; :data:`_NO_FACE` when
+        answers differ by network there (the slow path answers)."""
         place, prefix_len = snapshot.geo.where(shape.version, subnet << shape.pad)
         if prefix_len > shape.source:
             # A GeoIP network narrower than the subnet: the subnet is located by its first
@@ -410,9 +411,7 @@ class Responder:
         placed = self._placed.get(key)
         if placed is None:
             placed = self._place(shape, wire, place, snapshot, now, key)
-        if placed is _UNPLACED:
-            return None
-        face = placed.face(prefix_len, shape.bits)
+        face = _NO_FACE if placed is _UNPLACED else placed.face(prefix_len, shape.bits)
         self._subnets.put(shape.tag + subnet, face)
         return face
 
@@ -430,11 +429,8 @@ class Responder:
             return entry
         self.stats.folded += 1
         entry = self._fold(placed.blank, placed.stats_key, placed.truncated, shape.family, value)
-        if face.fold_token != self._fold_token:
-            face.folds = {}
-            face.fold_token = self._fold_token
-        if len(face.folds) < _FACE_FOLDS:  # every IPv4 /8; IPv6 /20s beyond go to _fold
-            face.folds[bucket] = entry
+        if len(self._face_folds) < self.budget.fold_entries * 4:
+            self._face_folds[face.base | bucket] = entry
         return entry
 
     def _place(
@@ -496,6 +492,12 @@ class Responder:
             return _UNPLACED
         record = result.record
         blank = self._intern(with_client(record, "", None))
+        self._renderings += 1
+        if self._renderings > 2 * self.budget.class_entries:
+            # The memo's faces keep their renderings alive after _classes has let them go:
+            # past twice its budget of them (many shapes, say), the memo starts afresh.
+            self._subnets.clear()
+            self._renderings = 0
         return Placed(
             result.wire[2 : -shape.size - 1],
             decision.scope_prefix > 0,
@@ -618,6 +620,7 @@ class Responder:
         shape.tag = next(self._serials) << 128
         if self._shape_count >= self.budget.shapes:
             self._shapes, self._shape_count = {}, 0  # bounded; busy senders come back at once
+            self._subnets.clear()  # keyed by those shapes' tags: never asked for again
         by_prefix = self._shapes.get(host)
         if by_prefix is None:
             by_prefix = self._shapes[host] = {}

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
-from typing import Any
 
 from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.decision.model import Basis
@@ -123,7 +122,7 @@ class Face:
     a subnet's network is keyed among those counted on rows of their own. The ECS path's memo
     maps each client subnet to its face: a few thousand faces for 200,000 subnets."""
 
-    __slots__ = ("base", "fold_token", "folds", "head", "placed", "prefix_len", "shift")
+    __slots__ = ("base", "head", "placed", "prefix_len", "shift")
 
     def __init__(self, placed: Placed, prefix_len: int, bits: int) -> None:
         self.placed = placed
@@ -132,9 +131,6 @@ class Face:
         # A network's key: one integer, cheaper to hash and keep than a tuple.
         self.base = (placed.serial << 136) | (prefix_len << 128)
         self.shift = bits - prefix_len
-        # This face's folded rows by client bucket, for the seal window of ``fold_token``.
-        self.folds: dict[int, Any] = {}
-        self.fold_token = 0
 
 
 def with_client(record: AuditRecord, network: str, ecs: str | None) -> AuditRecord:

@@ -235,25 +235,28 @@ def test_a_spool_drained_in_parts_is_cut_off_rarely_and_loses_nothing_to_a_resta
 
     monkeypatch.setattr(spool_module, "_cut_private", counted)
     spool = Spool(tmp_path / "spool", "node-a")
-    spool.append([{"node_seq": n, "row_hash": str(n)} for n in range(1, 41)])
+    # Forty rows of one length: a part of four is a tenth of the file.
+    spool.append([{"node_seq": n, "row_hash": str(n)} for n in range(10, 50)])
     size = spool.size()
     taken: list[int] = []
-    for _ in range(5):  # five parts of four rows: half the spool
+
+    def part() -> int:
         rows, end = spool.pending_through(4)
-        taken += [r["node_seq"] for r in rows]
+        taken.extend(r["node_seq"] for r in rows)
         spool.discard_through(end)
-    assert taken == list(range(1, 21))
-    assert len(rewrites) <= 1  # at most the cut once half the file was done with
+        return len(rows)
+
+    for _ in range(4):  # four parts: under half the file
+        part()
+    assert taken == list(range(10, 26)) and rewrites == []
+    # A restart (a crash) reads the skipped rows again, and loses none after them.
     restarted = Spool(tmp_path / "spool", "node-a")
-    again = [r["node_seq"] for r in restarted.pending()]
-    assert again[-20:] == list(range(21, 41))  # nothing after the last part is lost
-    while True:
-        rows, end = spool.pending_through(4)
-        taken += [r["node_seq"] for r in rows]
-        spool.discard_through(end)
-        if len(rows) < 4:
-            break
-    assert taken == list(range(1, 41))
+    assert [r["node_seq"] for r in restarted.pending()] == list(range(10, 50))
+    part()  # the fifth: half the file done with, cut off at once
+    assert len(rewrites) == 1 and spool.size() == size // 2
+    while part() == 4:
+        pass
+    assert taken == list(range(10, 50))
     assert spool.pending() == []
     # Each cut halves what is left: all of them rewrite less than the spool held (before:
     # after each of the ten parts, what followed it, four and a half times the spool).
