@@ -27,8 +27,9 @@ import hmac
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import orjson
 import structlog
@@ -52,31 +53,30 @@ class Rejected(NamedTuple):
     reason: str
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically, mode 0600 from the first byte."""
+def _replace_private(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` atomically with what ``fill`` writes, mode 0600 from the first byte."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        fill(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, mode 0600 from the first byte."""
+    _replace_private(path, lambda f: f.write(data))
 
 
 def _cut_private(path: Path, offset: int) -> int:
     """Replace ``path`` with its bytes from ``offset`` on, atomically, mode 0600 from the first
     byte; copied a chunk at a time (a spool behind a slow database holds tens of megabytes).
     Returns the bytes kept."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with path.open("rb") as src, os.fdopen(fd, "wb") as f:
+    with path.open("rb") as src:
         src.seek(offset)
-        shutil.copyfileobj(src, f, _COPY_CHUNK)
-        kept = f.tell()
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return kept
+        _replace_private(path, lambda f: shutil.copyfileobj(src, f, _COPY_CHUNK))
+    return path.stat().st_size
 
 
 _COPY_CHUNK = 1 << 20

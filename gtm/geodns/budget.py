@@ -95,7 +95,7 @@ class Budget:
     # decision's one row for every client (0.0.0.0/0, ::/0) counts the rest.
     fold_entries: int = _MIN_ENTRIES
     shapes: int = SHAPE_ENTRIES
-    # Client subnets the ECS path answers from memory, each by its GeoIP network's Net.
+    # Client subnets the ECS path answers from memory, each by its place's Face.
     subnet_entries: int = _MIN_ENTRIES
 
     @classmethod

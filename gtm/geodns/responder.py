@@ -45,14 +45,7 @@ from gtm.geodns.dnssec import Signer
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
-from gtm.geodns.shapes import (
-    Face,
-    Placed,
-    Shape,
-    fold_bucket,
-    network_text,
-    with_client,
-)
+from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
 from gtm.geodns.zone import Answer, aggregated_record, answer, stats_qtype, zone_data
