@@ -10,6 +10,7 @@ import dns.asyncquery
 import dns.message
 import pytest
 import yaml
+from sqlalchemy import text
 
 from gtm.node import Node, run_node
 from gtm.settings import Settings
@@ -102,3 +103,10 @@ def write_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path
     change(data)
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+async def audited(node: Node, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
+    """The audit store's rows for ``sql`` once the writer has flushed what was counted."""
+    await node.runtime.writer.flush()
+    async with node.runtime.engine.connect() as conn:
+        return list((await conn.execute(text(sql), params or {})).all())

@@ -14,7 +14,6 @@ from ipaddress import IPv4Address, ip_address, ip_network
 from pathlib import Path
 
 import dns.rcode
-from sqlalchemy import text
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
@@ -25,7 +24,7 @@ from gtm.node import Node
 from gtm.settings import Settings
 from tests.support.geoip import WORLD, build_city_db
 
-from .conftest import StartNode, raw_udp, tcp, udp
+from .conftest import StartNode, audited, raw_udp, tcp, udp
 from .test_server import addresses, q
 
 TINY_MB = 0.05  # a few dozen entries per table (gtm.geodns.budget)
@@ -165,13 +164,9 @@ async def test_a_random_name_flood_makes_a_bounded_number_of_audit_rows(
     for i in range(50):
         bad = bytearray(q(f"x{i}y{rng.random()}.gtm.example.", use_edns=False).to_wire())
         assert await raw_udp(node, bytes(bad) + b"\x00") is not None  # trailing byte: FORMERR
-    await node.runtime.writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text("SELECT name, outcome, query_type, client_network, count FROM decisions")
-            )
-        ).all()
+    rows = await audited(
+        node, "SELECT name, outcome, query_type, client_network, count FROM decisions"
+    )
     # One row per (zone, outcome, type known by name or "other", response, sender bucket):
     # a handful, not one per name. The sender is loopback: one bucket. The flood's types are
     # A, AAAA, TXT (known by name since the zone has static records) and random others: at
@@ -238,15 +233,12 @@ async def _per_subnet_node(start_node: StartNode, tmp_path: Path, subnets: list[
 
 async def _answers_by_client(node: Node) -> dict[str, int]:
     """Answers for chat.gtm.example. in the audit store, by recorded client network."""
-    await node.runtime.writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        rows = await conn.execute(
-            text(
-                "SELECT client_network, SUM(count) FROM decisions"
-                " WHERE name = 'chat.gtm.example.' GROUP BY client_network"
-            )
-        )
-        return {network: int(n) for network, n in rows.all()}
+    rows = await audited(
+        node,
+        "SELECT client_network, SUM(count) FROM decisions"
+        " WHERE name = 'chat.gtm.example.' GROUP BY client_network",
+    )
+    return {network: int(n) for network, n in rows}
 
 
 async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_drains(
@@ -281,13 +273,9 @@ async def test_new_decisions_past_the_audit_budget_are_folded_until_the_writer_d
     # its sender's address, and its row claims no ECS.
     responder_of(node)._new_decisions = limit  # the backlog full again
     await tcp(node, q())
-    await node.runtime.writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        plain = (
-            await conn.execute(
-                text("SELECT ecs_prefix FROM decisions WHERE client_network = '127.0.0.0/8'")
-            )
-        ).all()
+    plain = await audited(
+        node, "SELECT ecs_prefix FROM decisions WHERE client_network = '127.0.0.0/8'"
+    )
     assert plain == [(None,)]
     # Searching for a client of the flood finds the folded row; its replay says what it is.
     found, _ = await audit_query.search(

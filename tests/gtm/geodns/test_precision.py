@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import text
-
 from gtm.audit import query as audit_query
 from gtm.decision.snapshot import RegionCapacity
 
-from .conftest import StartNode, udp
+from .conftest import StartNode, audited, udp
 from .test_server import addresses, ecs_of, q
 
 # The test GeoIP database puts all of 100.72.0.0/13 in Frankfurt (tests/support/geoip.py).
@@ -20,17 +18,12 @@ FRANKFURT = [f"100.{72 + i // 256}.{i % 256}.0" for i in range(0, 2048, 41)]
 
 
 async def _rows(node, name: str = "chat.gtm.example.") -> dict[str, int]:  # type: ignore[no-untyped-def]
-    await node.runtime.writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text(
-                    "SELECT client_network, ecs_prefix, count FROM decisions"
-                    " WHERE name = :name AND query_type = 'A'"
-                ),
-                {"name": name},
-            )
-        ).all()
+    rows = await audited(
+        node,
+        "SELECT client_network, ecs_prefix, count FROM decisions"
+        " WHERE name = :name AND query_type = 'A'",
+        {"name": name},
+    )
     out: dict[str, int] = {}
     for network, ecs, count in rows:
         assert ecs == network  # the ECS is recorded at the same precision

@@ -15,14 +15,13 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 from prometheus_client import REGISTRY, generate_latest
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
 from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth
 
-from .conftest import StartNode, port_of, raw_udp, tcp, udp, write_topology
+from .conftest import StartNode, audited, port_of, raw_udp, tcp, udp, write_topology
 
 DE, US, JP = "198.51.100.0", "203.0.113.0", "192.0.2.0"
 EU_V4 = {"192.0.2.30", "192.0.2.40"}
@@ -312,13 +311,9 @@ async def test_routine_capacity_reports_keep_cached_answers(start_node: StartNod
     assert node.runtime.store.current.epoch != epoch
     await udp(node, query)
     assert node.dns_stats.cache_misses == misses + 1
-    await node.runtime.writer.flush()
-    async with node.runtime.engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text("SELECT snapshot_version, SUM(count) FROM decisions GROUP BY snapshot_version")
-            )
-        ).all()
+    rows = await audited(
+        node, "SELECT snapshot_version, SUM(count) FROM decisions GROUP BY snapshot_version"
+    )
     assert dict(rows)[epoch] == 4  # four answers, one epoch, however many snapshots
 
 
