@@ -16,12 +16,15 @@ as before). Fsyncing ten times a second per worker would cost far more than it b
 
 Format. One file per window (``audit-<node>.journal-<generation>``, mode 0600, in the spool
 directory); the generation goes up by one per seal. The first line is a header (node, store,
-generation), each later line one tick: the ticks' time, the decisions new to this file in full
-(defined once per file and then referred to by number), and per decision the answers counted,
-first and last answer. Each line carries a MAC (HMAC-SHA256 under a key derived from the chain's
-key, like spool lines) over the generation, its line number and its text, so a line edited,
-moved to another line or file, or a file renamed, does not verify. The header names the audit
-store: a journal of another store is refused whole (``store-id``, as the spool is bound).
+generation), each later line one tick or a part of one: the tick's time, the decisions new to
+this file in full (defined once per file and then referred to by number), and per decision the
+answers counted, first and last answer. A tick of many decisions is cut into lines of a few
+hundred, all but the last marked continued (``"c"``); its answers count as recovered through
+its time once its last line is read. Each line carries a MAC (HMAC-SHA256 under a key derived
+from the chain's key, like spool lines) over the generation, its line number and its text, so
+a line edited, moved to another line or file, or a file renamed, does not verify. The header
+names the audit store: a journal of another store is refused whole (``store-id``, as the spool
+is bound).
 
 Sealing a window records its generation in the spool's chain state in the same step as the
 rows (:meth:`gtm.audit.spool.Spool.append_lines`), then deletes the window's file: a file whose
@@ -46,6 +49,7 @@ import operator
 import os
 import re
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +78,8 @@ JournalTally = tuple[AuditRecord, int, float, float]
 _HEADER = b"H"
 _TICK = b"T"
 _VERSION = 1
+# Definitions, or answer pairs, per line of a tick (about 500 bytes a definition).
+_PER_LINE = 256
 # A decision is written as the JSON array of its record's fields, in this order (the header's
 # version names the order): one C call, where rendering its row form costs twenty times as
 # much, and a tick is on the clock (its answers are in memory only until it is written).
@@ -185,23 +191,47 @@ class Journal:
         records: list[AuditRecord],
         numbers: array[int],
         spans: array[float],
-    ) -> bytes:
-        """One tick's line body: the window's decisions not yet defined in its file (those
+    ) -> Iterator[bytes]:
+        """One tick's line bodies: the window's decisions not yet defined in its file (those
         with an index past the last tick's, from ``records``, the window's in order), and per
         decision answered in the tick its index and answers (``numbers``, in pairs) and its
-        first and last answer in unix seconds (``spans``, in pairs; JSON keeps a float exact)."""
+        first and last answer in unix seconds (``spans``, in pairs; JSON keeps a float exact).
+
+        A tick is cut into lines of at most :data:`_PER_LINE` definitions or answer pairs,
+        definitions first (a line refers only to decisions defined on it or before it), every
+        line but the last marked continued (``"c":1``): the first tick of a window defines
+        every decision answered in it, thousands under a flood of distinct clients, and one
+        line for all of them was several copies of megabytes at once (memray: the largest
+        transient in a node's heap). Lines are produced one at a time, as the caller writes."""
         if generation != self._encoding:
             self._encoding, self._defined = generation, 0
-        defs = [
-            b"[%d,%s]" % (i, encode_record(records[i])) for i in range(self._defined, len(records))
-        ]
-        self._defined = len(records)
-        return b'{"at":%d,"d":[%s],"n":%s,"s":%s}' % (
-            round(at * 1_000_000),
-            b",".join(defs),
-            orjson.dumps(numbers.tolist()),
-            orjson.dumps(spans.tolist()),
-        )
+        stamp = round(at * 1_000_000)
+        pairs = len(numbers) // 2
+        while self._defined < len(records):
+            start = self._defined
+            stop = min(len(records), start + _PER_LINE)
+            defs = b",".join(
+                b"[%d,%s]" % (i, encode_record(records[i])) for i in range(start, stop)
+            )
+            self._defined = stop
+            last = stop == len(records) and pairs <= _PER_LINE
+            yield b'{"at":%d,"d":[%s],"n":%s,"s":%s%s}' % (
+                stamp,
+                defs,
+                orjson.dumps(numbers.tolist()) if last else b"[]",
+                orjson.dumps(spans.tolist()) if last else b"[]",
+                b"" if last else b',"c":1',
+            )
+            if last:
+                return
+        for start in range(0, max(pairs, 1), _PER_LINE):
+            stop = min(pairs, start + _PER_LINE)
+            yield b'{"at":%d,"d":[],"n":%s,"s":%s%s}' % (
+                stamp,
+                orjson.dumps(numbers[2 * start : 2 * stop].tolist()),
+                orjson.dumps(spans[2 * start : 2 * stop].tolist()),
+                b"" if stop == pairs else b',"c":1',
+            )
 
     def write(self, generation: int, body: bytes, store: str | None) -> None:
         """Append one tick to ``generation``'s file (created with its header on first use).
@@ -349,7 +379,10 @@ class Journal:
                     entry[0] += n
                     entry[1] = min(entry[1], first)
                     entry[2] = max(entry[2], last)
-            out.through = at if out.through is None else max(out.through, at)
+            if not tick.get("c"):
+                # The tick's last line: every answer counted before ``at`` is in the file. (A
+                # crash between the lines of one tick keeps the answers of those written.)
+                out.through = at if out.through is None else max(out.through, at)
             used += 1
         else:
             if torn:

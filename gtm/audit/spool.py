@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -156,7 +157,7 @@ class Spool:
 
     def append_lines(
         self,
-        lines: list[bytes],
+        lines: Iterable[bytes],
         last_seq: int,
         last_hash: str,
         answers: int = 0,
@@ -169,7 +170,9 @@ class Spool:
         append (where these rows end: :meth:`discard_through`). A write torn by a crash leaves
         a partial last line: the append starts a new line after it, so the torn line never
         swallows the first row written after it."""
-        if not lines:
+        rest = iter(lines)
+        first = next(rest, None)
+        if first is None:
             return self._base + self.size()
         mac = self._mac
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
@@ -178,7 +181,10 @@ class Spool:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")
-            f.writelines(b"%s\t%s\n" % (line[:-1], mac(line[:-1])) for line in lines)
+            f.writelines(
+                b"%s\t%s\n" % (line[:-1], mac(line[:-1]))
+                for line in itertools.chain((first,), rest)
+            )
             f.flush()
             os.fsync(f.fileno())
             end = self._base + f.tell()

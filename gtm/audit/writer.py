@@ -134,9 +134,11 @@ def _static_params(row: dict[str, Any]) -> tuple[Any, ...]:
 
 class _Batch:
     """The rows one flush sealed, compact until the database has them: per row its record's
-    form, three integers and its hash, and its spool line; parameters are built per insert."""
+    form, three integers and its hash; spool lines and parameters are built as they are
+    written (a window's lines, held from its seal to its append, were the largest thing the
+    writer kept: about 1.2 KB a row, thousands of rows a window under a flood)."""
 
-    __slots__ = ("answers", "end", "first_seq", "forms", "hashes", "lines", "numbers")
+    __slots__ = ("answers", "end", "first_seq", "forms", "hashes", "numbers")
 
     def __init__(self, first_seq: int, prev_hash: str, answers: int) -> None:
         self.first_seq = first_seq
@@ -145,10 +147,22 @@ class _Batch:
         self.forms: list[RowForm] = []
         self.numbers = array("q")  # count, first_at_us, last_at_us of each row
         self.hashes = [prev_hash]  # row i chains hashes[i] -> hashes[i + 1]
-        self.lines: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self.forms)
+
+    def lines(self, node_json: bytes) -> Iterator[bytes]:
+        """The spool line of each row: the row as JSON (its hashed body, as the seal rendered
+        it, plus the chain columns), one newline-terminated line each."""
+        numbers, hashes, seq = self.numbers, self.hashes, self.first_seq
+        for i, form in enumerate(self.forms):
+            n, first_us, last_us = numbers[3 * i], numbers[3 * i + 1], numbers[3 * i + 2]
+            body = row_body(form, n, first_us, last_us, node_json, seq + i)
+            yield b'%s,"prev_hash":"%s","row_hash":"%s"}\n' % (
+                body[:-1],
+                hashes[i].encode(),
+                hashes[i + 1].encode(),
+            )
 
     def params(self, node: str, start: int, stop: int) -> list[tuple[Any, ...]]:
         out = []
@@ -505,9 +519,10 @@ class AuditWriter:
                 await slices.next()
         if not numbers or not journaling:
             return False
-        body = self.journal.encode(generation, at, window.records, numbers, spans)
+        store = self.spool.bound_store()
         try:
-            await self._in_journal(self.journal.write, generation, body, self.spool.bound_store())
+            for body in self.journal.encode(generation, at, window.records, numbers, spans):
+                await self._in_journal(self.journal.write, generation, body, store)
         except OSError as exc:
             self._journal_broken = generation
             log.warning("audit.journal_write_failed", error=str(exc))
@@ -559,8 +574,9 @@ class AuditWriter:
             batch = await self._seal(window.records, window.counts, window.times, slices)
             if len(batch):
                 # The rows and, with the chain's end, the journal generation they seal.
-                batch.end = await self._in_io(_append, self.spool, batch, generation)
-                batch.lines = []  # on disk now; a queued window keeps only what COPY needs
+                batch.end = await self._in_io(
+                    _append, self.spool, batch, self._node_json, generation
+                )
             # Sealed (fsynced): the window's journal file is no longer needed. (Dropped in the
             # journal's thread, after any write to it; dropping it before the rows were on
             # disk would lose them to a crash in between.)
@@ -635,7 +651,7 @@ class AuditWriter:
         """Rows for the gathered tallies, chained."""
         seq, prev = self._seq, self._last_hash
         batch = _Batch(seq + 1, prev, self._answers + sum(counts))
-        forms, numbers, hashes, lines = batch.forms, batch.numbers, batch.hashes, batch.lines
+        forms, numbers, hashes = batch.forms, batch.numbers, batch.hashes
         node_json = self._node_json
         channels: dict[str, int] = {}
         clock = time.perf_counter
@@ -645,15 +661,10 @@ class AuditWriter:
             seq += 1
             first_us, last_us = int(times[2 * i] * 1_000_000), int(times[2 * i + 1] * 1_000_000)
             body = row_body(form, n, first_us, last_us, node_json, seq)
-            prev_b = prev.encode()
-            prev = hashlib.sha256(prev_b + body).hexdigest()
+            prev = hashlib.sha256(prev.encode() + body).hexdigest()
             forms.append(form)
             numbers.extend((n, first_us, last_us))
             hashes.append(prev)
-            # The spool line is the row as JSON: the hashed body plus the chain columns.
-            lines.append(
-                b'%s,"prev_hash":"%s","row_hash":"%s"}\n' % (body[:-1], prev_b, prev.encode())
-            )
             channels[record.channel] = channels.get(record.channel, 0) + n
             if clock() > slices.deadline:
                 await slices.next()
@@ -865,11 +876,11 @@ class AuditWriter:
         return ChainHead(row.node_seq, row.row_hash, int(answers or 0))
 
 
-def _append(spool: Spool, batch: _Batch, journal: int) -> int:
+def _append(spool: Spool, batch: _Batch, node_json: bytes, journal: int) -> int:
     """Append a batch's lines to the spool (the rows as :meth:`Spool.append` would write
-    them, rendered while sealing) and the journal generation they seal; where they end."""
+    them, rendered as they are written) and the journal generation they seal; where they end."""
     return spool.append_lines(
-        batch.lines,
+        batch.lines(node_json),
         batch.first_seq + len(batch) - 1,
         batch.hashes[-1],
         batch.answers,

@@ -5,6 +5,7 @@ journal of another store, is refused with where and why."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -133,6 +134,44 @@ async def test_the_journal_ticks_in_the_background_between_seals(
     # A clean stop seals everything and leaves no journal behind.
     assert list(spool.directory.glob("audit-node-a.journal-*")) == []
     assert await query.total_count(engine) == 5
+
+
+async def test_a_tick_of_many_decisions_is_written_in_lines_of_bounded_size(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """The first tick of a window under a flood defines thousands of decisions: written as one
+    line, it was several copies of megabytes in memory at once. It is cut into lines of a few
+    hundred; a crash between them keeps the answers of the lines written, and the replay does
+    not claim the tick's time as recovered (its last line is missing)."""
+    base = records(snapshot)[0]
+    many = [
+        dataclasses.replace(base, client_network=f"10.{i // 256}.{i % 256}.0/24")
+        for i in range(1000)
+    ]
+    spool = Spool(tmp_path / "spool", "node-a")
+    writer = _writer(engine, spool, flush_interval=3600)
+    await writer.start()
+    try:
+        for i, record in enumerate(many):
+            writer.count(record, n=1 + i % 3)
+        assert await writer.journal_tick()
+        [journal] = spool.directory.glob("audit-node-a.journal-*")
+        kept = journal.read_bytes()
+        lines = kept.split(b"\n")[1:-1]  # after the header, before the final newline
+        assert len(lines) >= 1000 // 256 + 1
+        assert max(map(len, lines)) < len(kept) // 3
+        whole = Journal(spool, "node-a").recover(spool.journal_sealed, None)
+        assert whole.answers == sum(1 + i % 3 for i in range(1000)) and whole.problems == []
+        assert {t[0] for t in whole.tallies} == set(many) and whole.through is not None
+        # The crash came after the definitions and the first answers, before the tick's end.
+        cut = [n for n, line in enumerate(lines) if b'"n":[]' not in line.split(b"\t")[1]]
+        assert len(cut) >= 2  # the answers take more than one line too
+        journal.write_bytes(b"\n".join(kept.split(b"\n")[: cut[0] + 2]) + b"\n")
+        partial = Journal(spool, "node-a").recover(spool.journal_sealed, None)
+        assert partial.problems == [] and partial.through is None
+        assert 0 < partial.answers < whole.answers
+    finally:
+        await writer.stop()
 
 
 async def test_an_edited_journal_line_is_refused_with_its_location(
