@@ -228,14 +228,36 @@ class RowForm(NamedTuple):
     """What every row of one record shares, rendered once.
 
     ``segments`` is the canonical JSON that :func:`row_hash` hashes (sorted keys, compact), cut
-    where the values of :data:`PER_ROW_COLUMNS` go: a row's body is the segments with those
-    values between them (:func:`row_body`), byte for byte what ``orjson`` would produce for the
-    whole row. ``columns`` holds whatever the caller derived from the row for its own use (the
-    writer keeps its database parameters there).
+    where the values of :data:`PER_ROW_COLUMNS` go, and once more before the client network: a
+    row's body is the segments with those values between them (:func:`row_body`), byte for byte
+    what ``orjson`` would produce for the whole row. ``columns`` holds whatever the caller
+    derived from the row for its own use (the writer keeps its database parameters there).
+
+    The segments before the client network (answer and candidates, most of a row) and after
+    the node (outcome, versions, service) are the same for every record of one answer, however
+    many client networks it was given to: they are kept once (:func:`shared`), not per record.
     """
 
-    segments: tuple[bytes, bytes, bytes, bytes, bytes, bytes]
+    segments: tuple[bytes, bytes, bytes, bytes, bytes, bytes, bytes]
     columns: tuple[Any, ...]
+
+
+# Equal values rendered for different records (segments, JSON columns), kept once. Bounded:
+# past its limit the table starts afresh (what it handed out stays shared where it went).
+_SHARED_LIMIT = 8192
+_shared: dict[Any, Any] = {}
+
+
+def shared(value: Any) -> Any:
+    """``value``, or an equal one handed out before: a row form holds the same bytes or text
+    as every other record's of the same answer instead of a copy of its own (row forms live
+    as long as their records, thousands of them in a node's DNS caches)."""
+    kept = _shared.get(value)
+    if kept is None:
+        if len(_shared) >= _SHARED_LIMIT:
+            _shared.clear()
+        kept = _shared[value] = value
+    return kept
 
 
 def row_form(record: AuditRecord, columns: Callable[[dict[str, Any]], tuple[Any, ...]]) -> RowForm:
@@ -247,6 +269,9 @@ def row_form(record: AuditRecord, columns: Callable[[dict[str, Any]], tuple[Any,
         cuts: list[bytes] = []
         text = b"{"
         for i, key in enumerate(sorted(HASHED_COLUMNS)):
+            if key == "client_network":
+                cuts.append(text)
+                text = b""
             text += (b"," if i else b"") + orjson.dumps(key) + b":"
             if key in PER_ROW_COLUMNS:
                 cuts.append(text)
@@ -254,8 +279,8 @@ def row_form(record: AuditRecord, columns: Callable[[dict[str, Any]], tuple[Any,
             else:
                 text += orjson.dumps(row[key], option=orjson.OPT_SORT_KEYS)
         cuts.append(text + b"}")
-        s0, s1, s2, s3, s4, s5 = cuts
-        form = RowForm((s0, s1, s2, s3, s4, s5), columns(row))
+        answer, client, s1, s2, s3, s4, s5 = cuts
+        form = RowForm((shared(answer), client, s1, s2, s3, s4, shared(s5)), columns(row))
         object.__setattr__(record, "_form", form)
     return form
 
@@ -265,9 +290,10 @@ def row_body(
 ) -> bytes:
     """The canonical JSON of one row (what :func:`row_hash` hashes after the previous hash);
     ``node_json`` is the node name as JSON (``orjson.dumps(node)``)."""
-    s0, s1, s2, s3, s4, s5 = form.segments
-    return b"%s%d%s%d%s%d%s%s%s%d%s" % (
-        s0,
+    answer, client, s1, s2, s3, s4, s5 = form.segments
+    return b"%s%s%d%s%d%s%d%s%s%s%d%s" % (
+        answer,
+        client,
         count,
         s1,
         first_at_us,

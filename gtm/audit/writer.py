@@ -62,7 +62,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from gtm import metrics
 from gtm.audit import partitions
 from gtm.audit.journal import JOURNAL_REPLAYED, Journal
-from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form
+from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form, shared
 from gtm.audit.schema import decisions
 from gtm.audit.spool import ChainHead, Spool
 
@@ -107,9 +107,10 @@ def _insert_sql(paramstyle: str) -> str:
     )
 
 
-# Rows read back from the spool per part of a drain: about 7 KiB each as dictionaries (memray:
-# 35 MiB held for a part of 5,000, the largest thing in the heap of a node under load).
-_SPOOL_READ_ROWS = 1_000
+# Rows read back from the spool per part of a drain: about 7 KiB each as dictionaries with
+# their lines (memray: 35 MiB held for a part of 5,000, the largest thing in the heap of a node
+# under load; 7 MiB at 1,000, still a tenth of a flooded node's growth). Four insert batches.
+_SPOOL_READ_ROWS = 256
 # The COPY path calls psycopg itself: an error there may reach us unwrapped by SQLAlchemy.
 _DB_ERRORS = (SQLAlchemyError, OSError, psycopg.Error)
 # Text COPY. Binary COPY takes 15% more rows a second raw (bench/audit.py's baselines) but did
@@ -122,6 +123,12 @@ def _value(column: str, value: Any) -> Any:
     return orjson.dumps(value).decode() if column in _JSON_COLUMNS else value
 
 
+def _shared_value(column: str, value: Any) -> Any:
+    # The candidates' JSON is most of a row's parameters and the same for every record of one
+    # answer: kept once (gtm.audit.record.shared).
+    return shared(orjson.dumps(value).decode()) if column in _JSON_COLUMNS else value
+
+
 def _params(row: dict[str, Any]) -> tuple[Any, ...]:
     """Insert parameters of a row read back from the spool."""
     return tuple(_value(c, row[c]) for c in _COLUMNS)
@@ -129,7 +136,7 @@ def _params(row: dict[str, Any]) -> tuple[Any, ...]:
 
 def _static_params(row: dict[str, Any]) -> tuple[Any, ...]:
     """The parameters every row of one record shares (memoised in its :class:`RowForm`)."""
-    return tuple(_value(c, row[c]) for c in _STATIC)
+    return tuple(_shared_value(c, row[c]) for c in _STATIC)
 
 
 class _Batch:
