@@ -80,7 +80,7 @@ def _cut_private(path: Path, offset: int) -> int:
     return path.stat().st_size
 
 
-_COPY_CHUNK = 1 << 20
+_COPY_CHUNK = 1 << 18  # 256 KiB: the copy is transient heap (memray: 2 MiB at 1 MiB chunks)
 
 
 class Spool:

@@ -355,16 +355,22 @@ def _rank(snapshot: Snapshot, service: Service, verdict: Verdict, location: Loca
     )
     ranking: Ranking | None = snapshot.ranks.get(key)
     if ranking is None:
-        allowed = [
-            snapshot.regions[r]
-            for r in service.regions
-            if verdict.allowed is None or r in verdict.allowed
-        ]
-        ranking = _ranking(allowed, location, snapshot)
+        ranking = _unmemoised_rank(snapshot, service, verdict, location)
         if len(snapshot.ranks) >= _PLAN_LIMIT:
             snapshot.ranks.clear()
         snapshot.ranks[key] = ranking
     return ranking
+
+
+def _unmemoised_rank(
+    snapshot: Snapshot, service: Service, verdict: Verdict, location: Location
+) -> Ranking:
+    allowed = [
+        snapshot.regions[r]
+        for r in service.regions
+        if verdict.allowed is None or r in verdict.allowed
+    ]
+    return _ranking(allowed, location, snapshot)
 
 
 def _ranking(allowed: list[RegionView], location: Location, snapshot: Snapshot) -> Ranking:
@@ -447,10 +453,13 @@ def location_class(
     coordinates rank the regions the verdict allows. Two locations of one class, with the same
     resolver place, get plans that differ only in their distances, so decisions that differ
     only in location, client network and scope (``gtm.geodns.shapes`` renders one answer per
-    class). Costs a ranking, memoised like :func:`plan_for`'s."""
+    class). Costs a ranking, not memoised: the DNS responder keeps each place's class in
+    tables its memory budget bounds (``gtm.geodns.shapes``) and asks again only for a place
+    they no longer hold; a memo here too held eight thousand rankings with their distances
+    (memray: 7 MiB) outside that budget, and hit only what the responder had dropped."""
     classes = frozenset({service.residency_class}) if service.residency_class else frozenset()
     verdict = _verdict(snapshot, classes, None, location, resolver)
-    ranking = _rank(snapshot, service, verdict, location)
+    ranking = _unmemoised_rank(snapshot, service, verdict, location)
     return (
         service.id,
         location.country,
