@@ -70,6 +70,12 @@ def _write_private(path: Path, data: bytes) -> None:
     _replace_private(path, lambda f: f.write(data))
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _cut_private(path: Path, offset: int) -> int:
     """Replace ``path`` with its bytes from ``offset`` on, atomically, mode 0600 from the first
     byte; copied a chunk at a time (a spool behind a slow database holds tens of megabytes).
@@ -176,18 +182,32 @@ class Spool:
             return self._base + self.size()
         mac = self._mac
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "a+b") as f:  # writes go to the end whatever was read
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
-            f.writelines(
-                b"%s\t%s\n" % (line[:-1], mac(line[:-1]))
-                for line in itertools.chain((first,), rest)
-            )
-            f.flush()
-            os.fsync(f.fileno())
-            end = self._base + f.tell()
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
+                _write_all(fd, b"\n")
+            try:
+                # Lines are rendered as they are written (gtm.audit.writer): a window's are not
+                # all held at once. Written a chunk at a time by os.write, no buffer of ours.
+                chunk: list[bytes] = []
+                size = 0
+                for line in itertools.chain((first,), rest):
+                    chunk.append(b"%s\t%s\n" % (line[:-1], mac(line[:-1])))
+                    size += len(line) + 66
+                    if size >= _COPY_CHUNK:
+                        _write_all(fd, b"".join(chunk))
+                        chunk, size = [], 0
+                _write_all(fd, b"".join(chunk))
+                os.fsync(fd)
+            except BaseException:
+                # A failure part way (a full disk, a line that would not render) leaves no rows
+                # past the chain's saved end: a later append would chain after them otherwise.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                raise
+            end = self._base + os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
         if journal is not None:
             self.journal_sealed = max(self.journal_sealed, journal)
         self._save_state(ChainHead(last_seq, last_hash, answers))

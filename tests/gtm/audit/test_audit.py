@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from ipaddress import ip_address
 from pathlib import Path
@@ -196,6 +197,34 @@ def test_a_torn_spool_line_costs_only_itself(tmp_path: Path) -> None:
     assert [r["node_seq"] for r in spool.pending()] == [1, 2, 3]
     head = spool.chain_head()
     assert head is not None and (head.seq, head.hash) == (3, "c")
+
+
+def test_an_append_that_fails_part_way_leaves_no_rows_past_the_chain_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's lines are rendered as the spool writes them: a failure part way (a full
+    disk, a line that would not render) must not leave the rows written so far behind the
+    chain's saved end, where a later append would chain a second row of the same sequence."""
+    from gtm.audit import spool as spool_module
+
+    monkeypatch.setattr(spool_module, "_COPY_CHUNK", 64)  # written in many chunks
+    spool = Spool(tmp_path / "spool", "node-a")
+    spool.append([{"node_seq": 1, "row_hash": "a"}])
+    size = spool.size()
+
+    def lines() -> Iterator[bytes]:
+        for n in range(2, 40):
+            yield b'{"node_seq":%d,"row_hash":"%d"}\n' % (n, n)
+        raise OSError("no space left on device")
+
+    with pytest.raises(OSError, match="no space"):
+        spool.append_lines(lines(), 39, "39")
+    assert spool.size() == size
+    assert [r["node_seq"] for r in spool.pending()] == [1]
+    head = spool.chain_head()
+    assert head is not None and (head.seq, head.hash) == (1, "a")
+    spool.append([{"node_seq": 2, "row_hash": "b"}])
+    assert [r["node_seq"] for r in spool.pending()] == [1, 2]
 
 
 def test_the_spool_read_back_in_parts_loses_no_row_around_a_refused_line(tmp_path: Path) -> None:
