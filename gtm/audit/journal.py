@@ -59,7 +59,7 @@ import structlog
 from prometheus_client import Counter
 
 from gtm.audit.record import AuditRecord
-from gtm.audit.spool import Spool
+from gtm.audit.spool import Spool, write_all
 
 log = structlog.get_logger(__name__)
 
@@ -250,10 +250,7 @@ class Journal:
     def _append(self, text: bytes) -> None:
         assert self._fd is not None
         self._line += 1
-        data = b"%s\t%s\n" % (text, self._mac(self._fd_generation, self._line, text))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        write_all(self._fd, b"%s\t%s\n" % (text, self._mac(self._fd_generation, self._line, text)))
 
     def close(self) -> None:
         if self._fd is not None:

@@ -70,7 +70,8 @@ def _write_private(path: Path, data: bytes) -> None:
     _replace_private(path, lambda f: f.write(data))
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (a write may take part of it)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -185,19 +186,20 @@ class Spool:
         try:
             start = os.lseek(fd, 0, os.SEEK_END)
             if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
-                _write_all(fd, b"\n")
+                write_all(fd, b"\n")
             try:
                 # Lines are rendered as they are written (gtm.audit.writer): a window's are not
                 # all held at once. Written a chunk at a time by os.write, no buffer of ours.
                 chunk: list[bytes] = []
                 size = 0
                 for line in itertools.chain((first,), rest):
-                    chunk.append(b"%s\t%s\n" % (line[:-1], mac(line[:-1])))
-                    size += len(line) + 66
+                    entry = b"%s\t%s\n" % (line[:-1], mac(line[:-1]))
+                    chunk.append(entry)
+                    size += len(entry)
                     if size >= _COPY_CHUNK:
-                        _write_all(fd, b"".join(chunk))
+                        write_all(fd, b"".join(chunk))
                         chunk, size = [], 0
-                _write_all(fd, b"".join(chunk))
+                write_all(fd, b"".join(chunk))
                 os.fsync(fd)
             except BaseException:
                 # A failure part way (a full disk, a line that would not render) leaves no rows

@@ -123,20 +123,16 @@ def _value(column: str, value: Any) -> Any:
     return orjson.dumps(value).decode() if column in _JSON_COLUMNS else value
 
 
-def _shared_value(column: str, value: Any) -> Any:
-    # The candidates' JSON is most of a row's parameters and the same for every record of one
-    # answer: kept once (gtm.audit.record.shared).
-    return shared(orjson.dumps(value).decode()) if column in _JSON_COLUMNS else value
-
-
 def _params(row: dict[str, Any]) -> tuple[Any, ...]:
     """Insert parameters of a row read back from the spool."""
     return tuple(_value(c, row[c]) for c in _COLUMNS)
 
 
 def _static_params(row: dict[str, Any]) -> tuple[Any, ...]:
-    """The parameters every row of one record shares (memoised in its :class:`RowForm`)."""
-    return tuple(_shared_value(c, row[c]) for c in _STATIC)
+    """The parameters every row of one record shares (memoised in its :class:`RowForm`). The
+    JSON ones (the candidates: most of them) are the same for every record of one answer, and
+    kept once (:func:`gtm.audit.record.shared`)."""
+    return tuple(shared(_value(c, row[c])) if c in _JSON_COLUMNS else row[c] for c in _STATIC)
 
 
 class _Batch:
