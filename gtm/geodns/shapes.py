@@ -32,6 +32,7 @@ bucket as its client network and ECS prefix; a replay says it stands for the buc
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
@@ -106,13 +107,21 @@ class Placed:
     stats_key: tuple[str, str, str]
     truncated: bool
     serial: int = 0  # unique per rendering: its networks' keys start with it (Face.base)
-    faces: dict[int, Face] = field(default_factory=dict)
+    # Its faces by prefix length, held weakly: a face holds its rendering, and a strong link
+    # back would make each pair a reference cycle. The heap keeper freezes what survives a
+    # young collection (gtm.heap), so a rendering dropped by the responder's tables would stay
+    # until the next full collection, minutes away: under a random-subnet flood, thousands of
+    # them a minute outside the memory budget. Held weakly, a rendering and its faces go as
+    # soon as the memo's last subnet of them does.
+    faces: dict[int, weakref.ref[Face]] = field(default_factory=dict)
 
     def face(self, prefix_len: int, bits: int) -> Face:
         """This answer for the client networks of ``prefix_len`` (of ``bits``-bit addresses)."""
-        face = self.faces.get(prefix_len)
+        held = self.faces.get(prefix_len)
+        face = held() if held is not None else None
         if face is None:
-            face = self.faces[prefix_len] = Face(self, prefix_len, bits)
+            face = Face(self, prefix_len, bits)
+            self.faces[prefix_len] = weakref.ref(face)
         return face
 
 
@@ -122,7 +131,7 @@ class Face:
     a subnet's network is keyed among those counted on rows of their own. The ECS path's memo
     maps each client subnet to its face: a few thousand faces for 200,000 subnets."""
 
-    __slots__ = ("base", "head", "placed", "prefix_len", "shift")
+    __slots__ = ("__weakref__", "base", "head", "placed", "prefix_len", "shift")
 
     def __init__(self, placed: Placed, prefix_len: int, bits: int) -> None:
         self.placed = placed

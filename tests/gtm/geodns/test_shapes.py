@@ -4,6 +4,7 @@ audited per GeoIP network as the full path audits them."""
 
 from __future__ import annotations
 
+import gc
 import random
 import struct
 import time
@@ -18,7 +19,7 @@ from gtm.decision.geoip import default_database_path
 from gtm.errors import GeoIPError
 from gtm.geodns.precision import widened
 from gtm.geodns.responder import udp_limit
-from gtm.geodns.shapes import Shape
+from gtm.geodns.shapes import Face, Placed, Shape
 from gtm.geodns.wire import Query, parse_query
 from gtm.geodns.zone import answer
 from tests.conftest import POLICIES
@@ -183,3 +184,22 @@ def test_a_shape_is_taken_only_when_the_ecs_option_really_ends_the_message() -> 
     parsed = parse_query(plain)
     assert isinstance(parsed, Query)
     assert Shape.of(plain, parsed, IPv4Address("127.0.0.1"), 1232) is not None
+
+
+def test_a_dropped_rendering_and_its_faces_go_without_the_cycle_collector() -> None:
+    """The responder's tables drop renderings (and the memo their faces) all through a
+    random-subnet flood. They must be freed then, by reference counting: the heap keeper
+    freezes what survives a young collection (gtm.heap), so a rendering and its faces in a
+    reference cycle would wait minutes for a full collection, outside the memory budget."""
+    serial = 0x5EED
+    gc.disable()
+    try:
+        for _ in range(50):
+            placed = Placed(b"body", True, None, None, ("udp", "A", "NOERROR"), False, serial)  # type: ignore[arg-type]
+            faces = [placed.face(length, 32) for length in (16, 20, 24)]
+            assert placed.face(20, 32) is faces[1]  # one face per prefix length while it lives
+            del placed, faces
+        left = [o for o in gc.get_objects() if type(o) is Face and o.placed.serial == serial]
+        assert left == []
+    finally:
+        gc.enable()
