@@ -1,4 +1,5 @@
-"""Keeping garbage-collection pauses off the answering paths.
+"""Keeping garbage-collection pauses off the answering paths, and the C heap from
+fragmenting under churn.
 
 The DNS responder and the HTTP front cache thousands of decisions and answers (tens of objects
 each), and keep them until the decision epoch changes. Left to the collector's defaults, every
@@ -13,18 +14,56 @@ that dies after being frozen waits for the next full collection, which the keepe
 interval (``full_every_s``, default ten minutes), unfreezing everything first. That one pause is
 the price of bounded memory; it lands in the P99.99, not the P99. When the keeper stops it
 unfreezes everything, so the collector's defaults apply again.
+
+Below the interpreter, glibc's malloc (:func:`settle_malloc`) moves its threshold for
+serving a large block from its own map up to the size of each such block freed, up to 32 MiB:
+after the first freed table of the subnet memo or the spool's 256 KiB write buffer, blocks of
+those sizes come from the heap, where freeing them leaves holes other blocks pin (measured:
+3-4 MiB of a random-subnet flood's heap growth at a 16 MiB budget, none of it reused).
+Fixing the threshold keeps large blocks in maps of their own, returned when freed; two arenas
+instead of eight per core keep the few threads (database driver, journal, spool) from each
+holding a partly used heap of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+# mallopt(3) parameters (glibc's malloc.h).
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
+ARENA_MAX = 2
+
+
+def settle_malloc(environ: Mapping[str, str] = os.environ) -> bool:
+    """Fix glibc malloc's map threshold and cap its arenas (the module docstring), unless the
+    environment sets either itself (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``: an
+    operator's tuning wins). Returns whether it did; False on a C library without mallopt
+    (musl, macOS), where nothing changes."""
+    if "MALLOC_MMAP_THRESHOLD_" in environ or "MALLOC_ARENA_MAX" in environ:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # mallopt returns 1 on success, 0 on error.
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_ARENA_MAX, ARENA_MAX)
+    )
 
 
 class HeapKeeper:

@@ -30,7 +30,7 @@ from gtm.audit import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister
-from gtm.heap import HeapKeeper
+from gtm.heap import HeapKeeper, settle_malloc
 from gtm.listen import parse_listen
 from gtm.logs import configure as configure_logs
 from gtm.runtime import Runtime
@@ -204,6 +204,7 @@ def run_loop(coro: Coroutine[Any, Any, None]) -> None:
 
 def serve_forever(settings: Settings, *, reuse_port: bool = False) -> None:
     """Run one node (or worker) until SIGINT/SIGTERM."""
+    settle_malloc()  # before the loop and the threads it starts allocate
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import platform
+import subprocess
+import sys
 import weakref
 
 import pytest
 
-from gtm.heap import HeapKeeper
+from gtm.heap import HeapKeeper, settle_malloc
 
 
 class _Node:
@@ -65,3 +69,52 @@ async def test_stopping_the_keeper_unfreezes_the_heap() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert gc.get_freeze_count() == 0
+
+
+# Run in a child: the allocator's threshold is process state, and this process's may already
+# have moved. The child frees a 1 MiB block (mapped, as it is past the threshold) and then asks
+# for a 256 KiB one: glibc by default has raised its threshold to 1 MiB by then, so that block
+# comes from the heap (mapped bytes unchanged); settled, it is mapped of its own.
+_PROBE = """
+import ctypes, json, sys
+from gtm.heap import settle_malloc
+settled = settle_malloc({}) if sys.argv[1] == "settle" else False
+libc = ctypes.CDLL(None)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.free(libc.malloc(1 << 20))
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(256 << 10)
+mapped = libc.mallinfo2().hblkhd - before
+libc.free(block)
+print(json.dumps({"settled": settled, "mapped": mapped}))
+"""
+
+
+def _probe(mode: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True
+    )
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="mallopt's threshold is glibc's",
+)
+def test_settled_malloc_maps_large_blocks_after_a_larger_one_was_freed() -> None:
+    assert _probe("default") == {"settled": False, "mapped": 0}  # the behaviour it fixes
+    settled = _probe("settle")
+    assert settled["settled"] is True
+    assert isinstance(settled["mapped"], int) and settled["mapped"] >= 256 << 10
+
+
+def test_an_operators_malloc_tuning_is_left_alone() -> None:
+    assert settle_malloc({"MALLOC_ARENA_MAX": "4"}) is False
+    assert settle_malloc({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
