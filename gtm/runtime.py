@@ -28,7 +28,7 @@ from gtm.audit.database import make_async_engine
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
-from gtm.audit.writer import AuditWriter
+from gtm.audit.writer import AuditWriter, queued_rows
 from gtm.decision.documents import parse_yaml
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
 from gtm.decision.policy import PolicySet, load_policy, parse_policies
@@ -109,6 +109,7 @@ class Runtime:
             journal_interval=settings.audit_journal_interval_s,
             spool_max_bytes=settings.audit_spool_max_bytes,
             on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
+            max_queued_rows=queued_rows(settings.dns_cache_budget_mb),
         )
         # The sink outside the database: a directory, or a write-once bucket (ConfigError here
         # for loose credentials, and at start for a bucket without Object Lock).

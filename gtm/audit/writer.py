@@ -73,9 +73,24 @@ Tally = tuple[AuditRecord, int, float, float]
 TallySource = Callable[[], Iterator[Tally]]
 
 _INSERT_BATCH = 64  # about a millisecond of SQLite work per statement
-# Sealed rows kept in memory for the drain (a few hundred bytes each); beyond, it reads them
-# back from the spool. 25,000: some 10 MiB, not the 100 MiB 100,000 came to under a flood.
-_MAX_QUEUED_ROWS = 25_000
+# Sealed rows kept in memory for the drain while it inserts earlier ones; beyond, it reads
+# them back from the spool, which has them all. A queued row holds its record's form, three
+# numbers and a hash (about 1,500 bytes under a random-subnet flood, where forms are rarely
+# shared: the drain task's batch measured 3.7 MiB for some 2,500 rows). Their bound is a share
+# of the node's memory budget (gtm.geodns.budget counts QUEUE_SHARE among its tables'): a
+# fixed 25,000 came to some 37 MiB, more than half of the default budget, whenever the
+# database fell behind.
+QUEUED_ROW_BYTES = 1500
+QUEUE_SHARE = 0.06
+_MIN_QUEUED_ROWS = 256
+
+
+def queued_rows(budget_mb: float) -> int:
+    """Sealed rows the writer keeps for the drain under a budget of ``budget_mb`` MiB."""
+    return max(_MIN_QUEUED_ROWS, int(budget_mb * (1 << 20) * QUEUE_SHARE / QUEUED_ROW_BYTES))
+
+
+_MAX_QUEUED_ROWS = queued_rows(64)  # the default budget's
 _PARTITIONS_EVERY_S = 3600.0  # how often the days ahead are checked for partitions
 _PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
@@ -257,8 +272,10 @@ class AuditWriter:
         on_sealed: Callable[[AuditRecord, int], None] | None = None,
         rest: float = _REST,
         journal_interval: float = 0.0,
+        max_queued_rows: int = _MAX_QUEUED_ROWS,
     ) -> None:
         self.engine = engine
+        self.max_queued_rows = max_queued_rows
         # Paced work rests this many times as long as each slice took (0: not paced, which
         # bench/audit.py uses to measure the most the writer can take).
         self.rest = rest
@@ -590,7 +607,7 @@ class AuditWriter:
         """Keep a window sealed while a drain runs for that drain to take next."""
         if not len(batch) or self._behind:
             return  # nothing to insert; or the spool is read next anyway, this window with it
-        if sum(map(len, self._queued)) + len(batch) > _MAX_QUEUED_ROWS:
+        if sum(map(len, self._queued)) + len(batch) > self.max_queued_rows:
             # Memory stays bounded however far the database lags: the spool has them all.
             self._queued.clear()
             self._behind = True

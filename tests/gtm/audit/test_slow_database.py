@@ -82,3 +82,59 @@ async def test_windows_reach_the_spool_while_inserts_wait(
         await asyncio.wait_for(writer.stop(), WITHIN_S)
         await engine.dispose()
         await blocker.dispose()
+
+
+@pytest.mark.postgres
+async def test_the_rows_queued_for_a_slow_database_stay_within_their_bound(
+    postgres_url: str, tmp_path: Path, snapshot: Snapshot
+) -> None:
+    """Windows sealed while the database holds the drain wait in memory only up to the
+    writer's bound (a share of the node's memory budget, gtm.audit.writer.queued_rows); past
+    it they wait in the spool alone, and are read back from it once the database lets them in:
+    every answer still lands."""
+    migrate.downgrade(postgres_url, "base")
+    migrate.upgrade(postgres_url)
+    engine = make_async_engine(postgres_url)
+    blocker = make_async_engine(postgres_url)
+    spool = Spool(tmp_path / "spool", "node-a")
+    store = await read_store_id(engine)
+    assert store is not None
+    spool.bind(store)
+    per_window = len(records(snapshot))
+    bound = 2 * per_window
+    writer = AuditWriter(engine, "node-a", spool, flush_interval=0.05, max_queued_rows=bound)
+    await writer.start()
+    reads: list[int] = []
+    read_spool = spool.pending_through
+
+    def counted(limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+        reads.append(1)
+        return read_spool() if limit is None else read_spool(limit)
+
+    spool.pending_through = counted  # type: ignore[method-assign]
+    try:
+        async with blocker.connect() as conn:
+            await conn.execute(text("LOCK TABLE decisions IN ACCESS EXCLUSIVE MODE"))
+            try:
+                for window in range(6):
+                    for n, record in enumerate(records(snapshot)):
+                        writer.count(record, n=window + n + 1)
+                    await eventually(
+                        lambda: _spooled(spool) == writer.counted,
+                        WITHIN_S,
+                        f"window {window} on disk while the database is locked",
+                    )
+                    assert sum(map(len, writer._queued)) <= bound
+            finally:
+                await conn.rollback()
+
+        async def all_in() -> bool:
+            return await query.total_count(engine) == writer.counted
+
+        await eventually(all_in, WITHIN_S, "every answer in the database")
+        await eventually(lambda: spool.size() == 0, WITHIN_S, "the spool emptied")
+        assert reads  # what the queue could not hold came back from the spool
+    finally:
+        await asyncio.wait_for(writer.stop(), WITHIN_S)
+        await engine.dispose()
+        await blocker.dispose()
