@@ -4,11 +4,13 @@
 never await: rate limit (UDP), look the exact query up, else (UDP, an ECS query of a shape this
 sender sent before: :mod:`gtm.geodns.shapes`) take the answer rendered for the subnet's location
 class, else parse, look the rendered answer up (or render it), patch in the ID, flags and
-question case, count it towards the audit. Rendered
-answers are reused per (name, type, EDNS shape, UDP limit, client network, GeoIP bucket) within
-one decision epoch (successor snapshots that decide alike: routine capacity reports keep the
-caches, :mod:`gtm.decision.answer_window`), and only until the next instant at which a decision
-can change with time alone: when one of the snapshot's capacity reports goes stale.
+question case, count it towards the audit. Rendered answers are reused per (name, type, EDNS
+shape, UDP limit, client network, GeoIP bucket) within one decision epoch (successor snapshots
+that decide alike: routine capacity reports keep the caches, :mod:`gtm.decision.answer_window`),
+and only until the next instant at which a decision can change with time alone: when one of
+the snapshot's capacity reports goes stale. A name that does not exist is keyed as every other
+such name: their answers differ only in the question (:func:`gtm.geodns.zone.nonexistent`), so
+a random-name flood renders none.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
 integer increment, and the audit writer drains the tallies at each flush (the responder is one
@@ -48,7 +50,14 @@ from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
-from gtm.geodns.zone import Answer, aggregated_record, answer, stats_qtype, zone_data
+from gtm.geodns.zone import (
+    Answer,
+    aggregated_record,
+    answer,
+    nonexistent,
+    stats_qtype,
+    zone_data,
+)
 from gtm.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -69,10 +78,16 @@ class _Cached:
     # Kept per GeoIP network (gtm.geodns.precision): the template's last ``patch`` bytes are
     # the ECS address it was rendered for, replaced with each query's own.
     patch: int = 0
+    # Octets of the question name the template was rendered with: another query's name takes
+    # their place (the same name in another case; or, for a name that does not exist, any).
+    name_len: int = 0
 
 
 # Under a GeoIP network's key: its decisions split the network, look the client bucket up.
 _SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
+# First in the rendered answer's key of a name that does not exist (gtm.geodns.zone.nonexistent),
+# in place of the name: one rendering answers every such name.
+_NONEXISTENT = "\x00nonexistent"
 # Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
 # with the ECS echo: the slow path answers them.
 _UNPLACED = Placed(b"", False, None, None, ("", "", ""), False)  # type: ignore[arg-type]
@@ -641,7 +656,14 @@ class Responder:
             return self._reject(parsed, client, udp)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
-        key, network, network_key = self._key(query, client, limit, snapshot, self._services)
+        # A name that does not exist gets the rendering of any other such name (with its own
+        # question), counted on the same aggregated row: a random-name flood is answered
+        # without rendering each name, and keeps no entry per name in the first level. Not when
+        # signing: each such name's denial is signed for that name (gtm.geodns.dnssec).
+        absent = self.signer is None and nonexistent(query, zone_data(snapshot.topology))
+        key, network, network_key = self._key(
+            query, client, limit, snapshot, self._services, absent
+        )
         cached = None
         rendered: Answer | None = None
         if network_key is not None:
@@ -650,6 +672,18 @@ class Responder:
                 network_key, cached = None, None
         if cached is None:
             cached = self._cache.get(key)
+            if (
+                absent
+                and cached is not None
+                and (
+                    cached.truncated
+                    or (
+                        limit is not None
+                        and len(cached.template) - cached.name_len + len(query.qname) > limit
+                    )
+                )
+            ):
+                cached = None  # this name would not fit where that one did: rendered for it
         if cached is None:
             if (
                 self._new_decisions >= self.budget.audit_records
@@ -689,18 +723,19 @@ class Responder:
                 record.response or rcode_name(result.rcode),
                 truncated,
                 patch,
+                len(query.qname),
             )
             self._cache.put(network_key if patch and network_key is not None else key, cached)
             out = result.wire
         else:
             self.stats.cache_hits += 1
-            template, n = cached.template, len(query.qname)
+            template = cached.template
             out = (
                 query.id.to_bytes(2, "big")
                 + (cached.flags | (query.flags & _COPIED)).to_bytes(2, "big")
                 + template[4:12]
                 + query.qname
-                + template[12 + n :]
+                + template[12 + cached.name_len :]
             )
             if cached.patch:
                 out = out[: -cached.patch] + query.edns.ecs.address  # type: ignore[union-attr]
@@ -716,10 +751,11 @@ class Responder:
             if shape is not None and rendered is not None:
                 self._seed(shape, query, rendered, snapshot)
         stats_key = ("udp" if udp else "tcp", stats_qtype(query.qtype), cached.rcode_name)
-        # Entries dropped with their generation while their answers are not yet drained stay
-        # listed in self._tallied: no answer goes uncounted.
-        exact = _Exact(out[2:], cached.record, stats_key, cached.truncated)
-        self._keep(udp, sender, wire[2:], exact)
+        if not absent:
+            # Entries dropped with their generation while their answers are not yet drained
+            # stay listed in self._tallied: no answer goes uncounted.
+            exact = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+            self._keep(udp, sender, wire[2:], exact)
         # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
         self.stats.queries[stats_key] += 1
@@ -743,16 +779,20 @@ class Responder:
         limit: int | None,
         snapshot: Snapshot,
         services: Mapping[str, object],
+        absent: bool = False,
     ) -> tuple[tuple[object, ...], IPNetwork | None, tuple[object, ...] | None]:
         """The rendered answer's key for the client bucket; and for an ECS query of a service
         name whose GeoIP network is at least as wide as the ECS subnet, that network and the
-        answer's key for the whole of it (gtm.geodns.precision), else None and None."""
+        answer's key for the whole of it (gtm.geodns.precision), else None and None.
+        ``absent``: the name does not exist, and the key leaves it out; its audit row is the
+        sender's network bucket's whatever the ECS (gtm.geodns.zone.aggregated_record), so the
+        key holds the sender's bucket."""
         edns = query.edns
         ecs = edns.ecs if edns is not None else None
         shape: tuple[object, ...] | None = None
         if edns is not None:
             shape = (edns.do,) if ecs is None else (edns.do, ecs.family, ecs.source, ecs.address)
-        if ecs is not None and ecs.source > 0:
+        if ecs is not None and ecs.source > 0 and not absent:
             located = ecs.network.network_address
             bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket
         else:
@@ -783,7 +823,8 @@ class Responder:
                         net,
                         resolver,
                     )
-        key = (query.qname_text, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
+        name = _NONEXISTENT if absent else query.qname_text
+        key = (name, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
         return key, network, network_key
 
     def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:

@@ -134,16 +134,45 @@ _NO_TYPES: frozenset[int] = frozenset()
 
 
 _ZONES: dict[str, ZoneData] = {}
+# The last topology asked for and its data: every query the long way asks, and a topology's
+# fingerprint is a pydantic private attribute, several times a dictionary lookup to read.
+_last: tuple[Topology, ZoneData] | None = None
 
 
 def zone_data(topology: Topology) -> ZoneData:
+    global _last
+    last = _last
+    if last is not None and last[0] is topology:
+        return last[1]
     key = topology.fingerprint()
     data = _ZONES.get(key)
     if data is None:
         if len(_ZONES) > 8:
             _ZONES.clear()
         data = _ZONES[key] = _build_zone(topology)
+    _last = (topology, data)
     return data
+
+
+def nonexistent(query: Query, zone: ZoneData) -> bool:
+    """Whether :func:`answer` gives ``query`` NXDOMAIN: a data type of class IN or ANY, for a
+    name in the zone that holds nothing (no service, static record, apex, nameserver glue or
+    longer name below it). Such responses differ from one name to another only in their
+    question (the SOA in the authority section is owned by the apex, written out in full), so
+    the responder renders one per query shape and sender for any name: a flood of random names
+    under the zone costs a parse and a dictionary lookup a query, not an answer rendered each
+    (tests/gtm/geodns/test_protocol.py checks it against answer())."""
+    name = query.qname_text
+    return (
+        meta_rcode(query.qtype) is None
+        and query.qclass in (QCLASS_IN, QCLASS_ANY)
+        and name != zone.apex
+        and in_zone(name, zone.apex)
+        and name not in zone.services
+        and name not in zone.static.types
+        and name not in zone.glue
+        and name not in zone.interior
+    )
 
 
 def _build_zone(topology: Topology) -> ZoneData:

@@ -13,13 +13,16 @@ import time
 from ipaddress import IPv4Address, ip_address, ip_network
 from pathlib import Path
 
+import dns.message
 import dns.rcode
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
 from gtm.geodns.budget import SHARES, Admitted, Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
-from gtm.geodns.responder import Responder
+from gtm.geodns.responder import Responder, udp_limit
+from gtm.geodns.wire import Query, parse_query
+from gtm.geodns.zone import answer
 from gtm.node import Node
 from gtm.settings import Settings
 from tests.support.geoip import WORLD, build_city_db
@@ -175,6 +178,50 @@ async def test_a_random_name_flood_makes_a_bounded_number_of_audit_rows(
     assert {r.name for r in rows} <= {"*.gtm.example.", "*."}
     assert {r.client_network for r in rows} == {"127.0.0.0/16"}
     assert sum(r.count for r in rows) == flood + 50  # every answer counted
+
+
+async def test_names_that_do_not_exist_share_one_rendering_byte_for_byte(
+    start_node: StartNode,
+) -> None:
+    """A random-name flood under the zone: every answer is the one answer() gives that name
+    (question, flags, SOA, OPT and ECS echo, byte for byte), from one rendering per query shape
+    and sender bucket rather than one per name, with no first-level entry per name; and each
+    sender's answers are counted on its own bucket's row, whatever the ECS."""
+    node = await start_node(audit_flush_interval_s=3600)
+    responder = responder_of(node)
+    snapshot = node.runtime.store.current
+    rng = random.Random(11)
+    senders = ("127.0.0.1", "127.1.0.1")  # two /16 buckets
+    per_sender = 120
+    for sender in senders:
+        for i in range(per_sender):
+            length = rng.randrange(1, 60)
+            label = "".join(rng.choice("abcdefghijKLMNOPQRS0123456789-") for _ in range(length))
+            name = f"x{label}.{'deep.' * (i % 3)}Gtm.Example."
+            kind = i % 3
+            query = (
+                q(name, "A")
+                if kind == 0
+                else q(name, "AAAA", use_edns=0, payload=1232)
+                if kind == 1
+                else q(name, "A", ecs=("198.51.100.0", 24))  # the same ECS from both senders
+            )
+            got = await udp(node, query, source=sender)
+            parsed = parse_query(query.to_wire())
+            assert isinstance(parsed, Query)
+            full = answer(parsed, ip_address(sender), snapshot, time.time(), udp_limit(parsed.edns))
+            assert full.rcode == dns.rcode.NXDOMAIN
+            assert got.to_wire() == dns.message.from_wire(full.wire).to_wire(), name
+    # One rendering per (sender bucket, query shape): six, not 240.
+    assert responder.stats.cache_misses <= 2 * 3
+    assert responder.cached_entries()[0] <= 2 * 3  # sender tables, not an entry per name
+    await node.runtime.writer.flush()
+    rows = await audited(node, "SELECT name, client_network, count FROM decisions")
+    by_bucket: dict[str, int] = {}
+    for row in rows:
+        assert row.name == "*.gtm.example."
+        by_bucket[row.client_network] = by_bucket.get(row.client_network, 0) + row.count
+    assert by_bucket == {"127.0.0.0/16": per_sender, "127.1.0.0/16": per_sender}
 
 
 async def test_random_types_make_a_bounded_number_of_metric_labels(

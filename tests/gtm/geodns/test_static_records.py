@@ -29,7 +29,7 @@ from gtm.decision.topology import parse_topology
 from gtm.geodns.render import response
 from gtm.geodns.static import build_static
 from gtm.geodns.wire import Qtype, Query, parse_query
-from gtm.geodns.zone import answer, zone_data
+from gtm.geodns.zone import answer, nonexistent, zone_data
 from tests.conftest import DEMO
 
 from .conftest import StartNode, port_of, tcp, udp, write_topology
@@ -365,3 +365,29 @@ async def test_dig_and_kdig_parse_the_static_records(start_node: StartNode, tmp_
     assert "status: NOERROR" in full and "ADDITIONAL: 3" in full  # A, AAAA and the OPT
     nodata = await _tool("kdig", port, "ent.gtm.example", "TXT")
     assert "status: NOERROR" in nodata and "ANSWER: 0" in nodata
+
+
+def test_nonexistent_says_nxdomain_exactly_where_answer_does(snapshot: Snapshot) -> None:
+    """The responder answers names that do not exist from one rendering
+    (gtm.geodns.zone.nonexistent): it must pick out exactly the queries answer() gives
+    NXDOMAIN, for every name the zone holds, below them, beside them and outside it."""
+    zone = zone_data(snapshot.topology)
+    held = {zone.apex, *zone.services, *zone.static.types, *zone.glue, *zone.interior}
+    names = set(held)
+    for name in held:
+        names |= {"x." + name, "a.b." + name, name.upper()}
+    names |= {"nope." + zone.apex, "example.net.", "gtm.example.net.", "."}
+    types = ("A", "AAAA", "TXT", "MX", "SRV", "CNAME", "SOA", "NS", "ANY", "CAA", "DNSKEY")
+    seen_nx = seen_other = 0
+    for name in sorted(names):
+        for rdtype in (*types, "AXFR", "TYPE1234"):
+            for rdclass in ("IN", "CH", "ANY"):
+                message = dns.message.make_query(name, rdtype, rdclass)
+                parsed = parse_query(message.to_wire())
+                assert isinstance(parsed, Query)
+                full = answer(parsed, ip_address("192.0.2.1"), snapshot, 1000.0, 512)
+                is_nx = full.rcode == dns.rcode.NXDOMAIN
+                assert nonexistent(parsed, zone) == is_nx, (name, rdtype, rdclass)
+                seen_nx += is_nx
+                seen_other += not is_nx
+    assert seen_nx and seen_other
