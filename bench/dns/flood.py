@@ -1,6 +1,7 @@
 """Cache-busting floods against GTM's DNS responder: goodput, peak memory and audit rows.
 
-    python bench/dns/flood.py [--seconds 8] [--sets ecs-5k ecs-200k ecs-2m names-200k]
+    python bench/dns/flood.py [--seconds 8]
+                              [--sets ecs-5k ecs-200k ecs-2m names-200k names-ecs-200k]
                               [--budget-mb 64] [--no-before] [--before REV] [--json FILE]
 
 Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
@@ -8,7 +9,8 @@ Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
 * ``ecs-5k``, ``ecs-200k``, ``ecs-2m``: chat.gtm.example A with an ECS option from 5,000,
   200,000 or 2,000,000 distinct random /24s (the shape of a random-subnet attack, and of a
   large resolver population);
-* ``names-200k``: 200,000 distinct random names under the zone (NXDOMAIN), no ECS.
+* ``names-200k``: 200,000 distinct random names under the zone (NXDOMAIN), no ECS;
+* ``names-ecs-200k``: the same with a random client subnet each (ECS /24).
 
 Every set is sent by dnsperf (closed loop, CPU 1) to, in turn: the bare Python ceiling (one
 pre-rendered answer, ``bare.py``), GTM as it is in this checkout, and, unless ``--no-before``,
@@ -50,7 +52,13 @@ sys.path.insert(0, str(ROOT))
 from bench.dns.run import bare_server, dnsperf, field, gtm_server, running  # noqa: E402
 from gtm.decision.geoip import default_database_path  # noqa: E402
 
-SETS = {"ecs-5k": 5_000, "ecs-200k": 200_000, "ecs-2m": 2_000_000, "names-200k": 200_000}
+SETS = {
+    "ecs-5k": 5_000,
+    "ecs-200k": 200_000,
+    "ecs-2m": 2_000_000,
+    "names-200k": 200_000,
+    "names-ecs-200k": 200_000,
+}
 
 
 def random_slash24s(count: int, rng: random.Random) -> list[int]:
@@ -84,10 +92,17 @@ def write_set(path: Path, name: str, count: int, seed: int = 17) -> Path:
                 f.write(head + net.to_bytes(3, "big"))
         else:
             alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789"
-            for _ in range(count):
+            # names-ecs: each random name with a random client subnet too (through resolvers
+            # that send ECS for every name).
+            subnets = random_slash24s(count, rng) if name.startswith("names-ecs") else None
+            for i in range(count):
                 label = bytes(rng.choice(alphabet) for _ in range(16))
+                options = []
+                if subnets is not None:
+                    address = ".".join(str(b) for b in (subnets[i] << 8).to_bytes(4, "big"))
+                    options = [dns.edns.ECSOption(address, 24)]
                 wire = dns.message.make_query(
-                    label.decode() + ".gtm.example.", "A", use_edns=0
+                    label.decode() + ".gtm.example.", "A", use_edns=0, options=options
                 ).to_wire()
                 f.write(struct.pack("!H", len(wire)) + wire)
     return path

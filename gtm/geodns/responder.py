@@ -710,6 +710,11 @@ class Responder:
                         record = widened(record, network)
                     else:
                         self._cache.put(network_key, _SPLIT)
+            elif absent and query.edns is not None and query.edns.ecs is not None:
+                # Keyed without the ECS address (gtm.geodns.responder._key): the echo ends the
+                # response, each query's own address is patched in; a response that does not
+                # end with it is not kept under that key.
+                patch = patchable(result.wire, query.edns.ecs, 0)
             template = (
                 b"\x00\x00"
                 + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
@@ -725,7 +730,8 @@ class Responder:
                 patch,
                 len(query.qname),
             )
-            self._cache.put(network_key if patch and network_key is not None else key, cached)
+            if patch or not absent or query.edns is None or query.edns.ecs is None:
+                self._cache.put(network_key if patch and network_key is not None else key, cached)
             out = result.wire
         else:
             self.stats.cache_hits += 1
@@ -791,7 +797,12 @@ class Responder:
         ecs = edns.ecs if edns is not None else None
         shape: tuple[object, ...] | None = None
         if edns is not None:
-            shape = (edns.do,) if ecs is None else (edns.do, ecs.family, ecs.source, ecs.address)
+            if ecs is None:
+                shape = (edns.do,)
+            elif absent:  # its echo (scope 0) ends the response: patched in per query
+                shape = (edns.do, ecs.family, ecs.source)
+            else:
+                shape = (edns.do, ecs.family, ecs.source, ecs.address)
         if ecs is not None and ecs.source > 0 and not absent:
             located = ecs.network.network_address
             bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket

@@ -204,7 +204,9 @@ async def test_names_that_do_not_exist_share_one_rendering_byte_for_byte(
                 if kind == 0
                 else q(name, "AAAA", use_edns=0, payload=1232)
                 if kind == 1
-                else q(name, "A", ecs=("198.51.100.0", 24))  # the same ECS from both senders
+                # Random ECS subnets (the same ones from both senders): patched into one
+                # rendering, counted on the sender's row.
+                else q(name, "A", ecs=(random_subnets(1, seed=i)[0], 24))
             )
             got = await udp(node, query, source=sender)
             parsed = parse_query(query.to_wire())
