@@ -547,6 +547,13 @@ class AuditWriter:
             self._journal_broken = generation
             log.warning("audit.journal_write_failed", error=str(exc))
             return False
+        except BaseException:
+            # Cut off part way otherwise (cancelled at a stop, say): the journal counted the
+            # definitions on the lines it made as written, so a later tick's lines could refer
+            # to decisions the file never defined. This window is journaled no further; its
+            # seal covers it, as after a failed write.
+            self._journal_broken = generation
+            raise
         self.journal_ticks += 1
         if len(window) >= self.max_pending:
             self._wake.set()

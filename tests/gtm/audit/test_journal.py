@@ -174,6 +174,47 @@ async def test_a_tick_of_many_decisions_is_written_in_lines_of_bounded_size(
         await writer.stop()
 
 
+async def test_a_tick_cut_off_part_way_leaves_no_line_referring_to_an_unwritten_decision(
+    engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """A tick's write that fails other than with an OSError (cancelled at a stop, say) after
+    its first line: the definitions it had made for the next lines were never written, so the
+    window is journaled no further (its seal counts everything, rule 2); before, the next tick
+    wrote answers for decisions the file never defined, and a replay refused them."""
+    base = records(snapshot)[0]
+    many = [
+        dataclasses.replace(base, client_network=f"10.{i // 256}.{i % 256}.0/24")
+        for i in range(300)
+    ]
+    spool = Spool(tmp_path / "spool", "node-a")
+    writer = _writer(engine, spool, flush_interval=3600)
+    await writer.start()
+    write = writer.journal.write
+    calls: list[int] = []
+
+    def cut_at_second_line(generation: int, body: bytes, store: str | None) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("cut off")
+        write(generation, body, store)
+
+    writer.journal.write = cut_at_second_line  # type: ignore[method-assign]
+    try:
+        for record in many[:280]:
+            writer.count(record)
+        with pytest.raises(RuntimeError, match="cut off"):
+            await writer.journal_tick()
+        for record in many:
+            writer.count(record, n=2)
+        await writer.journal_tick()
+        recovered = Journal(spool, "node-a").recover(spool.journal_sealed, None)
+        assert recovered.problems == []
+        await writer.flush()
+        assert await query.total_count(engine) == 280 + 2 * 300
+    finally:
+        await writer.stop()
+
+
 async def test_an_edited_journal_line_is_refused_with_its_location(
     engine: AsyncEngine, snapshot: Snapshot, tmp_path: Path
 ) -> None:
