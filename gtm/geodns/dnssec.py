@@ -57,6 +57,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
+from gtm.audit.record import AuditRecord
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import in_zone
@@ -76,6 +77,7 @@ NXNAME = 128  # RFC 9824: the NSEC of a name that does not exist says so with th
 _NEVER_BELOW_APEX = frozenset({int(dns.rdatatype.NS), int(dns.rdatatype.SOA), DNSKEY, 43})  # DS
 INCEPTION_SKEW_S = 3600  # signatures valid from an hour ago: resolvers' clocks are skewed
 BLACK_LIE = "+NXNAME"  # the audit's response label of a name denied NOERROR (RFC 9824)
+_RELABELLED = 4096  # relabelled records kept (Signer._relabel)
 
 
 class Signer:
@@ -102,6 +104,14 @@ class Signer:
             cache_entries
         )
         self._dnskeys = tuple(_wire(k.dnskey) for k in keys.all)
+        # The zone's apex as the signer's name, its wire form, and the text it was made from:
+        # made once, not per response (a random-name flood signs a denial for every query,
+        # and parsing the name and hashing it in the cache key were a sixth of that).
+        self._apex: tuple[dns.name.Name, bytes, str] | None = None
+        # Records given another response label (the black lie's "+NXNAME"): a flood's denials
+        # are counted on the few aggregated records of their senders, equal from one to the
+        # next, and a lookup costs a third of making the record again.
+        self._relabelled: dict[tuple[AuditRecord, str], AuditRecord] = {}
         self._answers_until = -math.inf
         self.signatures_made = 0
         self.general_path = 0  # responses signed through dnspython's parse and render
@@ -171,7 +181,7 @@ class Signer:
             if denial is not None:
                 nsec, rcode, suffix = denial
                 authority = [*authority, nsec]
-            signer = dns.name.from_text(zone.apex)
+            signer = self._signer_name(zone.apex)
             an = self._signed(answer_records, apex, signer, now)
             ns = self._signed(authority, apex, signer, now)
         else:
@@ -197,8 +207,24 @@ class Signer:
             suffix = "+TC"  # nothing but the question went out (the audit column: 16)
         label = rcode_name(rcode) + suffix
         if record.response != label:
-            record = dataclasses.replace(record, response=label)
+            record = self._relabel(record, label)
         return Answer(out, rcode, record, result.decision)
+
+    def _signer_name(self, apex: str) -> dns.name.Name:
+        memo = self._apex
+        if memo is None or memo[2] != apex:
+            name = dns.name.from_text(apex)
+            memo = self._apex = (name, _wire(name.canonicalize()), apex)
+        return memo[0]
+
+    def _relabel(self, record: AuditRecord, label: str) -> AuditRecord:
+        key = (record, label)
+        out = self._relabelled.get(key)
+        if out is None:
+            if len(self._relabelled) >= _RELABELLED:
+                self._relabelled = {}
+            out = self._relabelled[key] = dataclasses.replace(record, response=label)
+        return out
 
     def _signed(
         self, records: list[_Record], apex: bytes, signer: dns.name.Name, now: float
@@ -231,7 +257,11 @@ class Signer:
         """The RRSIG rdata over the RRset (``name``: its owner, lower case, uncompressed wire
         form; ``rdatas``: uncompressed), from the cache while fresh enough, else made with
         dnspython: by the active key, and by every key for the DNSKEY RRset."""
-        key = (name, rtype, ttl, signer, frozenset(rdatas))
+        memo = self._apex
+        signer_wire = (
+            memo[1] if memo is not None and memo[0] is signer else _wire(signer.canonicalize())
+        )
+        key = (name, rtype, ttl, signer_wire, frozenset(rdatas))
         cached = self._sigs.get(key)
         if cached is not None and now < cached[1]:
             return cached[0]
@@ -240,7 +270,6 @@ class Signer:
         if rtype in _CANONICAL:
             # The common case (addresses, TXT, keys, the NSEC of every negative answer): the
             # data as on the wire is its canonical form, framed here at a third of the cost.
-            signer_wire = _wire(signer.canonicalize())
             sigs = tuple(
                 frame_and_sign(k, name, rtype, ttl, rdatas, signer_wire, inception, expiration)
                 for k in keys
