@@ -28,6 +28,7 @@ from gtm.audit.anchor import read_store_id
 from gtm.audit.database import make_async_engine
 from gtm.audit.journal import Journal, Recovered, decode_record, encode_record
 from gtm.audit.keys import KEY_NAME, load_or_create
+from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 from gtm.decision.snapshot import Snapshot
@@ -39,6 +40,15 @@ from tests.support.waiting import eventually
 
 def _writer(engine: AsyncEngine, spool: Spool, **kw: Any) -> AuditWriter:
     return AuditWriter(engine, "node-a", spool, **kw)
+
+
+def _distinct(snapshot: Snapshot, n: int) -> list[AuditRecord]:
+    """``n`` decisions alike but for their client networks: each a row, each a definition in
+    the journal."""
+    base = records(snapshot)[0]
+    return [
+        dataclasses.replace(base, client_network=f"10.{i // 256}.{i % 256}.0/24") for i in range(n)
+    ]
 
 
 def _rejected(spool: Spool) -> list[dict[str, Any]]:
@@ -143,11 +153,7 @@ async def test_a_tick_of_many_decisions_is_written_in_lines_of_bounded_size(
     line, it was several copies of megabytes in memory at once. It is cut into lines of a few
     hundred; a crash between them keeps the answers of the lines written, and the replay does
     not claim the tick's time as recovered (its last line is missing)."""
-    base = records(snapshot)[0]
-    many = [
-        dataclasses.replace(base, client_network=f"10.{i // 256}.{i % 256}.0/24")
-        for i in range(1000)
-    ]
+    many = _distinct(snapshot, 1000)
     spool = Spool(tmp_path / "spool", "node-a")
     writer = _writer(engine, spool, flush_interval=3600)
     await writer.start()
@@ -181,11 +187,7 @@ async def test_a_tick_cut_off_part_way_leaves_no_line_referring_to_an_unwritten_
     its first line: the definitions it had made for the next lines were never written, so the
     window is journaled no further (its seal counts everything, rule 2); before, the next tick
     wrote answers for decisions the file never defined, and a replay refused them."""
-    base = records(snapshot)[0]
-    many = [
-        dataclasses.replace(base, client_network=f"10.{i // 256}.{i % 256}.0/24")
-        for i in range(300)
-    ]
+    many = _distinct(snapshot, 300)
     spool = Spool(tmp_path / "spool", "node-a")
     writer = _writer(engine, spool, flush_interval=3600)
     await writer.start()
