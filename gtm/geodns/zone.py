@@ -161,7 +161,7 @@ def nonexistent(query: Query, zone: ZoneData) -> bool:
     question (the SOA in the authority section is owned by the apex, written out in full), so
     the responder renders one per query shape and sender for any name: a flood of random names
     under the zone costs a parse and a dictionary lookup a query, not an answer rendered each
-    (tests/gtm/geodns/test_protocol.py checks it against answer())."""
+    (tests/gtm/geodns/test_static_records.py checks it against answer())."""
     name = query.qname_text
     return (
         meta_rcode(query.qtype) is None
