@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import gc
 import os
 import time
@@ -48,22 +47,28 @@ ARENA_MAX = 2
 
 def settle_malloc(environ: Mapping[str, str] = os.environ) -> bool:
     """Fix glibc malloc's map threshold and cap its arenas (the module docstring), unless the
-    environment sets either itself (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``: an
-    operator's tuning wins). Returns whether it did; False on a C library without mallopt
-    (musl, macOS), where nothing changes."""
-    if "MALLOC_MMAP_THRESHOLD_" in environ or "MALLOC_ARENA_MAX" in environ:
+    environment tunes malloc itself (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``, or
+    ``GLIBC_TUNABLES`` naming a ``glibc.malloc`` tunable: an operator's tuning wins). Returns
+    whether both settings took; False on a C library without mallopt (musl, macOS), where
+    nothing changes."""
+    if (
+        "MALLOC_MMAP_THRESHOLD_" in environ
+        or "MALLOC_ARENA_MAX" in environ
+        or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+    ):
         return False
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library, no ldconfig
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success, 0 on error.
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_ARENA_MAX, ARENA_MAX)
-    )
+    threshold = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    arenas = bool(mallopt(_M_ARENA_MAX, ARENA_MAX))
+    if not (threshold and arenas):
+        log.warning("heap.malloc_not_settled", threshold=threshold, arenas=arenas)
+    return threshold and arenas
 
 
 class HeapKeeper:
