@@ -663,8 +663,9 @@ class Responder:
         limit = udp_limit(query.edns) if udp else None
         # A name that does not exist gets the rendering of any other such name (with its own
         # question), counted on the same aggregated row: a random-name flood is answered
-        # without rendering each name, and keeps no entry per name in the first level. Not when
-        # signing: each such name's denial is signed for that name (gtm.geodns.dnssec).
+        # without rendering each name, and keeps no entry per name in the first level unless a
+        # sender asks for it again (_asked_again). Not when signing: each such name's denial
+        # is signed for that name (gtm.geodns.dnssec).
         absent = self.signer is None and nonexistent(query, zone_data(snapshot.topology))
         key, network, network_key = self._key(
             query, client, limit, snapshot, self._services, absent
