@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,7 @@ def write_set(path: Path, name: str, count: int, seed: int = 17) -> Path:
                 label = bytes(rng.choice(alphabet) for _ in range(16))
                 options = []
                 if subnets is not None:
-                    address = ".".join(str(b) for b in (subnets[i] << 8).to_bytes(4, "big"))
-                    options = [dns.edns.ECSOption(address, 24)]
+                    options = [dns.edns.ECSOption(str(IPv4Address(subnets[i] << 8)), 24)]
                 wire = dns.message.make_query(
                     label.decode() + ".gtm.example.", "A", use_edns=0, options=options
                 ).to_wire()

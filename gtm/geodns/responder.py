@@ -123,6 +123,15 @@ class _Exact:
         self.last = now
 
 
+def _takes_name(cached: _Cached, name_len: int, limit: int | None) -> bool:
+    """Whether the rendering shared by names that do not exist answers a question name of
+    ``name_len`` octets as it stands: it was not truncated, and with this name in place of the
+    one it was rendered for it stays within the UDP limit."""
+    return not cached.truncated and (
+        limit is None or len(cached.template) - cached.name_len + name_len <= limit
+    )
+
+
 def udp_limit(edns: Edns | None) -> int:
     # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
     # without EDNS (RFC 1035 §4.2.1).
@@ -661,6 +670,7 @@ class Responder:
             return self._reject(parsed, client, udp)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
+        ecs = query.edns.ecs if query.edns is not None else None
         # A name that does not exist gets the rendering of any other such name (with its own
         # question), counted on the same aggregated row: a random-name flood is answered
         # without rendering each name, and keeps no entry per name in the first level unless a
@@ -678,17 +688,7 @@ class Responder:
                 network_key, cached = None, None
         if cached is None:
             cached = self._cache.get(key)
-            if (
-                absent
-                and cached is not None
-                and (
-                    cached.truncated
-                    or (
-                        limit is not None
-                        and len(cached.template) - cached.name_len + len(query.qname) > limit
-                    )
-                )
-            ):
+            if absent and cached is not None and not _takes_name(cached, len(query.qname), limit):
                 cached = None  # this name would not fit where that one did: rendered for it
         if cached is None:
             if (
@@ -705,22 +705,23 @@ class Responder:
                 result = self.signer.answer(query, client, snapshot, now, limit)
             rendered = result
             decision, record, patch = result.decision, result.record, 0
+            keep = True  # under network_key or key (below)
             if decision is not None:
                 self._new_decisions += 1
                 if network_key is not None and network is not None:
                     # Held by the whole GeoIP network: one rendering and one audit row for it.
-                    ecs = query.edns.ecs if query.edns is not None else None
                     if ecs is not None and holds_network_wide(decision, network):
                         patch = patchable(result.wire, ecs, decision.scope_prefix)
                     if patch:
                         record = widened(record, network)
                     else:
                         self._cache.put(network_key, _SPLIT)
-            elif absent and query.edns is not None and query.edns.ecs is not None:
-                # Keyed without the ECS address (gtm.geodns.responder._key): the echo ends the
-                # response, each query's own address is patched in; a response that does not
-                # end with it is not kept under that key.
-                patch = patchable(result.wire, query.edns.ecs, 0)
+            elif absent and ecs is not None:
+                # Keyed without the ECS address (_key): the echo ends the response and each
+                # query's own address is patched in. A response that does not end with it is
+                # not kept under that key; with source 0 there is no address to patch.
+                patch = patchable(result.wire, ecs, 0)
+                keep = bool(patch) or not ecs.address
             template = (
                 b"\x00\x00"
                 + (int.from_bytes(result.wire[2:4], "big") & ~_COPIED).to_bytes(2, "big")
@@ -736,13 +737,7 @@ class Responder:
                 patch,
                 len(query.qname),
             )
-            if (
-                patch
-                or not absent
-                or query.edns is None
-                or query.edns.ecs is None
-                or not query.edns.ecs.address  # source 0: no address to patch, none to key
-            ):
+            if keep:
                 self._cache.put(network_key if patch and network_key is not None else key, cached)
             out = result.wire
         else:
@@ -756,11 +751,10 @@ class Responder:
                 + template[12 + cached.name_len :]
             )
             if cached.patch:
-                out = out[: -cached.patch] + query.edns.ecs.address  # type: ignore[union-attr]
+                out = out[: -cached.patch] + ecs.address  # type: ignore[union-attr]
         if (
             udp
-            and query.edns is not None
-            and query.edns.ecs is not None
+            and ecs is not None
             and isinstance(sender, str)
             and limit is not None
             and query.qname_text in self._services
