@@ -29,8 +29,10 @@ from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter, queued_rows
+from gtm.decision import memos
 from gtm.decision.documents import parse_yaml
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
+from gtm.decision.memos import MemoLimits
 from gtm.decision.policy import PolicySet, load_policy, parse_policies
 from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
@@ -92,6 +94,8 @@ def build_snapshot(settings: Settings, now: float) -> Snapshot:
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # The decision core's memos are bounded by shares of the same budget (rule 8).
+        memos.bound(MemoLimits.from_mb(settings.dns_cache_budget_mb))
         docs = load_documents(settings.config, settings.policies)
         self.geoip = GeoIPSource(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
         self.store = SnapshotStore(

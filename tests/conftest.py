@@ -11,16 +11,29 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
+from gtm.decision import memos
 from gtm.decision.geoip import GeoDatabase
+from gtm.decision.memos import MemoLimits
 from gtm.decision.policy import PolicySet, load_policy
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Topology, load_topology
+from gtm.geodns import wire
+from gtm.geodns.budget import Budget
 from tests.support.geoip import build_city_db
 from tests.support.postgres import postgres_database
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "demo.yaml"
 POLICIES = ROOT / "policies"
+
+
+@pytest.fixture(autouse=True)
+def _default_memo_limits() -> Iterator[None]:
+    """The slow path's memo limits are process-wide, and a node sets them from its budget: the
+    default budget's are put back after each test, so a tiny budget does not outlive its test."""
+    yield
+    memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
+    wire.bound_memos(Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 import maxminddb
 import structlog
 
+from gtm.decision import memos
 from gtm.decision.mmdb_offsets import open_offsets
 from gtm.errors import GeoIPError
 
@@ -56,9 +57,9 @@ UNKNOWN = Location(None, None, None, None, None)
 _V4_BUCKET = 24
 _V6_BUCKET = 48
 _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds several networks
-# Bounded (DESIGN.md rule 8): about 450 bytes an entry, so some 7 MiB a table at most; a flood
-# of random client subnets clears it often, which costs lookups, never memory.
-_CACHE_LIMIT = 16_384
+# Bounded (DESIGN.md rule 8): about 450 bytes an entry, both tables together at most a share of
+# the memory budget (gtm.decision.memos); a flood of random client subnets clears them often,
+# which costs lookups, never memory.
 
 
 # The decoded records by offset (about 250 bytes each: a 200k-subnet flood reads some 38,000
@@ -136,9 +137,10 @@ class GeoDatabase:
             if exact is not None:
                 return exact
         loc = self._lookup(address, value)
-        if len(buckets) >= _CACHE_LIMIT or len(self._exact) >= _CACHE_LIMIT:
+        if len(self._buckets4) + len(self._buckets6) + len(self._exact) >= memos.LIMITS.locations:
             # A full clear is cheap and keeps memory bounded; the working set refills quickly.
-            buckets.clear()
+            self._buckets4.clear()
+            self._buckets6.clear()
             self._exact.clear()
         if loc.network is not None and loc.network.prefixlen <= bucket_len:
             buckets[key] = loc
@@ -217,7 +219,6 @@ def _place(record: object) -> _Place:
 
 
 _NETWORKS: dict[tuple[int, int, int], IPNetwork] = {}
-_NETWORKS_LIMIT = 16_384  # about 150 bytes each: some 2.5 MiB
 
 
 def _network(version: int, value: int, prefix_len: int) -> IPNetwork:
@@ -228,7 +229,7 @@ def _network(version: int, value: int, prefix_len: int) -> IPNetwork:
     key = (version, value >> shift, prefix_len)
     network = _NETWORKS.get(key)
     if network is None:
-        if len(_NETWORKS) >= _NETWORKS_LIMIT:
+        if len(_NETWORKS) >= memos.LIMITS.networks:  # a share of the budget
             _NETWORKS.clear()
         network = _NETWORKS[key] = (
             IPv4Network((key[1] << shift, prefix_len))

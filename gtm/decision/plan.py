@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from math import asin, sqrt
 from typing import NamedTuple
 
+from gtm.decision import memos
 from gtm.decision.geoip import Location
 from gtm.decision.geometry import EARTH_RADIUS_KM, UnitVector, unit_vector
 from gtm.decision.model import Candidate, Outcome, Reason, Status
@@ -26,10 +27,9 @@ from gtm.decision.policy import DnsFailure, Place, Verdict
 from gtm.decision.snapshot import HealthState, RegionView, Snapshot
 from gtm.decision.topology import Service
 
-# About 1.1 KiB a plan (tracemalloc, demo topology): at most some 9 MiB. A flood of random
-# subnets makes a location, so a plan, per GeoIP network: past the limit the memo is cleared
-# and refills with the working set (a plan costs some tens of microseconds to make).
-_PLAN_LIMIT = 8_192
+# A flood of random subnets makes a location, so a plan, per GeoIP network: past the limit (a
+# share of the memory budget, gtm.decision.memos) the memo is cleared and refills with the
+# working set (a plan costs some tens of microseconds to make).
 _DIAMETER_KM = 2 * EARTH_RADIUS_KM
 
 
@@ -126,7 +126,7 @@ def plan_for(
     plan: Plan | None = snapshot.plans.get(key)
     if plan is None or not (plan.valid_after < now <= plan.valid_until):
         plan = _with_head(make_plan(snapshot, service, classes, tenant, location, now, resolver))
-        if len(snapshot.plans) >= _PLAN_LIMIT:
+        if len(snapshot.plans) >= memos.LIMITS.plans:
             snapshot.plans.clear()  # bounded memory; the working set refills at once
         snapshot.plans[key] = plan
     return plan
@@ -313,7 +313,7 @@ def _verdict(
         verdict = snapshot.policy.evaluate(
             classes, tenant, location.country, location.continent, resolver
         )
-        if len(snapshot.verdicts) >= _PLAN_LIMIT:
+        if len(snapshot.verdicts) >= memos.LIMITS.plans:
             snapshot.verdicts.clear()
         snapshot.verdicts[key] = verdict
     return verdict
@@ -356,7 +356,7 @@ def _rank(snapshot: Snapshot, service: Service, verdict: Verdict, location: Loca
     ranking: Ranking | None = snapshot.ranks.get(key)
     if ranking is None:
         ranking = _unmemoised_rank(snapshot, service, verdict, location)
-        if len(snapshot.ranks) >= _PLAN_LIMIT:
+        if len(snapshot.ranks) >= memos.LIMITS.plans:
             snapshot.ranks.clear()
         snapshot.ranks[key] = ranking
     return ranking

@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from ipaddress import IPv4Network, IPv6Network
 
+from gtm.decision import memos
 from gtm.decision.geoip import Location
 from gtm.decision.geometry import great_circle_km
 from gtm.decision.model import (
@@ -54,9 +55,8 @@ _V6_SHIFT = 128 - V6_CLIENT_PREFIX
 
 
 _NETWORKS: dict[tuple[int, int], IPNetwork] = {}
-# About 300 bytes a memoised network: at most some 5 MiB under a random-subnet flood (where it
-# clears often: a miss costs an ipaddress object, never memory).
-_NETWORKS_LIMIT = 16_384
+# About 300 bytes a memoised network, at most a share of the memory budget (gtm.decision.memos);
+# under a random-subnet flood it clears often: a miss costs an ipaddress object, never memory.
 
 
 def client_network(address: IPAddress, ecs: IPNetwork | None) -> IPNetwork:
@@ -72,7 +72,7 @@ def client_network(address: IPAddress, ecs: IPNetwork | None) -> IPNetwork:
     key = (address.version, int(address) >> (8 if address.version == 4 else _V6_SHIFT))
     net = _NETWORKS.get(key)
     if net is None:
-        if len(_NETWORKS) >= _NETWORKS_LIMIT:
+        if len(_NETWORKS) >= memos.LIMITS.networks:
             _NETWORKS.clear()
         if address.version == 4:
             net = IPv4Network((key[1] << 8, V4_CLIENT_PREFIX))
@@ -241,7 +241,7 @@ def _spilled_head(plan: Plan, utilisation: float, snapshot: Snapshot, now: float
         )
         ttl = min(plan.ttl, snapshot.topology.routing.degraded_ttl)
         head = decision_head(plan, Outcome.ANSWER, (target,), candidates, ttl)
-    if len(snapshot.spills) >= _NETWORKS_LIMIT:
+    if len(snapshot.spills) >= memos.LIMITS.plans:  # each holds its plan
         snapshot.spills.clear()
     # Holding the plan in the entry keeps its id from being reused by another plan.
     snapshot.spills[id(plan)] = (plan, valid_after, valid_until, head)

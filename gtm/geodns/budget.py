@@ -4,9 +4,10 @@ One figure (``GTM_DNS_CACHE_BUDGET_MB``, per worker process) becomes an entry li
 table, from what one entry costs (measured with tracemalloc on ECS answers for the demo zone:
 about 530 bytes a first-level entry, which holds the query's bytes and the whole response, and
 about 1,200 a rendered one, which adds its key tuple and an audit record; a rate-limit bucket is
-a small list under a tuple key). The parse, client-network and plan memos beside them have
-fixed small caps (``gtm.geodns.wire``, ``gtm.decision.routing``, ``gtm.decision.plan``).
-Every table keeps two
+a small list under a tuple key). The memos of the slow path beside them (the parse memos
+and sender addresses, :mod:`gtm.geodns.wire`; the decision core's plans, rankings, verdicts,
+client networks and GeoIP locations, :mod:`gtm.decision.memos`) are cleared when full, each at
+a limit from its own share of the same figure. Every table keeps two
 generations (:class:`Generations`): lookups try the young one, then the old one, moving a hit
 back into the young one; when the young one is full the old one is dropped and the young one
 becomes old. Entries used at least once a generation stay, entries seen once (an attacker's
@@ -25,8 +26,9 @@ GeoIP lookup) is the one table a working set cycled through may outgrow: a large
 population, or a flood looping over its subnets, asks for each in turn. Two generations would
 then drop every entry before its turn came again; :class:`Admitted` keeps what it took and
 hits on that share. The GeoIP memo of decoded records (:mod:`gtm.decision.geoip`,
-``GEO_SHARE``) and the audit writer's queue of sealed rows (:mod:`gtm.audit.writer`,
-``QUEUE_SHARE``) come out of the same figure, and the shares add up to the whole.
+``GEO_SHARE``), the audit writer's queue of sealed rows (:mod:`gtm.audit.writer`,
+``QUEUE_SHARE``) and the slow path's memos come out of the same figure, and the shares add up
+to the whole.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Generic, TypeVar
 
 from gtm.audit.writer import QUEUE_SHARE
 from gtm.decision.geoip import GEO_SHARE
+from gtm.decision.memos import MEMO_SHARES
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -62,25 +65,34 @@ SHAPE_ENTRY_BYTES = 1000  # the shape's prefix bytes, its parsed query, the dict
 # (bench/dns/flood.py: sustained goodput half the 5,000-subnet rate; at 200 bytes a subnet,
 # which held 134,000, a third).
 SUBNET_ENTRY_BYTES = 110
+# A name, an OPT record (an ECS one holds a network object) and a sender address, one entry in
+# each of the three parse memos (gtm.geodns.wire).
+PARSED_ENTRY_BYTES = 750
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
 # flood of new client subnets is answered from; the rate limiter's buckets are one per client
 # network; the audit backlog is the new decisions a flood of distinct clients makes faster
 # than the writer seals them (each a row: the audit keeps every client network a decision was
 # made for, until it folds them, gtm.geodns.shapes).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.04, 0.06, 0.02
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.08, 0.04, 0.04, 0.02
 # The network and placed shares were sized from estimates of their entries; measured under
 # ecs-200k at 16 MiB they held 0.7 and 0.3 MiB of their 1.9 and 1.3, and gave the audit
 # writer's queue of sealed rows its share (QUEUE_SHARE).
-_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.08, 0.03
-_CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.38
+_PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.06, 0.03
+# The subnet memo at 0.34 still holds a population of 200,000 subnets at 64 MiB (207,000).
+_CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.34
+# The slow path's memos (gtm.geodns.wire; gtm.decision.memos): were fixed caps outside the
+# budget, some 35 MiB when a flood of queries the fast paths cannot take filled them; their
+# shares came out of the first-level, rate-limit, network and subnet shares.
+_PARSED_SHARE = 0.015
 # The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
 # lookups, so counted here; and the audit writer's sealed rows waiting for the database
-# (gtm.audit.writer.QUEUE_SHARE): the rows the DNS path's new decisions become. The shares sum
-# to the whole budget (tests/gtm/geodns/test_budget.py).
+# (gtm.audit.writer.QUEUE_SHARE): the rows the DNS path's new decisions become; and the slow
+# path's memos. The shares sum to the whole budget (tests/gtm/geodns/test_budget.py).
 SHARES = (
     _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE, _PLACED_SHARE, _NETWORK_SHARE,
     _FOLD_SHARE, _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE, GEO_SHARE, QUEUE_SHARE,
+    _PARSED_SHARE, *MEMO_SHARES,
 )  # fmt: skip
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
@@ -104,6 +116,8 @@ class Budget:
     shapes: int = SHAPE_ENTRIES
     # Client subnets the ECS path answers from memory, each by its place's Face.
     subnet_entries: int = _MIN_ENTRIES
+    # Entries of each parse memo (names, OPT records, sender addresses: gtm.geodns.wire).
+    parsed_entries: int = _MIN_ENTRIES
 
     @classmethod
     def from_mb(cls, mb: float) -> Budget:
@@ -121,6 +135,7 @@ class Budget:
                 _MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / SHAPE_ENTRY_BYTES))
             ),
             subnet_entries=max(_MIN_ENTRIES, int(total * _SUBNET_SHARE / SUBNET_ENTRY_BYTES)),
+            parsed_entries=max(_MIN_ENTRIES, int(total * _PARSED_SHARE / PARSED_ENTRY_BYTES)),
         )
 
 

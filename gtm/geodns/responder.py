@@ -27,7 +27,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from ipaddress import IPv4Address, IPv6Address
 from typing import Any
 
 import structlog
@@ -49,7 +49,7 @@ from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query
+from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query, peer_address
 from gtm.geodns.zone import (
     Answer,
     aggregated_record,
@@ -915,17 +915,3 @@ class Responder:
         self.stats.queries["udp", stats_qtype(query.qtype), "NOERROR+TC"] += 1
         self.stats.truncated += 1
         return wire
-
-
-_ADDRESSES: dict[str, IPAddress] = {}
-_MEMO_LIMIT = 16_384  # sender addresses: spoofed random sources must not grow it far
-
-
-def peer_address(host: str) -> IPAddress:
-    """A sender's address from the host string its socket gives (memoised; zone id dropped)."""
-    addr = _ADDRESSES.get(host)
-    if addr is None:
-        if len(_ADDRESSES) > _MEMO_LIMIT:
-            _ADDRESSES.clear()
-        addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
-    return addr

@@ -22,8 +22,9 @@ from gtm.errors import ConfigError, Problem
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.ratelimit import ResponseRateLimiter
-from gtm.geodns.responder import Responder, peer_address
+from gtm.geodns.responder import Responder
 from gtm.geodns.stats import DnsStats
+from gtm.geodns.wire import bound_memos, peer_address
 from gtm.listen import parse_listen
 from gtm.runtime import Runtime
 
@@ -201,6 +202,7 @@ def _widen_receive_buffer(transport: asyncio.BaseTransport) -> None:
 def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) -> DnsServer:
     s = runtime.settings
     budget = Budget.from_mb(s.dns_cache_budget_mb)
+    bound_memos(budget.parsed_entries)
     try:
         exempt = tuple(ip_network(n, strict=False) for n in s.dns_rate_limit_exempt)
     except ValueError as exc:

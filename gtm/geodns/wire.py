@@ -15,8 +15,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import NamedTuple
+
+IPAddress = IPv4Address | IPv6Address
 
 HEADER = struct.Struct("!HHHHHH")
 _U16 = struct.Struct("!H")
@@ -237,9 +239,29 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
 
 _NAMES: dict[bytes, str] = {}
 _OPTS: dict[bytes, Edns] = {}
-# Decoded names and OPT records (an ECS OPT holds a network object: ~450 bytes): a few MiB at
-# most, as random names and subnets would otherwise fill them (DESIGN.md rule 8).
-_MEMO_LIMIT = 16_384
+# Decoded names and OPT records (an ECS OPT holds a network object: ~450 bytes), and sender
+# addresses: each memo at most ``_memo_limit`` entries, a share of the DNS budget set at start
+# (bound_memos; gtm.geodns.budget), as random names, subnets and spoofed senders would
+# otherwise fill them (DESIGN.md rule 8).
+_memo_limit = 1_342  # the default budget's, until bound_memos()
+_ADDRESSES: dict[str, IPAddress] = {}
+
+
+def bound_memos(entries: int) -> None:
+    """Bound each parse memo to ``entries`` (once at start; a memo past it is cleared at its
+    next insertion)."""
+    global _memo_limit
+    _memo_limit = entries
+
+
+def peer_address(host: str) -> IPAddress:
+    """A sender's address from the host string its socket gives (memoised; zone id dropped)."""
+    addr = _ADDRESSES.get(host)
+    if addr is None:
+        if len(_ADDRESSES) >= _memo_limit:
+            _ADDRESSES.clear()
+        addr = _ADDRESSES[host] = ip_address(host.split("%", 1)[0])
+    return addr
 
 
 def parse_query(wire: bytes) -> Query | Reject:
@@ -278,7 +300,7 @@ def parse_query(wire: bytes) -> Query | Reject:
             if edns is None or edns.version == 0:
                 text = _NAMES.get(qname)
                 if text is None:
-                    if len(_NAMES) >= _MEMO_LIMIT:
+                    if len(_NAMES) >= _memo_limit:
                         _NAMES.clear()
                     text = _NAMES[qname] = name_to_text(qname)
                 qtype, qclass = _Q_FIXED.unpack_from(wire, pos + 1)
@@ -295,7 +317,7 @@ def parse_query(wire: bytes) -> Query | Reject:
 
 
 def _remember_opt(record: bytes, edns: Edns) -> None:
-    if len(_OPTS) >= _MEMO_LIMIT:
+    if len(_OPTS) >= _memo_limit:
         _OPTS.clear()
     _OPTS[record] = edns
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from ipaddress import IPv4Address, ip_address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 
 import dns.message
 import dns.rcode
+import pytest
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
+from gtm.decision import geoip, memos, routing
+from gtm.decision.geoip import default_database_path
+from gtm.decision.memos import MemoLimits
+from gtm.geodns import wire
 from gtm.geodns.budget import SHARES, Admitted, Budget, Generations
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
 from gtm.geodns.responder import Responder, udp_limit
@@ -376,3 +381,88 @@ async def test_a_flood_past_even_the_folded_budget_is_answered_on_one_row_per_de
 def test_the_shares_of_the_budget_make_the_whole_of_it() -> None:
     """Every table's share, the GeoIP memos' included, adds up to the configured figure."""
     assert abs(sum(SHARES) - 1.0) < 1e-9
+    # The slow path's memos are counted there too, at the limits a node sets from the figure.
+    assert wire._memo_limit == Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries
+    assert MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB) == memos.LIMITS
+
+
+def slow_path_memos(node: Node) -> dict[str, int]:
+    """Entries held now by each memo of the slow path (gtm.decision.memos, gtm.geodns.wire)."""
+    snapshot = node.runtime.store.current
+    geo = snapshot.geo
+    return {
+        "plans": len(snapshot.plans),
+        "rankings": len(snapshot.ranks),
+        "verdicts": len(snapshot.verdicts),
+        "client networks": len(routing._NETWORKS),
+        "GeoIP networks": len(geoip._NETWORKS),
+        "GeoIP locations": len(geo._buckets4) + len(geo._buckets6) + len(geo._exact),
+        "names": len(wire._NAMES),
+        "OPT records": len(wire._OPTS),
+        "senders": len(wire._ADDRESSES),
+    }
+
+
+async def test_queries_the_fast_paths_cannot_take_keep_the_slow_paths_memos_in_the_budget(
+    start_node: StartNode,
+) -> None:
+    """ECS sources that are not a whole octet (/20, /36) go past the ECS path to the slow
+    path, which memoises their OPT records, GeoIP locations and networks, and a plan and
+    ranking per place; queries without ECS from many senders fill the sender and client-network
+    memos. Those memos had fixed caps (8,192 plans, 16,384 of the rest: some 35 MiB filled by
+    such a flood) outside the budget; each is now bounded by its share."""
+    # The process-wide memos as a new process starts them (earlier tests filled them).
+    for memo in (routing._NETWORKS, geoip._NETWORKS, wire._NAMES, wire._OPTS, wire._ADDRESSES):
+        memo.clear()
+    # The bundled GeoLite2: random subnets land in thousands of places (the test database has
+    # a handful).
+    node = await start_node(dns_cache_budget_mb=TINY_MB, geoip_path=default_database_path())
+    limits = MemoLimits.from_mb(TINY_MB)
+    parsed = Budget.from_mb(TINY_MB).parsed_entries
+    bound = {
+        "plans": limits.plans,
+        "rankings": limits.plans,
+        "verdicts": limits.plans,
+        "client networks": limits.networks,
+        "GeoIP networks": limits.networks,
+        "GeoIP locations": limits.locations,
+        "names": parsed,
+        "OPT records": parsed,
+        "senders": parsed,
+    }
+    rng = random.Random(3)
+    flood = 6 * limits.networks
+    peak = dict.fromkeys(bound, 0)
+    for i in range(flood):
+        source = None
+        if i % 3 == 0:  # no ECS, from a sender of its own on loopback (all of 127/8 is local)
+            source = str(IPv4Address((127 << 24) | rng.getrandbits(24)))
+            query = q()
+        elif i % 3 == 1:
+            query = q(ecs=(str(IPv4Address(rng.getrandbits(20) << 12)), 20))
+        else:
+            query = q(ecs=(str(IPv6Address(rng.getrandbits(36) << 92)), 36))
+        reply = await udp(node, query, source=source)
+        assert reply.rcode() == dns.rcode.NOERROR and addresses(reply), i
+        for memo, held in slow_path_memos(node).items():
+            assert held <= bound[memo], (memo, held, i)
+            peak[memo] = max(peak[memo], held)
+    # The flood filled the memos it is made to fill, up to their bounds.
+    full = ("plans", "rankings", "client networks", "GeoIP locations", "OPT records", "senders")
+    assert {memo: peak[memo] for memo in full} == {memo: bound[memo] for memo in full}
+    await node.runtime.writer.flush()
+    assert node.runtime.writer.counted == flood  # every answer counted (rule 2)
+
+
+def test_memo_limits_are_shares_of_the_budget() -> None:
+    small, default, large = (MemoLimits.from_mb(mb) for mb in (16, 64, 256))
+    assert small.plans < default.plans < large.plans
+    assert default.plans * 4 == pytest.approx(large.plans, abs=4)
+    # Within its shares at any size: what they cost, at the bytes an entry was measured at.
+    for mb, limits in ((16, small), (64, default), (256, large)):
+        cost = (
+            limits.plans * memos.PLAN_ENTRY_BYTES
+            + limits.locations * memos.LOCATION_ENTRY_BYTES
+            + 2 * limits.networks * memos.NETWORK_ENTRY_BYTES
+        )
+        assert cost <= sum(memos.MEMO_SHARES) * mb * (1 << 20)

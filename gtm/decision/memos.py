@@ -1,0 +1,76 @@
+"""Bounds of the decision core's memos, as shares of the node's memory budget (DESIGN.md rule 8).
+
+The slow path of a decision memoises what it works out: per snapshot the routing plans, policy
+verdicts and rankings of the locations it has decided for (:mod:`gtm.decision.plan`) and its
+spill heads (:mod:`gtm.decision.routing`); per process the client networks the audit records
+(:func:`gtm.decision.routing.client_network`), and the GeoIP locations and database networks
+of the addresses it has located (:mod:`gtm.decision.geoip`). A query the DNS path's fast paths
+cannot take (an ECS source that is not a whole octet, say) reaches them all, so a flood of such
+queries from random subnets fills each to its bound. Those bounds were fixed (8,192 plans,
+16,384 of the others: about 35 MiB in all, measured under an ECS /20 flood) and outside the
+budget, so at a small budget the memos alone outgrew it. Each is now a share of the same figure
+as the DNS path's tables (``GTM_DNS_CACHE_BUDGET_MB``; :mod:`gtm.geodns.budget` counts the
+shares among its own, and they sum to the whole).
+
+A memo at its bound is cleared and refills with the working set (a miss costs the work
+memoised, never memory). The limits are process-wide, as the memos are: the composition root
+sets them once at start (:func:`bound`; each worker process its own), and until then they are
+those of the default budget.
+
+Example::
+
+    >>> MemoLimits.from_mb(64).plans
+    1677
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_MIB = 1 << 20
+# Bytes per entry, measured with tracemalloc under a flood of 20,000 random ECS /20 subnets
+# (every query through the slow path): 5,390 locations' plans and rankings with their Location
+# objects took 10.5 MiB (2,000 bytes a location; a verdict is per country, far fewer); a GeoIP
+# bucket's Location with its network object about 450; a network object with its key about 300.
+PLAN_ENTRY_BYTES = 2000
+LOCATION_ENTRY_BYTES = 450
+NETWORK_ENTRY_BYTES = 300
+# Shares of the budget. Plans: a resolver population's places, most of them answered from the
+# DNS path's own tables (only their first query reaches a plan). Locations: both GeoIP bucket
+# tables together. Networks: the client-network memo and the GeoIP network memo, each.
+PLAN_SHARE = 0.05
+LOCATION_SHARE = 0.02
+NETWORK_SHARE = 0.015
+MEMO_SHARES = (PLAN_SHARE, LOCATION_SHARE, NETWORK_SHARE)
+_MIN_ENTRIES = 64  # below this a memo would be cleared every few misses
+
+
+@dataclass(frozen=True, slots=True)
+class MemoLimits:
+    """Entry limits of the decision core's memos."""
+
+    plans: int  # plans, verdicts, rankings and spill heads per snapshot, each
+    locations: int  # GeoIP bucket and per-address locations, both tables together
+    networks: int  # client networks (routing) and GeoIP database networks, each
+
+    @classmethod
+    def from_mb(cls, mb: float) -> MemoLimits:
+        """The limits for a budget of ``mb`` MiB."""
+        total = mb * _MIB
+        return cls(
+            plans=max(_MIN_ENTRIES, int(total * PLAN_SHARE / PLAN_ENTRY_BYTES)),
+            locations=max(_MIN_ENTRIES, int(total * LOCATION_SHARE / LOCATION_ENTRY_BYTES)),
+            # Two memos of networks share the share.
+            networks=max(_MIN_ENTRIES, int(total * NETWORK_SHARE / (2 * NETWORK_ENTRY_BYTES))),
+        )
+
+
+DEFAULT_BUDGET_MB = 64.0  # the settings' default (gtm.decision may not import gtm.settings)
+LIMITS = MemoLimits.from_mb(DEFAULT_BUDGET_MB)
+
+
+def bound(limits: MemoLimits) -> None:
+    """Set the limits for this process (the composition root, once at start). Memos already
+    past the new limits shrink at their next insertion (they are cleared)."""
+    global LIMITS
+    LIMITS = limits
