@@ -20,7 +20,7 @@ those of the default budget.
 Example::
 
     >>> MemoLimits.from_mb(64).plans
-    1677
+    1006
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ NETWORK_ENTRY_BYTES = 300
 # Shares of the budget. Plans: a resolver population's places, most of them answered from the
 # DNS path's own tables (only their first query reaches a plan). Locations: both GeoIP bucket
 # tables together. Networks: the client-network memo and the GeoIP network memo, each.
-PLAN_SHARE = 0.05
-LOCATION_SHARE = 0.02
-NETWORK_SHARE = 0.015
+PLAN_SHARE = 0.03
+LOCATION_SHARE = 0.015
+NETWORK_SHARE = 0.01
 MEMO_SHARES = (PLAN_SHARE, LOCATION_SHARE, NETWORK_SHARE)
 _MIN_ENTRIES = 64  # below this a memo would be cleared every few misses
 

@@ -74,7 +74,7 @@ PARSED_ENTRY_BYTES = 750
 # network; the audit backlog is the new decisions a flood of distinct clients makes faster
 # than the writer seals them (each a row: the audit keeps every client network a decision was
 # made for, until it folds them, gtm.geodns.shapes).
-_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.08, 0.04, 0.04, 0.02
+_EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.04, 0.05, 0.02
 # The network and placed shares were sized from estimates of their entries; measured under
 # ecs-200k at 16 MiB they held 0.7 and 0.3 MiB of their 1.9 and 1.3, and gave the audit
 # writer's queue of sealed rows its share (QUEUE_SHARE).
@@ -83,7 +83,9 @@ _PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.06, 0.03
 _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.34
 # The slow path's memos (gtm.geodns.wire; gtm.decision.memos): were fixed caps outside the
 # budget, some 35 MiB when a flood of queries the fast paths cannot take filled them; their
-# shares came out of the first-level, rate-limit, network and subnet shares.
+# shares came out of the rate-limit, network and subnet shares. (Not the first-level share:
+# at 0.08 its half, a generation, held fewer than a 5,000-subnet population, and that set's
+# goodput fell by a tenth in bench/dns/flood.py.)
 _PARSED_SHARE = 0.015
 # The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
 # lookups, so counted here; and the audit writer's sealed rows waiting for the database
