@@ -387,6 +387,8 @@ class Responder:
             return None
         octets = wire[-size:]
         subnet = int.from_bytes(octets, "big")
+        if subnet & shape.mask:
+            return None  # bits past the source prefix: malformed, the long way says so
         face = self._subnets.map.get(shape.tag + subnet)
         known = face is not None
         if face is None:

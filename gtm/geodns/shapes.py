@@ -43,8 +43,9 @@ from gtm.geodns.wire import ClientSubnet, Query, parse_query
 IPAddress = IPv4Address | IPv6Address
 
 # The client networks a query's shape may carry: at most the precision the audit records (the
-# ECS source is then at least as wide as any client network recorded), and whole octets (no
-# bits past the prefix to check).
+# ECS source is then at least as wide as any client network recorded). A source that is not a
+# whole octet (/20, /36) leaves bits in the address's last octet that must be zero (RFC 7871
+# §6); Shape.mask names them, and a query with any set goes the long way (FORMERR).
 _MAX_SOURCE = {1: 24, 2: 56}
 SCOPES = [bytes((i,)) for i in range(129)]  # the ECS echo's scope octet, prebuilt
 
@@ -60,6 +61,7 @@ class Shape:
     source: int
     size: int  # octets of ECS address ending the message
     pad: int  # bits past the address in a full-length address
+    mask: int  # bits of the address octets past the source prefix (0 for whole octets)
     # Whose address residency is judged on, for this sender (worked out on first use; the
     # shape goes with the snapshot's policy, gtm.geodns.responder drops shapes with it).
     basis: Basis | None = None
@@ -72,20 +74,22 @@ class Shape:
         """The shape of ``wire`` (parsed as ``query``), or None when the ECS path cannot take
         its kind: no ECS, a source length it does not take, or an ECS not ending the message."""
         ecs: ClientSubnet | None = query.edns.ecs if query.edns is not None else None
-        if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family] or ecs.source % 8:
+        if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family]:
             return None
         size = len(ecs.address)
+        mask = (1 << (8 * size - ecs.source)) - 1
         # The message's last bytes must be the address the parser read, not other bytes that
         # look alike (another option ending the message may carry a copy of the ECS option):
-        # parse the query once with them changed.
-        flipped = bytes(b ^ 0xFF for b in ecs.address)
+        # parse the query once with them changed (the prefix's bits; the rest stay zero).
+        value = int.from_bytes(ecs.address, "big") ^ ~mask & ((1 << 8 * size) - 1)
+        flipped = value.to_bytes(size, "big")
         probe = parse_query(wire[:-size] + flipped)
         if not isinstance(probe, Query) or probe.edns is None or probe.edns.ecs is None:
             return None
         if probe.edns.ecs.address != flipped:
             return None
         bits = 32 if ecs.family == 1 else 128
-        return cls(query, client, limit, ecs.family, ecs.source, size, bits - 8 * size)
+        return cls(query, client, limit, ecs.family, ecs.source, size, bits - 8 * size, mask)
 
     @property
     def version(self) -> int:

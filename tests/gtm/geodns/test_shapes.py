@@ -13,6 +13,7 @@ from pathlib import Path
 
 import dns.edns
 import dns.message
+import dns.rcode
 import pytest
 
 from gtm.decision.geoip import default_database_path
@@ -25,7 +26,7 @@ from gtm.geodns.zone import answer
 from tests.conftest import POLICIES
 from tests.support.geoip import WORLD, build_city_db
 
-from .conftest import StartNode, udp
+from .conftest import StartNode, raw_udp, udp
 from .test_ecs_residency import EU_V4, US_V4, addresses, de_rule
 from .test_precision import _rows
 from .test_server import q
@@ -38,14 +39,25 @@ def _geolite() -> Path:
         pytest.skip("the bundled GeoLite2-City (the 'geolite' extra) is not installed")
 
 
-def _subnets(seed: int, n: int, v6: int) -> list[tuple[str, int]]:
+def _subnets(
+    seed: int,
+    n: int,
+    v6: int,
+    v4_sources: tuple[int, ...] = (24,),
+    v6_sources: tuple[int, ...] = (56,),
+) -> list[tuple[str, int]]:
+    """Random client subnets, each with a source length drawn from the family's list."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         first = rng.choice([o for o in range(1, 224) if o not in (10, 127)])
-        out.append((str(IPv4Address((first << 24) | (rng.getrandbits(16) << 8))), 24))
+        source = rng.choice(v4_sources)
+        value = (first << 24) | (rng.getrandbits(16) << 8)
+        out.append((str(IPv4Address(value >> (32 - source) << (32 - source))), source))
     for _ in range(v6):
-        out.append((str(IPv6Address((0x2A00 << 112) | (rng.getrandbits(44) << 72))), 56))
+        source = rng.choice(v6_sources)
+        value = (0x2A00 << 112) | (rng.getrandbits(44) << 72)
+        out.append((str(IPv6Address(value >> (128 - source) << (128 - source))), source))
     return out
 
 
@@ -58,7 +70,11 @@ async def test_the_ecs_path_answers_and_audits_as_the_full_path(start_node: Star
     snapshot = node.runtime.store.current
     client = IPv4Address("127.0.0.1")
     expected_rows: dict[str, int] = {}
-    subnets = _subnets(seed=3, n=1500, v6=150)
+    # Whole-octet sources as most resolvers send, and others (/20, /36): every ECS source up
+    # to the audit's precision takes the ECS path.
+    subnets = _subnets(
+        seed=3, n=1500, v6=150, v4_sources=(24, 24, 22, 20, 17), v6_sources=(56, 48, 36)
+    )
     for subnet, source in subnets:
         query = q(ecs=(subnet, source))
         wire = query.to_wire()
@@ -164,6 +180,31 @@ async def test_folded_rows_keep_their_records_from_one_seal_window_to_the_next(
     rows = await _rows(node)
     assert sum(rows.values()) == 2 * len(subnets)
     assert all(net.endswith("/8") for net in rows)
+
+
+async def test_bits_past_a_source_prefix_are_refused_on_the_ecs_path_too(
+    start_node: StartNode,
+) -> None:
+    """A source that is not a whole octet (/20) leaves bits of its last octet that must be
+    zero (RFC 7871 §6). Once the ECS path knows the shape, a query of it with such a bit set
+    is still FORMERR, as the full path answers it, never answered as the subnet it spells."""
+    node = await start_node(geoip_path=_geolite())
+    responder = node.dns.responder  # type: ignore[union-attr]
+    for subnet in ("81.2.64.0", "81.2.80.0"):  # the slow path makes the shape, then the ECS path
+        assert addresses(await udp(node, q(ecs=(subnet, 20))))
+    assert responder._shape_count == 1
+    before = node.dns_stats.cache_misses
+    assert addresses(await udp(node, q(ecs=("81.2.96.0", 20))))
+    assert node.dns_stats.cache_misses == before  # answered on the ECS path
+    wire = bytearray(q(ecs=("81.2.96.0", 20)).to_wire())
+    wire[-1] |= 0x01  # 81.2.96.1/20: a bit past the prefix
+    reply = await raw_udp(node, bytes(wire))
+    assert reply is not None
+    message = dns.message.from_wire(reply)
+    assert message.id == int.from_bytes(wire[:2], "big")
+    assert message.rcode() == dns.rcode.FORMERR and not message.answer
+    await node.runtime.writer.flush()
+    assert node.runtime.writer.counted == 4  # the FORMERR counted too
 
 
 def test_a_shape_is_taken_only_when_the_ecs_option_really_ends_the_message() -> None:
