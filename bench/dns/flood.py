@@ -1,8 +1,8 @@
 """Cache-busting floods against GTM's DNS responder: goodput, peak memory and audit rows.
 
     python bench/dns/flood.py [--seconds 8]
-                              [--sets ecs-5k ecs-200k ecs-2m ecs20-200k names-200k
-                                      names-ecs-200k]
+                              [--sets ecs-5k ecs-200k ecs-2m ecs20-200k ecs32-200k
+                                      names-200k names-ecs-200k]
                               [--budget-mb 64] [--no-before] [--before REV] [--json FILE]
 
 Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
@@ -10,9 +10,10 @@ Query sets (dnsperf ``-B`` wire files, looped over for the run's length):
 * ``ecs-5k``, ``ecs-200k``, ``ecs-2m``: chat.gtm.example A with an ECS option from 5,000,
   200,000 or 2,000,000 distinct random /24s (the shape of a random-subnet attack, and of a
   large resolver population);
-* ``ecs20-200k``: the same from 200,000 random /20s, a source length that is not a whole octet,
-  which the ECS path does not take: every query through the slow path and its memos (parse,
-  client networks, GeoIP locations, plans);
+* ``ecs20-200k``: the same from random /20s, a source length that is not a whole octet;
+* ``ecs32-200k``: the same from random /32s, a source longer than the audit's precision, which
+  the ECS path does not take: every query through the slow path and its memos (parse, client
+  networks, GeoIP locations, plans);
 * ``names-200k``: 200,000 distinct random names under the zone (NXDOMAIN), no ECS;
 * ``names-ecs-200k``: the same with a random client subnet each (ECS /24).
 
@@ -62,6 +63,7 @@ SETS = {
     "ecs-200k": 200_000,
     "ecs-2m": 2_000_000,
     "ecs20-200k": 200_000,
+    "ecs32-200k": 200_000,
     "names-200k": 200_000,
     "names-ecs-200k": 200_000,
 }
@@ -87,19 +89,23 @@ def write_set(path: Path, name: str, count: int, seed: int = 17) -> Path:
     rng = random.Random(seed)
     with path.open("wb") as f:
         if name.startswith("ecs"):
-            source = 20 if name.startswith("ecs20-") else 24
+            source = {"ecs20-": 20, "ecs32-": 32}.get(name[:6], 24)
             template = dns.message.make_query(
                 "chat.gtm.example.",
                 "A",
                 use_edns=0,
-                options=[dns.edns.ECSOption("192.0.2.0", source)],
+                options=[dns.edns.ECSOption("192.0.2.1" if source == 32 else "192.0.2.0", source)],
             ).to_wire()
-            head = struct.pack("!H", len(template)) + template[:-3]
-            # Distinct /24s; for /20s, each /24's first /20 bits (a few collide: fine for a flood).
+            size = (source + 7) // 8
+            head = struct.pack("!H", len(template)) + template[:-size]
+            # Distinct /24s; for /20s, each /24's first 20 bits (a few collide: fine for a
+            # flood); for /32s, an address in each.
             for net in random_slash24s(count, rng):
                 if source == 20:
                     net &= ~0xF
-                f.write(head + net.to_bytes(3, "big"))
+                elif source == 32:
+                    net = (net << 8) | rng.randrange(1, 255)
+                f.write(head + net.to_bytes(size, "big"))
         else:
             alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789"
             # names-ecs: each random name with a random client subnet too (through resolvers
