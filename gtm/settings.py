@@ -40,8 +40,10 @@ class Settings(BaseSettings):
     dns_rate_limit: float = Field(default=1000.0, ge=0)
     dns_rate_slip: int = Field(default=2, ge=0)
     dns_rate_limit_exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
-    # Memory for the DNS path's caches and per-client tables, per worker process, in MiB: the
-    # answer caches, the rate limiter's buckets and the parse memos share it (gtm.geodns.budget).
+    # Memory for the DNS path's caches and per-client tables, per worker process, in MiB: a
+    # reserve for what no table holds (gtm.decision.memos.RESERVE_MB), then shares for the answer
+    # caches, the rate limiter's buckets, the audit backlog and the slow path's memos
+    # (gtm.geodns.budget). Under about 8 MiB the reserve is not covered.
     dns_cache_budget_mb: float = Field(default=64.0, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)

@@ -65,6 +65,7 @@ from gtm.audit.journal import JOURNAL_REPLAYED, Journal
 from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form, shared
 from gtm.audit.schema import decisions
 from gtm.audit.spool import ChainHead, Spool
+from gtm.decision.memos import tables_mb
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +88,8 @@ _MIN_QUEUED_ROWS = 256
 
 def queued_rows(budget_mb: float) -> int:
     """Sealed rows the writer keeps for the drain under a budget of ``budget_mb`` MiB."""
-    return max(_MIN_QUEUED_ROWS, int(budget_mb * (1 << 20) * QUEUE_SHARE / QUEUED_ROW_BYTES))
+    rows = tables_mb(budget_mb) * (1 << 20) * QUEUE_SHARE / QUEUED_ROW_BYTES
+    return max(_MIN_QUEUED_ROWS, int(rows))
 
 
 _MAX_QUEUED_ROWS = queued_rows(64)  # the default budget's

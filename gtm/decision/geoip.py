@@ -66,12 +66,12 @@ _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds sev
 # records over 200,000 /24s) hold at most ``memo_entries``, a share of the DNS path's budget
 # (gtm.geodns.budget counts GEO_SHARE among its tables').
 MEMO_ENTRY_BYTES = 250
-GEO_SHARE = 0.12
+GEO_SHARE = 0.10
 
 
 def memo_entries(budget_mb: float) -> int:
     """``memo_entries`` for a DNS budget of ``budget_mb`` MiB (DESIGN.md rule 8)."""
-    return max(1024, int(budget_mb * (1 << 20) * GEO_SHARE / MEMO_ENTRY_BYTES))
+    return max(1024, int(memos.tables_mb(budget_mb) * (1 << 20) * GEO_SHARE / MEMO_ENTRY_BYTES))
 
 
 DEFAULT_MEMO_ENTRIES = memo_entries(64)

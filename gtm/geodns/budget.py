@@ -1,7 +1,8 @@
 """The DNS path's memory budget, shared out over its caches and per-client tables.
 
-One figure (``GTM_DNS_CACHE_BUDGET_MB``, per worker process) becomes an entry limit for each
-table, from what one entry costs (measured with tracemalloc on ECS answers for the demo zone:
+One figure (``GTM_DNS_CACHE_BUDGET_MB``, per worker process), less a reserve for what no table
+holds (:func:`gtm.decision.memos.tables_mb`), becomes an entry limit for each table, from what
+one entry costs (measured with tracemalloc on ECS answers for the demo zone:
 about 530 bytes a first-level entry, which holds the query's bytes and the whole response, and
 about 1,200 a rendered one, which adds its key tuple and an audit record; a rate-limit bucket is
 a small list under a tuple key). The memos of the slow path beside them (the parse memos
@@ -38,7 +39,7 @@ from typing import Generic, TypeVar
 
 from gtm.audit.writer import QUEUE_SHARE
 from gtm.decision.geoip import GEO_SHARE
-from gtm.decision.memos import MEMO_SHARES
+from gtm.decision.memos import MEMO_SHARES, tables_mb
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -79,8 +80,9 @@ _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.04, 0.05, 0.0
 # ecs-200k at 16 MiB they held 0.7 and 0.3 MiB of their 1.9 and 1.3, and gave the audit
 # writer's queue of sealed rows its share (QUEUE_SHARE).
 _PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.06, 0.03
-# The subnet memo at 0.34 still holds a population of 200,000 subnets at 64 MiB (207,000).
-_CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.34
+# The subnet memo at 0.36 holds a population of 200,000 subnets at 64 MiB (206,000; the GeoIP
+# record memo gave it 0.02: a subnet it holds needs no GeoIP lookup at all).
+_CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.36
 # The slow path's memos (gtm.geodns.wire; gtm.decision.memos): were fixed caps outside the
 # budget, some 35 MiB when a flood of queries the fast paths cannot take filled them; their
 # shares came out of the rate-limit, network and subnet shares. (Not the first-level share:
@@ -123,7 +125,7 @@ class Budget:
 
     @classmethod
     def from_mb(cls, mb: float) -> Budget:
-        total = mb * MIB
+        total = tables_mb(mb) * MIB  # the reserve for what no table holds left out
         return cls(
             exact_entries=max(_MIN_ENTRIES, int(total * _EXACT_SHARE / EXACT_ENTRY_BYTES)),
             rendered_entries=max(_MIN_ENTRIES, int(total * _RENDERED_SHARE / RENDERED_ENTRY_BYTES)),
