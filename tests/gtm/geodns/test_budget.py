@@ -15,7 +15,6 @@ from pathlib import Path
 
 import dns.message
 import dns.rcode
-import pytest
 
 from gtm.admin.replay import replay
 from gtm.audit import query as audit_query
