@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     # Memory for the DNS path's caches and per-client tables, per worker process, in MiB: a
     # reserve for what no table holds (gtm.decision.memos.RESERVE_MB), then shares for the answer
     # caches, the rate limiter's buckets, the audit backlog and the slow path's memos
-    # (gtm.geodns.budget). Under about 8 MiB the reserve is not covered.
+    # (gtm.geodns.budget). Under about 5.3 MiB the reserve is not covered.
     dns_cache_budget_mb: float = Field(default=64.0, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)

@@ -30,7 +30,10 @@ POLICIES = ROOT / "policies"
 @pytest.fixture(autouse=True)
 def _default_memo_limits() -> Iterator[None]:
     """The slow path's memo limits are process-wide, and a node sets them from its budget: the
-    default budget's are put back after each test, so a tiny budget does not outlive its test."""
+    default budget's are in force at the start of each test and put back after it, so a tiny
+    budget does not outlive its test."""
+    memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
+    wire.bound_memos(Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries)
     yield
     memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
     wire.bound_memos(Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries)

@@ -137,7 +137,8 @@ class GeoDatabase:
             if exact is not None:
                 return exact
         loc = self._lookup(address, value)
-        if len(self._buckets4) + len(self._buckets6) + len(self._exact) >= memos.LIMITS.locations:
+        held = len(self._buckets4) + len(self._buckets6) + len(self._exact)
+        if held + 1 >= memos.LIMITS.locations:  # + 1: a split bucket adds two entries
             # A full clear is cheap and keeps memory bounded; the working set refills quickly.
             self._buckets4.clear()
             self._buckets6.clear()

@@ -5,10 +5,10 @@ verdicts and rankings of the locations it has decided for (:mod:`gtm.decision.pl
 spill heads (:mod:`gtm.decision.routing`); per process the client networks the audit records
 (:func:`gtm.decision.routing.client_network`), and the GeoIP locations and database networks
 of the addresses it has located (:mod:`gtm.decision.geoip`). A query the DNS path's fast paths
-cannot take (an ECS source that is not a whole octet, say) reaches them all, so a flood of such
-queries from random subnets fills each to its bound. Those bounds were fixed (8,192 plans,
-16,384 of the others: about 35 MiB in all, measured under an ECS /20 flood) and outside the
-budget, so at a small budget the memos alone outgrew it. Each is now a share of the same figure
+cannot take (an ECS source longer than the audit's precision, /32 say) reaches them all, so a
+flood of such queries from random subnets fills each to its bound. Those bounds were fixed
+(8,192 plans, 16,384 of the others: about 35 MiB in all) and outside the budget, so at a small
+budget the memos alone outgrew it. Each is now a share of the same figure
 as the DNS path's tables (``GTM_DNS_CACHE_BUDGET_MB``; :mod:`gtm.geodns.budget` counts the
 shares among its own, and they sum to the whole).
 
@@ -20,7 +20,7 @@ those of the default budget.
 Example::
 
     >>> MemoLimits.from_mb(64).plans
-    943
+    820
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 _MIB = 1 << 20
 # Bytes per entry, measured with tracemalloc under a flood of 20,000 random ECS /20 subnets
-# (every query through the slow path): 5,390 locations' plans and rankings with their Location
-# objects took 10.5 MiB (2,000 bytes a location; a verdict is per country, far fewer); a GeoIP
-# bucket's Location with its network object about 450; a network object with its key about 300.
-PLAN_ENTRY_BYTES = 2000
+# (when those still went the slow path; bench/dns/flood.py's ecs32-200k floods it now): 5,390
+# locations' plans and rankings with their Location objects took 10.5 MiB (2,000 bytes a
+# location; a verdict is per country, far fewer), and up to a quarter as many spill heads may
+# each keep a plan of some 1.1 KiB alive (routing.py), so 2,300 a plan; a GeoIP bucket's
+# Location with its network object about 450; a network object with its key about 300.
+PLAN_ENTRY_BYTES = 2300
 LOCATION_ENTRY_BYTES = 450
 NETWORK_ENTRY_BYTES = 300
 # Shares of the budget. Plans: a resolver population's places, most of them answered from the
@@ -65,7 +67,7 @@ def tables_mb(budget_mb: float) -> float:
 class MemoLimits:
     """Entry limits of the decision core's memos."""
 
-    plans: int  # plans, verdicts, rankings and spill heads per snapshot, each
+    plans: int  # plans, verdicts and rankings per snapshot, each; spill heads a quarter of it
     locations: int  # GeoIP bucket and per-address locations, both tables together
     networks: int  # client networks (routing) and GeoIP database networks, each
 

@@ -241,7 +241,7 @@ def _spilled_head(plan: Plan, utilisation: float, snapshot: Snapshot, now: float
         )
         ttl = min(plan.ttl, snapshot.topology.routing.degraded_ttl)
         head = decision_head(plan, Outcome.ANSWER, (target,), candidates, ttl)
-    if len(snapshot.spills) >= memos.LIMITS.plans:  # each holds its plan
+    if len(snapshot.spills) >= memos.LIMITS.plans // 4:  # each holds its plan (memos.py)
         snapshot.spills.clear()
     # Holding the plan in the entry keeps its id from being reused by another plan.
     snapshot.spills[id(plan)] = (plan, valid_after, valid_until, head)

@@ -77,8 +77,8 @@ PARSED_ENTRY_BYTES = 750
 # made for, until it folds them, gtm.geodns.shapes).
 _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE = 0.10, 0.04, 0.05, 0.02
 # The network and placed shares were sized from estimates of their entries; measured under
-# ecs-200k at 16 MiB they held 0.7 and 0.3 MiB of their 1.9 and 1.3, and gave the audit
-# writer's queue of sealed rows its share (QUEUE_SHARE).
+# ecs-200k at 16 MiB they held 0.7 and 0.3 MiB of their 1.9 and 1.3 (then 0.12 and 0.08),
+# and gave the audit writer's queue of sealed rows its share (QUEUE_SHARE).
 _PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.06, 0.03
 # The subnet memo at 0.36 holds a population of 200,000 subnets at 64 MiB (206,000; the GeoIP
 # record memo gave it 0.02: a subnet it holds needs no GeoIP lookup at all).
