@@ -600,13 +600,17 @@ def report(
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for v in variants:
         rates = [r.rate for r in v.results]
-        share = statistics.median(r.rate for r in paced[v.name]) / med(v.name)
-        p99s = [r.p99_ms for r in paced[v.name]]
+        paced_cell = "-"  # --paced-rounds 0
+        if paced[v.name]:
+            share = statistics.median(r.rate for r in paced[v.name]) / med(v.name)
+            p99s = [r.p99_ms for r in paced[v.name]]
+            paced_cell = (
+                f"{p99_paced(v.name):.2f} ms ({min(p99s):.2f}-{max(p99s):.2f}) [{share:.0%}]"
+            )
         print(
             f"| {v.name} | {v.clients} | {med(v.name):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} "
             f"| {statistics.median(r.p50_ms for r in v.results):.2f} ms "
-            f"| {statistics.median(r.p99_ms for r in v.results):.2f} ms "
-            f"| {p99_paced(v.name):.2f} ms ({min(p99s):.2f}-{max(p99s):.2f}) [{share:.0%}] |"
+            f"| {statistics.median(r.p99_ms for r in v.results):.2f} ms | {paced_cell} |"
         )
     print()
     for name in (v.name for v in variants if v.name.startswith("gtm")):
@@ -619,7 +623,9 @@ def report(
             print(f"{name} / nginx: {ratio(name, 'nginx'):.2f}")
         if "bare-protocol" in by:
             print(f"{name} / bare-protocol (diagnostic): {ratio(name, 'bare-protocol'):.2f}")
-        print(f"{name} p99 paced at 80% of its maximum (target <= 5 ms): {p99_paced(name):.2f} ms")
+        if paced[name]:
+            p99 = p99_paced(name)
+            print(f"{name} p99 paced at 80% of its maximum (target <= 5 ms): {p99:.2f} ms")
     if "gtm-baseline" in by:
         same_run = ratio("gtm", "gtm-baseline")
         print(f"gtm / gtm-baseline ({args.baseline}), per round: {same_run:.2f}")
