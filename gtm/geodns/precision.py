@@ -46,14 +46,27 @@ def patchable(wire: bytes, ecs: ClientSubnet, scope: int) -> int:
 
 
 def widened(record: AuditRecord, network: IPNetwork) -> AuditRecord:
-    """``record`` with its client (and ECS) at the GeoIP network's precision, when that is
-    wider than the client network recorded; ``record`` itself otherwise."""
-    recorded = record.client_network
-    if "/" in recorded and int(recorded.rsplit("/", 1)[1]) <= network.prefixlen:
+    """``record`` for every client of the GeoIP ``network``, whose row it becomes: its client
+    at the network's precision when that is wider than the client network recorded, and its
+    ECS prefix at the network's when that was narrower (a /32 source in a network of /24 or
+    narrower: the row must not name the first client's address); ``record`` itself when
+    neither applies."""
+    client_wider = _prefix_len(record.client_network) <= network.prefixlen
+    ecs = record.ecs_prefix
+    ecs_narrower = ecs is not None and _prefix_len(ecs) > network.prefixlen
+    if client_wider and not ecs_narrower:
         return record
     text = str(network)
     return dataclasses.replace(
         record,
-        client_network=text,
-        ecs_prefix=text if record.ecs_prefix is not None else None,
+        client_network=record.client_network if client_wider else text,
+        ecs_prefix=text if ecs is not None else None,
     )
+
+
+def _prefix_len(network: str) -> int:
+    """The prefix length of a network's text; an address without one counts as its full
+    length (a host is narrower than any network)."""
+    if "/" in network:
+        return int(network.rsplit("/", 1)[1])
+    return 128 if ":" in network else 32

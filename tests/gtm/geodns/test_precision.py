@@ -5,9 +5,11 @@ subnet, and a network a spill share splits goes back to one per /24."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from gtm.audit import query as audit_query
 from gtm.decision.snapshot import RegionCapacity
+from tests.support.geoip import WORLD, build_city_db
 
 from .conftest import StartNode, audited, udp
 from .test_server import addresses, ecs_of, q
@@ -90,3 +92,37 @@ async def test_a_geoip_network_narrower_than_the_subnet_keeps_the_subnet(
     echo = ecs_of(r)
     assert echo is not None and echo.address == "100.70.0.0"
     assert await _rows(node) == {"100.70.0.0/24": 1}
+
+
+async def test_a_row_shared_by_a_geoip_network_names_no_one_clients_longer_ecs(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """ECS sources longer than the audit's client precision (/32) in a GeoIP network of /24 or
+    narrower: the answer is rendered once for the network and every client in it is counted on
+    its row, so the row's ECS prefix is the network's. Before, it kept the first client's /32,
+    and the others were counted on a row naming that one address."""
+    world = {
+        **WORLD,
+        "100.64.1.0/24": ("DE", "EU", 50.11, 8.68),
+        "100.64.2.0/28": ("DE", "EU", 52.52, 13.40),
+    }
+    node = await start_node(
+        audit_flush_interval_s=3600, geoip_path=build_city_db(tmp_path / "city.mmdb", world)
+    )
+    for prefix in ("100.64.1", "100.64.2"):
+        for last in (1, 2, 3):
+            reply = await udp(node, q(ecs=(f"{prefix}.{last}", 32)))
+            assert addresses(reply) == {"192.0.2.40"}
+            echo = ecs_of(reply)
+            assert echo is not None and echo.address == f"{prefix}.{last}" and echo.srclen == 32
+    rows = await audited(
+        node,
+        "SELECT client_network, ecs_prefix, count FROM decisions"
+        " WHERE name = :name AND query_type = 'A' ORDER BY client_network",
+        {"name": CHAT},
+    )
+    # The client at the audit's /24 at most; the ECS at the network the answer held for.
+    assert [tuple(r) for r in rows] == [
+        ("100.64.1.0/24", "100.64.1.0/24", 3),
+        ("100.64.2.0/24", "100.64.2.0/28", 3),
+    ]
