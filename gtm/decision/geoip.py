@@ -57,9 +57,6 @@ UNKNOWN = Location(None, None, None, None, None)
 _V4_BUCKET = 24
 _V6_BUCKET = 48
 _SPLIT = Location(None, None, None, None, None)  # marker: this bucket holds several networks
-# Bounded (DESIGN.md rule 8): about 450 bytes an entry, both tables together at most a share of
-# the memory budget (gtm.decision.memos); a flood of random client subnets clears them often,
-# which costs lookups, never memory.
 
 
 # The decoded records by offset (about 250 bytes each: a 200k-subnet flood reads some 38,000
@@ -137,8 +134,12 @@ class GeoDatabase:
             if exact is not None:
                 return exact
         loc = self._lookup(address, value)
+        # Bounded (DESIGN.md rule 8): about 450 bytes an entry, the bucket tables and the
+        # per-address one together at most a share of the memory budget (gtm.decision.memos);
+        # + 1: a split bucket adds two entries. A flood of random client subnets clears them
+        # often, which costs lookups, never memory.
         held = len(self._buckets4) + len(self._buckets6) + len(self._exact)
-        if held + 1 >= memos.LIMITS.locations:  # + 1: a split bucket adds two entries
+        if held + 1 >= memos.LIMITS.locations:
             # A full clear is cheap and keeps memory bounded; the working set refills quickly.
             self._buckets4.clear()
             self._buckets6.clear()
