@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import hypothesis
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
@@ -21,6 +23,13 @@ from gtm.geodns import wire
 from gtm.geodns.budget import Budget
 from tests.support.geoip import build_city_db
 from tests.support.postgres import postgres_database
+
+# Property tests draw the same examples on every run (derandomized), so a test that passes
+# keeps passing and a landing never waits on the luck of a draw; HYPOTHESIS_PROFILE=explore
+# draws new ones each run, for looking for failures on purpose.
+hypothesis.settings.register_profile("deterministic", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "demo.yaml"

@@ -10,7 +10,7 @@ import random
 import time
 
 import httpx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from regional_lb.balancing.cost import (
@@ -67,6 +67,15 @@ factor_st = st.floats(1 / 20, 20)
 
 @settings(max_examples=40, deadline=None)
 @given(coeffs_st, factor_st, factor_st, factor_st, st.integers(0, 2**32 - 1))
+@example(
+    ModelCoefficients(
+        prefill_per_token=0.0006738880711942304, decode_per_token=0.03125, overhead=0.0
+    ),
+    1.0,
+    1.0,
+    1.0,
+    9502,
+)
 def test_fit_converges_to_the_true_coefficients_from_noisy_samples(
     true: ModelCoefficients, fd: float, fp: float, fo: float, seed: int
 ) -> None:
@@ -83,12 +92,15 @@ def test_fit_converges_to_the_true_coefficients_from_noisy_samples(
     got = fit.current()
     assert math.isclose(got.decode_per_token, true.decode_per_token, rel_tol=0.1)
     # The line through time-to-first-token, judged where it is used: the cost of a prompt of
-    # the sizes seen, to 15% or half a generated token (the samples carry a wait of
-    # up to a batch step, which the fit can only average out).
+    # the sizes seen, to 15% or a generated token: the samples carry a wait of up to a batch
+    # step (a third of a step either side of its mean, times up to 8.5 steps at batch 32),
+    # which the forgetting fit can only average out. At half a token, an exact prior and
+    # seed 9502 failed (the intercept 0.9 of a step off, 28 ms for a 100-token prompt: the
+    # example below), one CI run in a few.
     for prompt in (100, 2000, 4000):
         want = true.overhead + true.prefill_per_token * prompt
         have = got.overhead + got.prefill_per_token * prompt
-        assert abs(have - want) <= 0.15 * want + 0.5 * true.decode_per_token, prompt
+        assert abs(have - want) <= 0.15 * want + true.decode_per_token, prompt
 
 
 def test_untrusted_until_enough_samples_then_learned() -> None:
