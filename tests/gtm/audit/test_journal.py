@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import dns.edns
 import dns.message
@@ -367,9 +367,23 @@ async def _listening(proc: subprocess.Popen[bytes], log: Path, times: int) -> No
     await eventually(ready, within=60, what="the node listening")
 
 
-async def test_a_node_killed_under_load_loses_at_most_what_came_after_its_last_journal_tick(
-    tmp_path: Path, geoip_path: Path
-) -> None:
+class _Killed(NamedTuple):
+    env: dict[str, str]
+    port: int
+    log: Path
+    clients: list[_Client]
+    acked: list[float]
+    sealed_answers: int
+    recovered: Recovered
+    killed_at: float
+
+
+_KILL_TRIES = 3
+
+
+async def _killed_under_load(tmp_path: Path, geoip_path: Path) -> _Killed:
+    """A node serving two clients, killed (SIGKILL) once it has sealed under load and its
+    open window has journal ticks; what the kill left on disk, read from a copy."""
     env = _env(tmp_path, geoip_path)
     port = free_tcp_udp_port()
     log = tmp_path / "node.log"
@@ -419,6 +433,25 @@ async def test_a_node_killed_under_load_loses_at_most_what_came_after_its_last_j
     # A kill landing inside a write() may tear the last line (refused, its answers lost): the
     # only problem a kill may leave.
     assert all("torn" in p.reason for p in recovered.problems), recovered.problems
+    return _Killed(env, port, log, clients, acked, sealed_answers, recovered, killed_at)
+
+
+async def test_a_node_killed_under_load_loses_at_most_what_came_after_its_last_journal_tick(
+    tmp_path: Path, geoip_path: Path
+) -> None:
+    for attempt in range(_KILL_TRIES):
+        work = tmp_path / f"try{attempt}"
+        work.mkdir()
+        killed = await _killed_under_load(work, geoip_path)
+        if killed.recovered.answers > 0:
+            break
+        # A seal came between the check and the kill, less than a journal tick (50 ms)
+        # before it: the new window had no tick yet, and there is no journal to test (the
+        # sealed rows hold everything). A fresh node and store try again (one CI run of the
+        # session that added this failed so: "Recovered(answers=0, ...)", the journal stale).
+    else:
+        raise AssertionError(f"{_KILL_TRIES} kills in a row landed right after a seal")
+    env, port, log, clients, acked, sealed_answers, recovered, killed_at = killed
     assert recovered.answers > 0 and recovered.through is not None
 
     # Restart on the same store and spool: the journal is replayed; then a clean stop.
