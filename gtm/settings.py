@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gtm.decision.documents import problems_from_validation
+from gtm.decision.memos import DEFAULT_BUDGET_MB
 from gtm.errors import ConfigError
 
 
@@ -44,7 +45,7 @@ class Settings(BaseSettings):
     # reserve for what no table holds (gtm.decision.memos.RESERVE_MB), then shares for the answer
     # caches, the rate limiter's buckets, the audit backlog and the slow path's memos
     # (gtm.geodns.budget). Under about 5.3 MiB the reserve is not covered.
-    dns_cache_budget_mb: float = Field(default=64.0, gt=0)
+    dns_cache_budget_mb: float = Field(default=DEFAULT_BUDGET_MB, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file

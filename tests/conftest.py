@@ -20,7 +20,6 @@ from gtm.decision.policy import PolicySet, load_policy
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Topology, load_topology
 from gtm.geodns import wire
-from gtm.geodns.budget import Budget
 from tests.support.geoip import build_city_db
 from tests.support.postgres import postgres_database
 
@@ -41,11 +40,14 @@ def _default_memo_limits() -> Iterator[None]:
     """The slow path's memo limits are process-wide, and a node sets them from its budget: the
     default budget's are in force at the start of each test and put back after it, so a tiny
     budget does not outlive its test."""
-    memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
-    wire.bound_memos(Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries)
+
+    def defaults() -> None:
+        memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
+        wire.bound_memos(wire.parsed_entries(memos.DEFAULT_BUDGET_MB))
+
+    defaults()
     yield
-    memos.bound(MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB))
-    wire.bound_memos(Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries)
+    defaults()
 
 
 @pytest.fixture(scope="session")

@@ -65,7 +65,7 @@ from gtm.audit.journal import JOURNAL_REPLAYED, Journal
 from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form, shared
 from gtm.audit.schema import decisions
 from gtm.audit.spool import ChainHead, Spool
-from gtm.decision.memos import tables_mb
+from gtm.decision.memos import DEFAULT_BUDGET_MB, tables_mb
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +92,7 @@ def queued_rows(budget_mb: float) -> int:
     return max(_MIN_QUEUED_ROWS, int(rows))
 
 
-_MAX_QUEUED_ROWS = queued_rows(64)  # the default budget's
+_MAX_QUEUED_ROWS = queued_rows(DEFAULT_BUDGET_MB)
 _PARTITIONS_EVERY_S = 3600.0  # how often the days ahead are checked for partitions
 _PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)

@@ -71,7 +71,7 @@ def memo_entries(budget_mb: float) -> int:
     return max(1024, int(memos.tables_mb(budget_mb) * (1 << 20) * GEO_SHARE / MEMO_ENTRY_BYTES))
 
 
-DEFAULT_MEMO_ENTRIES = memo_entries(64)
+DEFAULT_MEMO_ENTRIES = memo_entries(memos.DEFAULT_BUDGET_MB)
 
 
 class GeoDatabase:

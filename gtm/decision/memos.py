@@ -8,9 +8,9 @@ of the addresses it has located (:mod:`gtm.decision.geoip`). A query the DNS pat
 cannot take (an ECS source longer than the audit's precision, /32 say) reaches them all, so a
 flood of such queries from random subnets fills each to its bound. Those bounds were fixed
 (8,192 plans, 16,384 of the others: about 35 MiB in all) and outside the budget, so at a small
-budget the memos alone outgrew it. Each is now a share of the same figure
-as the DNS path's tables (``GTM_DNS_CACHE_BUDGET_MB``; :mod:`gtm.geodns.budget` counts the
-shares among its own, and they sum to the whole).
+budget the memos alone outgrew it. Each is now a share of the same figure as the DNS path's
+tables (``GTM_DNS_CACHE_BUDGET_MB``; :mod:`gtm.geodns.budget` counts the shares among its own,
+and they sum to the whole).
 
 A memo at its bound is cleared and refills with the working set (a miss costs the work
 memoised, never memory). The limits are process-wide, as the memos are: the composition root
@@ -83,7 +83,7 @@ class MemoLimits:
         )
 
 
-DEFAULT_BUDGET_MB = 64.0  # the settings' default (gtm.decision may not import gtm.settings)
+DEFAULT_BUDGET_MB = 64.0  # GTM_DNS_CACHE_BUDGET_MB's default (gtm.settings takes it from here)
 LIMITS = MemoLimits.from_mb(DEFAULT_BUDGET_MB)
 
 

@@ -40,6 +40,7 @@ from typing import Generic, TypeVar
 from gtm.audit.writer import QUEUE_SHARE
 from gtm.decision.geoip import GEO_SHARE
 from gtm.decision.memos import MEMO_SHARES, tables_mb
+from gtm.geodns.wire import PARSED_SHARE, parsed_entries
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -66,9 +67,6 @@ SHAPE_ENTRY_BYTES = 1000  # the shape's prefix bytes, its parsed query, the dict
 # (bench/dns/flood.py: sustained goodput half the 5,000-subnet rate; at 200 bytes a subnet,
 # which held 134,000, a third).
 SUBNET_ENTRY_BYTES = 110
-# A name, an OPT record (an ECS one holds a network object) and a sender address, one entry in
-# each of the three parse memos (gtm.geodns.wire).
-PARSED_ENTRY_BYTES = 750
 # Shares of the budget: first-level answers are most of the traffic; rendered answers are what
 # a miss falls back on; the ECS path's answers per place and tallies per network are what a
 # flood of new client subnets is answered from; the rate limiter's buckets are one per client
@@ -83,12 +81,11 @@ _PLACED_SHARE, _NETWORK_SHARE, _FOLD_SHARE = 0.06, 0.06, 0.03
 # The subnet memo at 0.36 holds a population of 200,000 subnets at 64 MiB (206,000; the GeoIP
 # record memo gave it 0.02: a subnet it holds needs no GeoIP lookup at all).
 _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.36
-# The slow path's memos (gtm.geodns.wire; gtm.decision.memos): were fixed caps outside the
-# budget, some 35 MiB when a flood of queries the fast paths cannot take filled them; their
-# shares came out of the rate-limit, network and subnet shares. (Not the first-level share:
-# at 0.08 its half, a generation, held fewer than a 5,000-subnet population, and that set's
-# goodput fell by a tenth in bench/dns/flood.py.)
-_PARSED_SHARE = 0.015
+# The slow path's memos (gtm.geodns.wire.PARSED_SHARE; gtm.decision.memos): were fixed caps
+# outside the budget, some 35 MiB when a flood of queries the fast paths cannot take filled
+# them; their shares came out of the rate-limit, network and subnet shares. (Not the
+# first-level share: at 0.08 its half, a generation, held fewer than a 5,000-subnet
+# population, and that set's goodput fell by a tenth in bench/dns/flood.py.)
 # The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
 # lookups, so counted here; and the audit writer's sealed rows waiting for the database
 # (gtm.audit.writer.QUEUE_SHARE): the rows the DNS path's new decisions become; and the slow
@@ -96,7 +93,7 @@ _PARSED_SHARE = 0.015
 SHARES = (
     _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE, _PLACED_SHARE, _NETWORK_SHARE,
     _FOLD_SHARE, _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE, GEO_SHARE, QUEUE_SHARE,
-    _PARSED_SHARE, *MEMO_SHARES,
+    PARSED_SHARE, *MEMO_SHARES,
 )  # fmt: skip
 _MIN_ENTRIES = 16  # below this a generation would turn over on every query
 
@@ -139,7 +136,7 @@ class Budget:
                 _MIN_ENTRIES, min(SHAPE_ENTRIES, int(total * _SHAPE_SHARE / SHAPE_ENTRY_BYTES))
             ),
             subnet_entries=max(_MIN_ENTRIES, int(total * _SUBNET_SHARE / SUBNET_ENTRY_BYTES)),
-            parsed_entries=max(_MIN_ENTRIES, int(total * _PARSED_SHARE / PARSED_ENTRY_BYTES)),
+            parsed_entries=parsed_entries(mb),
         )
 
 

@@ -36,6 +36,7 @@ from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.geoip import Location
+from gtm.decision.memos import DEFAULT_BUDGET_MB
 from gtm.decision.model import IPNetwork
 from gtm.decision.plan import location_class
 from gtm.decision.policy import Place
@@ -63,7 +64,7 @@ from gtm.runtime import Runtime
 log = structlog.get_logger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
-DEFAULT_BUDGET = Budget.from_mb(64)
+DEFAULT_BUDGET = Budget.from_mb(DEFAULT_BUDGET_MB)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 

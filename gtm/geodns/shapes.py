@@ -81,7 +81,8 @@ class Shape:
         # The message's last bytes must be the address the parser read, not other bytes that
         # look alike (another option ending the message may carry a copy of the ECS option):
         # parse the query once with them changed (the prefix's bits; the rest stay zero).
-        value = int.from_bytes(ecs.address, "big") ^ ~mask & ((1 << 8 * size) - 1)
+        prefix_bits = ((1 << 8 * size) - 1) & ~mask
+        value = int.from_bytes(ecs.address, "big") ^ prefix_bits
         flipped = value.to_bytes(size, "big")
         probe = parse_query(wire[:-size] + flipped)
         if not isinstance(probe, Query) or probe.edns is None or probe.edns.ecs is None:

@@ -18,6 +18,8 @@ from enum import IntEnum
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import NamedTuple
 
+from gtm.decision.memos import DEFAULT_BUDGET_MB, tables_mb
+
 IPAddress = IPv4Address | IPv6Address
 
 HEADER = struct.Struct("!HHHHHH")
@@ -241,9 +243,20 @@ _NAMES: dict[bytes, str] = {}
 _OPTS: dict[bytes, Edns] = {}
 # Decoded names and OPT records (an ECS OPT holds a network object: ~450 bytes), and sender
 # addresses: each memo at most ``_memo_limit`` entries, a share of the DNS budget set at start
-# (bound_memos; gtm.geodns.budget), as random names, subnets and spoofed senders would
-# otherwise fill them (DESIGN.md rule 8).
-_memo_limit = 1_258  # the default budget's (test_budget.py checks), until bound_memos()
+# (bound_memos; gtm.geodns.budget counts PARSED_SHARE among its tables'), as random names,
+# subnets and spoofed senders would otherwise fill them (DESIGN.md rule 8).
+PARSED_ENTRY_BYTES = 750  # a name, an OPT record and a sender address: an entry in each memo
+PARSED_SHARE = 0.015
+_MIN_PARSED = 16
+
+
+def parsed_entries(budget_mb: float) -> int:
+    """Entries of each parse memo under a DNS budget of ``budget_mb`` MiB."""
+    entries = tables_mb(budget_mb) * (1 << 20) * PARSED_SHARE / PARSED_ENTRY_BYTES
+    return max(_MIN_PARSED, int(entries))
+
+
+_memo_limit = parsed_entries(DEFAULT_BUDGET_MB)  # until bound_memos()
 _ADDRESSES: dict[str, IPAddress] = {}
 
 

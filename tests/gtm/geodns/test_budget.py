@@ -381,9 +381,6 @@ async def test_a_flood_past_even_the_folded_budget_is_answered_on_one_row_per_de
 def test_the_shares_of_the_budget_make_the_whole_of_it() -> None:
     """Every table's share, the GeoIP memos' included, adds up to the configured figure."""
     assert abs(sum(SHARES) - 1.0) < 1e-9
-    # The slow path's memos are counted there too, at the limits a node sets from the figure.
-    assert wire._memo_limit == Budget.from_mb(memos.DEFAULT_BUDGET_MB).parsed_entries
-    assert MemoLimits.from_mb(memos.DEFAULT_BUDGET_MB) == memos.LIMITS
 
 
 def slow_path_memos(node: Node) -> dict[str, int]:
