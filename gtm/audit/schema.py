@@ -296,3 +296,29 @@ capacity_marks = Table(
     Column("ts", Float, nullable=False),
     Column("seq", BigInteger, nullable=False),
 )
+
+# The control log (gtm.control): every fact that moves traffic, grants power or counts as
+# evidence, one signed entry each, chained by hash. Append-only; the control plane's tables
+# above (principals, api_tokens, proposals, approvals, region_overrides) are caches of its fold.
+control_log = Table(
+    "control_log",
+    metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=False),
+    Column("prev_hash", String(64), nullable=False),
+    Column("at_us", BigInteger, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("principal", String(128), nullable=False),
+    Column("body", Text, nullable=False),  # canonical JSON
+    Column("key_id", String(16), nullable=False),
+    Column("signature", String(128), nullable=False),
+    Column("entry_hash", String(64), nullable=False),
+)
+
+# The control log's head: one row, updated first in every appending transaction.
+control_head = Table(
+    "control_head",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("last_hash", String(64), nullable=False),
+)
