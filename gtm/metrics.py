@@ -121,3 +121,42 @@ FENCED = Gauge(
     "1 while this node is cut off from the shared database for longer than GTM_FENCE_AFTER_S "
     "and fences restricted traffic (alert on it)",
 )
+
+# The control log (gtm.control): refusals of a log cut back, forked, edited or missing entries,
+# entries the fold refused, and the sequence this process has accepted.
+CONTROL_LOG_REFUSED = Counter(
+    "gtm_control_log_refused",
+    "Times this process refused the control log in the database (cut back, forked, an entry "
+    "edited, missing or unsigned); it keeps its last good state meanwhile",
+    ["reason"],
+)
+CONTROL_LOG_BROKEN = Gauge(
+    "gtm_control_log_broken",
+    "1 while the control log in the database is refused by this process, else 0",
+)
+CONTROL_LOG_SEQUENCE = Gauge(
+    "gtm_control_log_sequence", "The highest control-log entry this process has accepted"
+)
+
+# Signed documents (gtm.fleet.local_documents): the database offering less than this node
+# accepted (rolled back: newest rows deleted or edited) or another record at the same sequence
+# (a fork). The node keeps serving the version it holds, verified from its own disk.
+DOCUMENTS_DIVERGED = Gauge(
+    "gtm_documents_database_diverged",
+    "1 while the shared database's newest valid signed document is below the one this node "
+    "accepted, or forks from it; the node keeps serving its own copy (alert on it)",
+)
+DOCUMENTS_ROLLBACK_REFUSED = Counter(
+    "gtm_documents_rollback_refused",
+    "Times this node found the shared database's signed documents behind (rolled back) or "
+    "forked from the version it accepted, and refused them",
+    ["kind"],
+)
+
+# Health observations (gtm.fleet.observation_seal): peers' rows that did not count.
+HEALTH_OBSERVATIONS_REFUSED = Counter(
+    "gtm_health_observations_refused",
+    "Peers' health observations this node refused to count (not a member, member without a "
+    "key, unsigned, bad signature, dated in the future, older than one accepted, malformed)",
+    ["reason"],
+)

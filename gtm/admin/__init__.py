@@ -9,7 +9,7 @@
 ``permissions``  the roles and the one role x operation table routes and tests read
 ``principals``   principals and API tokens in the shared database
 ``tokens``       what a token looks like and what is kept of it (a hash)
-``seals``        the admin service's signature on principal, token, proposal and approval rows
+``principals`` and the control log (gtm.control) replace the per-row seals of earlier versions
 ``lifecycle``    proposals: draft, propose, four-eyes approval, signed activation
 ``versions``     document versions, content-addressed, checked on every read
 ``errors``       the control plane's errors, each with its HTTP status and code

@@ -21,8 +21,8 @@ from gtm.admin.errors import LifecycleError
 from gtm.admin.oidc import IdentityProviderUnavailable
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import audit, documents, identity, regions
-from gtm.admin.seals import CannotSeal
 from gtm.admin.traces import TraceRequests
+from gtm.control.log import CannotSign, LogRefused
 from gtm.tracing import tracer
 
 
@@ -82,9 +82,15 @@ def create_app(ctx: AdminContext) -> FastAPI:
     async def forbidden(request: Request, exc: Forbidden) -> JSONResponse:
         return _error(403, "forbidden", exc.message, [])
 
-    @app.exception_handler(CannotSeal)
-    async def cannot_seal(request: Request, exc: CannotSeal) -> JSONResponse:
-        return _error(409, "cannot_seal", str(exc), [])
+    @app.exception_handler(CannotSign)
+    async def cannot_sign(request: Request, exc: CannotSign) -> JSONResponse:
+        return _error(409, "cannot_sign", str(exc), [])
+
+    @app.exception_handler(LogRefused)
+    async def log_refused(request: Request, exc: LogRefused) -> JSONResponse:
+        # The control log in the database was cut back, forked or edited: nothing is decided
+        # from it until it is repaired (gtm_control_log_broken says so to the operators).
+        return _error(503, "control_log_refused", str(exc), [])
 
     @app.exception_handler(LifecycleError)
     async def lifecycle_error(request: Request, exc: LifecycleError) -> JSONResponse:

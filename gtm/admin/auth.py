@@ -23,11 +23,11 @@ from gtm.admin import events
 from gtm.admin.oidc import OidcVerifier
 from gtm.admin.permissions import OPERATIONS, allowed
 from gtm.admin.principals import Principal, authenticate, by_oidc_subject
-from gtm.admin.seals import Sealer
 from gtm.admin.signer import Signer
 from gtm.admin.tokens import parse_token
 from gtm.admin.traces import PRINCIPAL_STATE
 from gtm.audit.checkpoints import CheckpointSink
+from gtm.control.log import ControlLog
 from gtm.decision.snapshot import Snapshot
 from gtm.metrics import ADMIN_AUTH_FAILURES
 
@@ -43,7 +43,7 @@ class AdminContext:
     engine: AsyncEngine
     node: str
     required_approvals: int
-    sealer: Sealer
+    control: ControlLog  # the signed control log: who holds what, proposals, overrides
     signer: Signer | None = None
     clock: Callable[[], float] = field(default=time.time)
     # The documents nodes answer from while no version has been activated: this node's own
@@ -91,11 +91,11 @@ async def current_principal(request: Request, ctx: Ctx) -> Principal:
     token = token.strip()
     if scheme.lower() == "bearer" and token:
         if parse_token(token) is not None or ctx.oidc is None:
-            principal = await authenticate(ctx.engine, token, ctx.clock(), ctx.sealer)
+            principal = await authenticate(ctx.engine, token, ctx.clock(), ctx.control)
         else:
             subject = await ctx.oidc.subject(token, ctx.clock())
             if subject is not None:
-                principal = await by_oidc_subject(ctx.engine, subject, ctx.sealer)
+                principal = await by_oidc_subject(ctx.engine, subject, ctx.control)
     if principal is None:
         # Counted, not written to the event log: an unauthenticated caller must not be able
         # to make the service write to the database.

@@ -12,32 +12,40 @@ they reviewed (naming another version is a conflict: someone changed it since); 
 configured number of approvals it is approved, and an approver activates it: the admin service
 signs the approval record and publishes the version in the same transaction, with the next
 activation sequence. Rollback is a new proposal of an earlier version, under the same rule.
-Every step is an event in the hash-chained log (:mod:`gtm.admin.events`).
+Every step is an entry of the signed control log (:mod:`gtm.control`), appended in the
+transaction that makes it, and a proposal is what the fold of those entries says: the
+``proposals`` and ``approvals`` tables are caches for people and reports, never read to decide.
+Every step is also an event in the chained event log (:mod:`gtm.admin.events`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, insert, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import events, versions
-from gtm.admin import principals as identities
 from gtm.admin.diff import FileDiff, diff_documents
-from gtm.admin.errors import Conflict, NotFound, Refused, Tampered
-from gtm.admin.permissions import Role
+from gtm.admin.errors import Conflict, NotFound, Refused
 from gtm.admin.principals import Principal
-from gtm.admin.seals import Sealer, approval_fields, proposal_fields
 from gtm.admin.signer import Signer
-from gtm.audit.schema import approvals, principals, proposals
+from gtm.audit.schema import approvals, proposals
+from gtm.control.log import ControlLog
+from gtm.control.state import (
+    ACTIVE,
+    APPROVED,
+    DRAFT,
+    PROPOSED,
+    SUPERSEDED,
+    WITHDRAWN,
+    ControlState,
+    ProposalRec,
+    Refusal,
+)
 from gtm.fleet import shared_state
 from gtm.fleet.signed_documents import Manifest
-
-DRAFT, PROPOSED, APPROVED, ACTIVE = "draft", "proposed", "approved", "active"
-SUPERSEDED, WITHDRAWN = "superseded", "withdrawn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,55 +82,100 @@ def _s(us: int | None) -> float | None:
     return None if us is None else us / 1e6
 
 
-async def get(conn: AsyncConnection, proposal_id: int, *, lock: bool = False) -> Proposal:
-    query = (
-        select(proposals, principals.c.name)
-        .join(principals, principals.c.id == proposals.c.author_id)
-        .where(proposals.c.id == proposal_id)
-    )
-    if lock:
-        query = query.with_for_update(of=proposals)
-    row = (await conn.execute(query)).first()
-    if row is None:
-        raise NotFound(f"no proposal {proposal_id}")
-    given = (
-        await conn.execute(
-            select(approvals, principals.c.name)
-            .join(principals, principals.c.id == approvals.c.principal_id)
-            .where(approvals.c.proposal_id == proposal_id)
-            .order_by(approvals.c.at_us)
-        )
-    ).all()
-    return _proposal(
-        row, tuple(Approval(a.name, a.version_id, a.at_us / 1e6, a.comment) for a in given)
-    )
-
-
-def _proposal(row: Any, given: tuple[Approval, ...]) -> Proposal:
+def _view(state: ControlState, p: ProposalRec) -> Proposal:
     return Proposal(
-        row.id,
-        row.version_id,
-        row.state,
-        row.name,
-        row.author_id,
-        row.reason,
-        row.base_version_id,
-        row.required_approvals,
-        given,
-        row.created_at_us / 1e6,
-        row.updated_at_us / 1e6,
-        _s(row.activated_at_us),
-        row.sequence,
-        _s(row.activate_at_us),
+        p.id,
+        p.version,
+        p.state,
+        state.name_of(p.author_id),
+        p.author_id,
+        p.reason,
+        p.base_version,
+        p.required,
+        tuple(
+            Approval(state.name_of(a.approver_id), a.version, a.at_us / 1e6, a.comment)
+            for a in p.approvals
+        ),
+        p.created_at_us / 1e6,
+        p.updated_at_us / 1e6,
+        _s(p.activated_at_us),
+        p.sequence,
+        _s(p.activate_at_us),
     )
 
 
-async def list_all(conn: AsyncConnection, state: str | None = None) -> list[Proposal]:
-    query = select(proposals.c.id).order_by(proposals.c.id.desc()).limit(200)
-    if state is not None:
-        query = query.where(proposals.c.state == state)
-    ids = (await conn.execute(query)).scalars().all()
-    return [await get(conn, i) for i in ids]
+def _rec(state: ControlState, proposal_id: int) -> ProposalRec:
+    found = state.proposals.get(proposal_id)
+    if found is None:
+        raise NotFound(f"no proposal {proposal_id}")
+    return found
+
+
+async def get(conn: AsyncConnection, proposal_id: int, control: ControlLog) -> Proposal:
+    state = await control.state(conn)
+    return _view(state, _rec(state, proposal_id))
+
+
+async def list_all(
+    conn: AsyncConnection, control: ControlLog, state: str | None = None
+) -> list[Proposal]:
+    folded = await control.state(conn)
+    chosen = sorted(folded.proposals.values(), key=lambda p: p.id, reverse=True)
+    return [_view(folded, p) for p in chosen if state is None or p.state == state][:200]
+
+
+async def _append(
+    conn: AsyncConnection,
+    control: ControlLog,
+    kind: str,
+    principal: Principal,
+    body: Mapping[str, object],
+    now: float,
+) -> ControlState:
+    """Append, turning the fold's refusal (a race lost, or a rule broken) into a conflict."""
+    try:
+        return await control.append(conn, kind, principal.id, body, now)
+    except Refusal as exc:
+        raise Conflict(str(exc)) from None
+
+
+async def _cache(conn: AsyncConnection, state: ControlState, proposal_id: int) -> None:
+    """Write the proposal's row and its approvals as the fold has them (a cache for reports
+    and people reading the database; nothing decides from it)."""
+    p = state.proposals[proposal_id]
+    await conn.execute(delete(approvals).where(approvals.c.proposal_id == proposal_id))
+    row = {
+            "version_id": p.version,
+            "state": p.state,
+            "author_id": p.author_id,
+            "reason": p.reason,
+            "base_version_id": p.base_version,
+            "required_approvals": p.required,
+            "created_at_us": p.created_at_us,
+            "updated_at_us": p.updated_at_us,
+            "activate_at_us": p.activate_at_us,
+            "activate_by": p.activate_by,
+            "activated_at_us": p.activated_at_us,
+            "sequence": p.sequence,
+        }  # fmt: skip
+    # Update, else insert: the admin's database role may not delete proposals.
+    done = await conn.execute(update(proposals).where(proposals.c.id == p.id).values(**row))
+    if not done.rowcount:
+        await conn.execute(insert(proposals), {"id": p.id, **row})
+    if p.approvals:
+        await conn.execute(
+            insert(approvals),
+            [
+                {
+                    "proposal_id": p.id,
+                    "principal_id": a.approver_id,
+                    "version_id": a.version,
+                    "at_us": a.at_us,
+                    "comment": a.comment,
+                }
+                for a in p.approvals
+            ],
+        )
 
 
 async def create(
@@ -135,29 +188,28 @@ async def create(
     required_approvals: int,
     now: float,
     node: str,
-    sealer: Sealer,
+    control: ControlLog,
 ) -> Proposal:
     versions.validate(topology, policies)
     version = await versions.store(conn, topology, policies, author.name, now)
-    result = await conn.execute(
-        insert(proposals).returning(proposals.c.id),
+    before = await control.state(conn)
+    proposal_id = before.next_proposal_id()
+    base = before.in_force.version if before.in_force is not None else None
+    state = await _append(
+        conn,
+        control,
+        "proposal.create",
+        author,
         {
-            "version_id": version,
-            "state": DRAFT,
-            "author_id": author.id,
+            "id": proposal_id,
+            "version": version,
             "reason": reason,
-            "base_version_id": await versions.active_version(conn),
-            "required_approvals": required_approvals,
-            "created_at_us": _us(now),
-            "updated_at_us": _us(now),
+            "base": base,
+            "required": required_approvals,
         },
+        now,
     )
-    proposal_id = int(result.scalar_one())
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id)
-        .values(seal=sealer.seal("proposal", proposal_fields(proposal_id, author.id)))
-    )
+    await _cache(conn, state, proposal_id)
     await events.record(
         conn,
         "proposal",
@@ -167,22 +219,22 @@ async def create(
         node=node,
         reason=reason,
     )
-    return await get(conn, proposal_id)
+    return _view(state, state.proposals[proposal_id])
 
 
-async def _check_author(conn: AsyncConnection, proposal: Proposal, sealer: Sealer) -> None:
-    """The proposal's author is the one the admin service recorded: a row whose author was
-    rewritten in the database (to make an approver "someone else") is refused."""
-    seal = (
-        await conn.execute(select(proposals.c.seal).where(proposals.c.id == proposal.id))
-    ).scalar_one_or_none()
-    if not sealer.verifies("proposal", proposal_fields(proposal.id, proposal.author_id), seal):
-        raise Tampered(f"proposal #{proposal.id}'s record was altered in the database")
+async def _refuse(
+    conn: AsyncConnection, error: Refused, principal: Principal, now: float, node: str
+) -> Refused:
+    """A refusal is evidence too: a ``denied`` event in the caller's transaction. The caller
+    commits it (``raise_after_commit``) so the event survives the error response."""
+    await events.record(conn, "denied", error.message, actor=principal.name, now=now, node=node)
+    return error
 
 
-def _own(proposal: Proposal, principal: Principal, what: str) -> None:
+def _own(proposal: ProposalRec, principal: Principal, what: str) -> Refused | None:
     if proposal.author_id != principal.id:
-        raise Refused(f"only the author of proposal #{proposal.id} may {what} it")
+        return Refused(f"only the author of proposal #{proposal.id} may {what} it")
+    return None
 
 
 async def update_content(
@@ -194,20 +246,23 @@ async def update_content(
     *,
     now: float,
     node: str,
+    control: ControlLog,
 ) -> Proposal:
-    proposal = await get(conn, proposal_id, lock=True)
-    _own(proposal, principal, "edit")
+    state = await control.state(conn)
+    proposal = _rec(state, proposal_id)
+    if (refused := _own(proposal, principal, "edit")) is not None:
+        raise await _refuse(conn, refused, principal, now, node)
     if proposal.state not in (DRAFT, PROPOSED):
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}; only drafts are edited")
     versions.validate(topology, policies)
     version = await versions.store(conn, topology, policies, principal.name, now)
-    # A changed version voids every approval given to the previous one.
-    await conn.execute(delete(approvals).where(approvals.c.proposal_id == proposal_id))
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id)
-        .values(version_id=version, state=DRAFT, updated_at_us=_us(now))
+    if version == proposal.version:
+        raise Conflict(f"proposal #{proposal_id} is version {version[:12]} already: no change")
+    # A changed version voids every approval given to the previous one (the fold does it).
+    state = await _append(
+        conn, control, "proposal.edit", principal, {"id": proposal_id, "version": version}, now
     )
+    await _cache(conn, state, proposal_id)
     await events.record(
         conn,
         "proposal",
@@ -216,7 +271,7 @@ async def update_content(
         now=now,
         node=node,
     )
-    return await get(conn, proposal_id)
+    return _view(state, state.proposals[proposal_id])
 
 
 async def _author_step(
@@ -229,33 +284,49 @@ async def _author_step(
     *,
     now: float,
     node: str,
+    control: ControlLog,
 ) -> Proposal:
     """A step only the proposal's author may take, from one of the ``allowed`` states."""
-    proposal = await get(conn, proposal_id, lock=True)
-    _own(proposal, principal, what)
+    proposal = _rec(await control.state(conn), proposal_id)
+    if (refused := _own(proposal, principal, what)) is not None:
+        raise await _refuse(conn, refused, principal, now, node)
     if proposal.state not in allowed:
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not {' or '.join(allowed)}")
-    await _set_state(conn, proposal_id, to, now)
+    state = await _append(conn, control, f"proposal.{what}", principal, {"id": proposal_id}, now)
+    await _cache(conn, state, proposal_id)
     await events.record(
         conn, "proposal", f"#{proposal_id} {to}", actor=principal.name, now=now, node=node
     )
-    return await get(conn, proposal_id)
+    return _view(state, state.proposals[proposal_id])
 
 
 async def submit(
-    conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    *,
+    now: float,
+    node: str,
+    control: ControlLog,
 ) -> Proposal:
     return await _author_step(
-        conn, proposal_id, principal, "submit", (DRAFT,), PROPOSED, now=now, node=node
-    )
+        conn, proposal_id, principal, "submit", (DRAFT,), PROPOSED,
+        now=now, node=node, control=control,
+    )  # fmt: skip
 
 
 async def withdraw(
-    conn: AsyncConnection, proposal_id: int, principal: Principal, *, now: float, node: str
+    conn: AsyncConnection,
+    proposal_id: int,
+    principal: Principal,
+    *,
+    now: float,
+    node: str,
+    control: ControlLog,
 ) -> Proposal:
     return await _author_step(
         conn, proposal_id, principal, "withdraw", (DRAFT, PROPOSED, APPROVED), WITHDRAWN,
-        now=now, node=node,
+        now=now, node=node, control=control,
     )  # fmt: skip
 
 
@@ -268,21 +339,18 @@ async def approve(
     *,
     now: float,
     node: str,
-    sealer: Sealer,
+    control: ControlLog,
 ) -> Proposal:
-    proposal = await get(conn, proposal_id, lock=True)
-    await _check_author(conn, proposal, sealer)
+    proposal = _rec(await control.state(conn), proposal_id)
     if proposal.author_id == principal.id:
         # Four-eyes: whatever roles the author holds, and with whichever of its tokens.
-        await events.record(
+        raise await _refuse(
             conn,
-            "denied",
-            f"#{proposal_id}: its author may not approve it",
-            actor=principal.name,
-            now=now,
-            node=node,
+            Refused(f"the author of proposal #{proposal_id} may not approve it"),
+            principal,
+            now,
+            node,
         )
-        raise Refused(f"the author of proposal #{proposal_id} may not approve it")
     if proposal.state != PROPOSED:
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not proposed")
     if version != proposal.version:
@@ -290,45 +358,29 @@ async def approve(
             f"proposal #{proposal_id} is now version {proposal.version}, not the {version} "
             "reviewed: read it again"
         )
-    if any(a.approver == principal.name for a in proposal.approvals):
+    if any(a.approver_id == principal.id for a in proposal.approvals):
         raise Conflict(f"{principal.name} already approved proposal #{proposal_id}")
-    at_us = _us(now)
-    await conn.execute(
-        insert(approvals),
-        {
-            "proposal_id": proposal_id,
-            "principal_id": principal.id,
-            "version_id": version,
-            "at_us": at_us,
-            "comment": comment,
-            "seal": sealer.seal(
-                "approval", approval_fields(proposal_id, principal.id, version, at_us)
-            ),
-        },
+    state = await _append(
+        conn,
+        control,
+        "approval",
+        principal,
+        {"proposal": proposal_id, "version": version, "comment": comment},
+        now,
     )
-    # Counted after the insert, in the transaction: two approvals at once both see both.
-    given = int(
-        (
-            await conn.execute(
-                select(func.count()).where(
-                    approvals.c.proposal_id == proposal_id, approvals.c.version_id == version
-                )
-            )
-        ).scalar_one()
-    )
-    if given >= proposal.required_approvals:
-        await _set_state(conn, proposal_id, APPROVED, now)
+    await _cache(conn, state, proposal_id)
+    after = state.proposals[proposal_id]
+    given = len(state.valid_approvals(after))
     await events.record(
         conn,
         "approval",
-        f"#{proposal_id} approved ({given} of {proposal.required_approvals}), "
-        f"version {version[:12]}",
+        f"#{proposal_id} approved ({given} of {after.required}), version {version[:12]}",
         actor=principal.name,
         now=now,
         node=node,
         reason=comment or None,
     )
-    return await get(conn, proposal_id)
+    return _view(state, after)
 
 
 async def activate(
@@ -339,20 +391,19 @@ async def activate(
     *,
     now: float,
     node: str,
-    sealer: Sealer,
+    control: ControlLog,
     min_approvals: int = 1,
 ) -> Proposal:
     """Sign the approval record and publish the version, superseding the active one.
-    ``min_approvals``: the service's configured number, which a row cannot lower."""
-    proposal = await get(conn, proposal_id, lock=True)
-    required = max(proposal.required_approvals, min_approvals)
+    ``min_approvals``: the service's configured number, which no entry can lower."""
+    before = await control.state(conn)
+    proposal = _rec(before, proposal_id)
+    required = max(proposal.required, min_approvals)
     if proposal.state != APPROVED:
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not approved")
-    await _check_author(conn, proposal, sealer)
-    # The record is checked again here, not trusted from the state column or the approvals
-    # table: only approvals the admin service sealed, of this version, by a sealed principal
-    # who holds policy-approver now, is not disabled and is not the author, count.
-    valid = await _valid_approvals(conn, proposal, sealer)
+    # Only approvals in the verified log, of this version, by principals who hold
+    # policy-approver now, are not disabled and are not the author, count.
+    valid = before.valid_approvals(proposal)
     if len(valid) < required:
         await events.record(
             conn,
@@ -364,34 +415,34 @@ async def activate(
         )
         raise Conflict(f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}")
     version = await versions.get_version(conn, proposal.version)
-    # Claim it first, conditionally: the first write serialises concurrent activations (a row
-    # lock on PostgreSQL, the write lock on SQLite, where the reads above take no lock), and
-    # the one that finds it no longer approved stops here. Exactly once, whoever asks.
-    claimed = await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id, proposals.c.state == APPROVED)
-        .values(state=ACTIVE, activated_at_us=_us(now), updated_at_us=_us(now))
+    sequence = 1 + (before.in_force.sequence if before.in_force is not None else 0)
+    # The head's lock (taken by the append) serialises concurrent activations: the second
+    # finds the proposal active already and the fold refuses it. Exactly once, whoever asks.
+    state = await _append(
+        conn,
+        control,
+        "activation",
+        principal,
+        {
+            "proposal": proposal_id,
+            "version": proposal.version,
+            "sequence": sequence,
+            "required": required,
+        },
+        now,
     )
-    if claimed.rowcount != 1:
-        raise Conflict(f"proposal #{proposal_id} was activated meanwhile")
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.state == ACTIVE, proposals.c.id != proposal_id)
-        .values(state=SUPERSEDED, updated_at_us=_us(now))
-    )
-    sequence = 1 + int(
-        (await conn.execute(select(func.coalesce(func.max(proposals.c.sequence), 0)))).scalar_one()
-    )
-    await conn.execute(
-        update(proposals).where(proposals.c.id == proposal_id).values(sequence=sequence)
-    )
+    for other in before.proposals.values():
+        if other.state == ACTIVE:
+            await _cache(conn, state, other.id)
+    await _cache(conn, state, proposal_id)
+    approvers = tuple(state.name_of(a.approver_id) for a in valid)
     manifest, signature = signer.sign(
         Manifest(
             version=proposal.version,
             sequence=sequence,
             proposal=proposal_id,
-            author=proposal.author,
-            approvers=tuple(a.approver for a in valid),
+            author=state.name_of(proposal.author_id),
+            approvers=approvers,
             required=required,
             activated_at=now,
             actor=principal.name,
@@ -414,13 +465,13 @@ async def activate(
         conn,
         "activation",
         f"#{proposal_id} active: version {proposal.version[:12]}, sequence {sequence}, "
-        f"approved by {', '.join(a.approver for a in valid)}",
+        f"approved by {', '.join(approvers)}",
         actor=principal.name,
         now=now,
         node=node,
         reason=proposal.reason,
     )
-    return await get(conn, proposal_id)
+    return _view(state, state.proposals[proposal_id])
 
 
 async def schedule(
@@ -431,17 +482,17 @@ async def schedule(
     *,
     now: float,
     node: str,
+    control: ControlLog,
 ) -> Proposal:
     """Activate an approved proposal at ``at`` (any admin node with the signing key does it,
     once): the checks of :func:`activate` run then, not now."""
-    proposal = await get(conn, proposal_id, lock=True)
+    proposal = _rec(await control.state(conn), proposal_id)
     if proposal.state != APPROVED:
         raise Conflict(f"proposal #{proposal_id} is {proposal.state}, not approved")
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id)
-        .values(activate_at_us=_us(at), activate_by=principal.id, updated_at_us=_us(now))
+    state = await _append(
+        conn, control, "schedule", principal, {"proposal": proposal_id, "at_us": _us(at)}, now
     )
+    await _cache(conn, state, proposal_id)
     await events.record(
         conn,
         "schedule",
@@ -450,51 +501,33 @@ async def schedule(
         now=now,
         node=node,
     )
-    return await get(conn, proposal_id)
+    return _view(state, state.proposals[proposal_id])
 
 
-async def due(conn: AsyncConnection, now: float) -> list[tuple[int, str]]:
-    """Approved proposals whose scheduled time has come: (id, the scheduler's principal id)."""
-    rows = await conn.execute(
-        select(proposals.c.id, proposals.c.activate_by).where(
-            proposals.c.state == APPROVED, proposals.c.activate_at_us <= _us(now)
-        )
-    )
-    return [(r.id, r.activate_by) for r in rows if r.activate_by]
-
-
-async def _valid_approvals(
-    conn: AsyncConnection, proposal: Proposal, sealer: Sealer
-) -> list[Approval]:
-    rows = (
-        await conn.execute(select(approvals).where(approvals.c.proposal_id == proposal.id))
-    ).all()
-    valid = []
-    for row in rows:
-        fields = approval_fields(row.proposal_id, row.principal_id, row.version_id, row.at_us)
-        if not sealer.verifies("approval", fields, row.seal) or row.version_id != proposal.version:
-            continue
-        approver = await identities.by_id(conn, row.principal_id, sealer)
-        if (
-            approver is None
-            or approver.disabled
-            or approver.id == proposal.author_id
-            or Role.POLICY_APPROVER not in approver.roles
-        ):
-            continue
-        valid.append(Approval(approver.name, row.version_id, row.at_us / 1e6, row.comment))
-    return valid
+def due(state: ControlState, now: float) -> list[tuple[int, str]]:
+    """Approved proposals whose scheduled time has come, as the verified log says: (id, the
+    scheduler's principal id). A row set to "approved" in the database schedules nothing."""
+    return [
+        (p.id, p.activate_by)
+        for p in state.proposals.values()
+        if p.state == APPROVED
+        and p.activate_at_us is not None
+        and p.activate_at_us <= _us(now)
+        and p.activate_by
+    ]
 
 
 async def diff(
     conn: AsyncConnection,
     proposal_id: int,
+    control: ControlLog,
     files: tuple[str, Mapping[str, str]] | None = None,
 ) -> tuple[str | None, list[FileDiff]]:
     """The proposal's version against the active one, or against ``files`` (the nodes' own
     documents) while none is: (active version id, file diffs)."""
-    proposal = await get(conn, proposal_id)
-    active = await versions.active_version(conn)
+    state = await control.state(conn)
+    proposal = _rec(state, proposal_id)
+    active = state.in_force.version if state.in_force is not None else None
     before = files
     if active is not None:
         old = await versions.get_version(conn, active)
@@ -503,15 +536,13 @@ async def diff(
     return active, diff_documents(before, (new.topology, new.policies))
 
 
-async def _set_state(conn: AsyncConnection, proposal_id: int, state: str, now: float) -> None:
-    await conn.execute(
-        update(proposals)
-        .where(proposals.c.id == proposal_id)
-        .values(state=state, updated_at_us=_us(now))
-    )
-
-
 __all__ = [
+    "ACTIVE",
+    "APPROVED",
+    "DRAFT",
+    "PROPOSED",
+    "SUPERSEDED",
+    "WITHDRAWN",
     "Approval",
     "Proposal",
     "activate",

@@ -40,6 +40,10 @@ OPERATIONS: dict[str, frozenset[Role]] = {
     "create_principal": _ADMIN,
     "create_token": _ADMIN,
     "revoke_token": _ADMIN,
+    # Power (author, approver, admin) is granted by one admin and approved by another.
+    "list_grants": _ADMIN,
+    "propose_grant": _ADMIN,
+    "approve_grant": _ADMIN,
     "list_tokens": _ADMIN,
     "list_events": _READERS | _ADMIN,
     "get_active_version": _READERS,

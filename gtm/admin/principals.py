@@ -1,9 +1,14 @@
-"""Principals and their API tokens in the shared database.
+"""Principals, their roles and their API tokens, as the signed control log says.
 
 A principal is a name with roles; it authenticates with an API token (:mod:`gtm.admin.tokens`)
-that has an expiry, can be revoked, and records when it was last used. Every change here is an
-event in the fleet's hash-chained event log, in the same transaction
-(:func:`gtm.admin.events.record`).
+that has an expiry, can be revoked, and records when it was last used. Every change is an entry
+of the control log (:mod:`gtm.control`): who holds which role and which token is live is the
+fold of verified entries, so a row written, edited or put back in the ``principals`` or
+``api_tokens`` tables (caches) authenticates no one and grants nothing. Power is four-eyes too:
+author, approver and admin roles are granted by one admin and approved by another
+(:func:`propose_grant`, :func:`approve_grant`); a token is issued only to its own principal, or
+by the holder of the key file at the command line (``bootstrap``). Every change is also an event
+in the chained event log, in the same transaction (:func:`gtm.admin.events.record`).
 """
 
 from __future__ import annotations
@@ -11,17 +16,17 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.admin import events
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer, principal_fields, token_fields
 from gtm.admin.tokens import NewToken, new_token, parse_token, secret_matches
 from gtm.audit.schema import api_tokens, principals
+from gtm.control.entry import BOOTSTRAP
+from gtm.control.log import ControlLog
+from gtm.control.state import POWER, ControlState, GrantRec, PrincipalRec, Refusal
 
 # A token's last-used time is written at most this often (not a write per request).
 _LAST_USED_RESOLUTION_US = 60 * 1_000_000
@@ -48,6 +53,17 @@ class TokenInfo:
     last_used_at: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    id: int
+    principal: str
+    add: list[str]
+    remove: list[str]
+    proposed_by: str
+    state: str
+    approved_by: str | None
+
+
 class NameTaken(Exception):
     pass
 
@@ -56,16 +72,56 @@ class SubjectTaken(Exception):
     pass
 
 
+class GrantRefused(Exception):
+    """A grant step the log's rules refuse (four-eyes over power), with why."""
+
+
 def _us(t: float) -> int:
     return round(t * 1e6)
 
 
-def _roles(stored: object) -> frozenset[Role]:
-    """Roles as stored; a value that is no role (written outside the service) grants nothing."""
+def _principal(rec: PrincipalRec) -> Principal:
     known = {r.value for r in Role}
-    if not isinstance(stored, list):
-        return frozenset()
-    return frozenset(Role(r) for r in stored if r in known)
+    return Principal(
+        rec.id,
+        rec.name,
+        frozenset(Role(r) for r in rec.roles if r in known),
+        rec.disabled,
+        oidc_subject=rec.oidc_subject,
+    )
+
+
+def _grant(state: ControlState, g: GrantRec) -> Grant:
+    return Grant(
+        g.id,
+        state.name_of(g.principal_id),
+        sorted(g.add),
+        sorted(g.remove),
+        state.name_of(g.proposer_id),
+        g.state,
+        None if g.approver_id is None else state.name_of(g.approver_id),
+    )
+
+
+def _by(actor: Principal | None) -> str:
+    """The control log's principal for an action: the actor's id, or the key file's holder."""
+    return BOOTSTRAP if actor is None else actor.id
+
+
+async def _cache_principal(conn: AsyncConnection, rec: PrincipalRec) -> None:
+    """The principal's row as the fold has it (update, else insert: the admin's database role
+    may not delete principals)."""
+    row = {
+        "name": rec.name,
+        "roles": sorted(rec.roles),
+        "created_at_us": rec.created_at_us,
+        "created_by": rec.created_by,
+        "disabled": rec.disabled,
+        "oidc_subject": rec.oidc_subject,
+    }
+    done = await conn.execute(update(principals).where(principals.c.id == rec.id).values(**row))
+    if not done.rowcount:
+        await conn.execute(insert(principals), {"id": rec.id, **row})
 
 
 async def create(
@@ -76,49 +132,119 @@ async def create(
     created_by: str,
     now: float,
     node: str,
-    sealer: Sealer,
+    control: ControlLog,
     oidc_subject: str | None = None,
+    by: Principal | None = None,
 ) -> Principal:
-    principal = Principal(
-        f"p_{secrets.token_hex(8)}", name, frozenset(roles), oidc_subject=oidc_subject
+    """A new principal. ``by``: the admin who asks (None: the key file's holder, who may give
+    any roles at once). An admin gives the roles that grant no power now; author, approver and
+    admin become a pending grant (:func:`pending_grant_for`) that another admin approves."""
+    wanted = frozenset(r.value for r in roles)
+    now_roles = wanted if by is None else wanted - POWER
+    state = await control.state(conn)
+    if state.principal_named(name) is not None:
+        raise NameTaken(name)
+    if oidc_subject is not None and any(
+        p.oidc_subject == oidc_subject for p in state.principals.values()
+    ):
+        raise SubjectTaken(oidc_subject)
+    principal_id = f"p_{secrets.token_hex(8)}"
+    state = await control.append(
+        conn,
+        "principal.create",
+        _by(by),
+        {
+            "id": principal_id,
+            "name": name,
+            "roles": sorted(now_roles),
+            "oidc_subject": oidc_subject,
+        },
+        now,
     )
-    role_names = sorted(r.value for r in principal.roles)
-    seal = sealer.seal(
-        "principal", principal_fields(principal.id, name, role_names, False, oidc_subject)
-    )
-    if oidc_subject is not None:
-        taken = await conn.execute(
-            select(principals.c.id).where(principals.c.oidc_subject == oidc_subject)
-        )
-        if taken.first() is not None:
-            raise SubjectTaken(oidc_subject)
-    try:
-        async with conn.begin_nested():
-            await conn.execute(
-                insert(principals),
-                {
-                    "id": principal.id,
-                    "name": name,
-                    "roles": role_names,
-                    "created_at_us": _us(now),
-                    "created_by": created_by,
-                    "disabled": False,
-                    "oidc_subject": oidc_subject,
-                    "seal": seal,
-                },
-            )
-    except IntegrityError:
-        raise NameTaken(name) from None
     bound = "" if oidc_subject is None else f", bound to OIDC subject {oidc_subject}"
     await events.record(
         conn,
         "principal",
-        f"created {name} with roles {', '.join(sorted(principal.roles))}{bound}",
+        f"created {name} with roles {', '.join(sorted(now_roles)) or 'none'}{bound}",
         actor=created_by,
         now=now,
         node=node,
     )
-    return principal
+    if wanted - now_roles:
+        assert by is not None
+        await propose_grant(
+            conn, principal_id, add=wanted - now_roles, remove=frozenset(), by=by, now=now,
+            node=node, control=control,
+        )  # fmt: skip
+        state = await control.state(conn)
+    await _cache_principal(conn, state.principals[principal_id])
+    return _principal(state.principals[principal_id])
+
+
+async def propose_grant(
+    conn: AsyncConnection,
+    principal_id: str,
+    *,
+    add: Iterable[str],
+    remove: Iterable[str],
+    by: Principal,
+    now: float,
+    node: str,
+    control: ControlLog,
+) -> Grant:
+    """Propose a change of a principal's roles; one that touches a power role waits for a
+    second admin's approval, any other takes effect at once."""
+    before = await control.state(conn)
+    grant_id = before.next_grant_id()
+    added, removed = sorted(add), sorted(remove)
+    try:
+        state = await control.append(
+            conn,
+            "grant.propose",
+            by.id,
+            {"grant": grant_id, "principal_id": principal_id, "add": added, "remove": removed},
+            now,
+        )
+    except Refusal as exc:
+        raise GrantRefused(str(exc)) from None
+    grant = state.grants[grant_id]
+    await events.record(
+        conn,
+        "grant",
+        f"grant #{grant_id} for {state.name_of(principal_id)}: +{','.join(added) or '-'} "
+        f"-{','.join(removed) or '-'} ({grant.state})",
+        actor=by.name,
+        now=now,
+        node=node,
+    )
+    await _cache_principal(conn, state.principals[principal_id])
+    return _grant(state, grant)
+
+
+async def approve_grant(
+    conn: AsyncConnection, grant_id: int, *, by: Principal, now: float, node: str,
+    control: ControlLog,
+) -> Grant:  # fmt: skip
+    try:
+        state = await control.append(conn, "grant.approve", by.id, {"grant": grant_id}, now)
+    except Refusal as exc:
+        raise GrantRefused(str(exc)) from None
+    grant = state.grants[grant_id]
+    await events.record(
+        conn,
+        "grant",
+        f"grant #{grant_id} for {state.name_of(grant.principal_id)} approved",
+        actor=by.name,
+        now=now,
+        node=node,
+    )
+    await _cache_principal(conn, state.principals[grant.principal_id])
+    return _grant(state, grant)
+
+
+async def list_grants(conn: AsyncConnection, control: ControlLog) -> list[Grant]:
+    state = await control.state(conn)
+    return [_grant(state, g) for g in sorted(state.grants.values(), key=lambda g: -g.id)]
 
 
 async def issue_token(
@@ -129,13 +255,28 @@ async def issue_token(
     now: float,
     expires_at: float | None,
     node: str,
-    sealer: Sealer,
+    control: ControlLog,
+    by: Principal | None = None,
 ) -> NewToken:
+    """A new token for ``principal``. ``by``: who asks, which must be ``principal`` itself
+    (None: the key file's holder at the command line): nobody mints a token for someone else."""
     token = new_token()
     expires_us = None if expires_at is None else _us(expires_at)
-    seal = sealer.seal(
-        "token", token_fields(token.id, principal.id, token.secret_hash, expires_us, False)
-    )
+    try:
+        await control.append(
+            conn,
+            "token.issue",
+            _by(by),
+            {
+                "id": token.id,
+                "principal_id": principal.id,
+                "secret_hash": token.secret_hash,
+                "expires_at_us": expires_us,
+            },
+            now,
+        )
+    except Refusal as exc:
+        raise GrantRefused(str(exc)) from None
     await conn.execute(
         insert(api_tokens),
         {
@@ -145,7 +286,6 @@ async def issue_token(
             "created_at_us": _us(now),
             "created_by": created_by,
             "expires_at_us": expires_us,
-            "seal": seal,
         },
     )
     until = "no expiry" if expires_at is None else f"expires at {expires_at:.0f}"
@@ -160,139 +300,133 @@ async def issue_token(
     return token
 
 
-def _sealed(row: Any, sealer: Sealer) -> Principal | None:
-    """The principal of a row whose seal verifies; None for any other row."""
-    fields = principal_fields(
-        row.id, row.name, list(row.roles or []), bool(row.disabled), row.oidc_subject
-    )
-    if not sealer.verifies("principal", fields, row.seal):
-        return None
-    return Principal(
-        row.id, row.name, _roles(row.roles), row.disabled, oidc_subject=row.oidc_subject
-    )
+async def by_name(conn: AsyncConnection, name: str, control: ControlLog) -> Principal | None:
+    found = (await control.state(conn)).principal_named(name)
+    return None if found is None else _principal(found)
 
 
-async def by_name(conn: AsyncConnection, name: str, sealer: Sealer) -> Principal | None:
-    row = (await conn.execute(select(principals).where(principals.c.name == name))).first()
-    return None if row is None else _sealed(row, sealer)
+async def by_id(conn: AsyncConnection, principal_id: str, control: ControlLog) -> Principal | None:
+    """The principal with this id, as the verified log has it."""
+    found = (await control.state(conn)).principals.get(principal_id)
+    return None if found is None else _principal(found)
 
 
-async def by_id(conn: AsyncConnection, principal_id: str, sealer: Sealer) -> Principal | None:
-    """The principal with this id if its row is sealed (written by the admin service)."""
-    row = (await conn.execute(select(principals).where(principals.c.id == principal_id))).first()
-    return None if row is None else _sealed(row, sealer)
-
-
-async def by_oidc_subject(engine: AsyncEngine, subject: str, sealer: Sealer) -> Principal | None:
-    """The enabled principal an admin bound this verified OIDC subject to (sealed), or None."""
-    async with engine.connect() as conn:
-        query = select(principals).where(principals.c.oidc_subject == subject)
-        row = (await conn.execute(query)).first()
-    principal = None if row is None else _sealed(row, sealer)
-    return None if principal is None or principal.disabled else principal
+async def by_oidc_subject(
+    engine: AsyncEngine, subject: str, control: ControlLog
+) -> Principal | None:
+    """The enabled principal an admin bound this verified OIDC subject to, or None."""
+    state = await control.refresh(engine)
+    found = next((p for p in state.principals.values() if p.oidc_subject == subject), None)
+    return None if found is None or found.disabled else _principal(found)
 
 
 async def authenticate(
-    engine: AsyncEngine, text: str, now: float, sealer: Sealer
+    engine: AsyncEngine, text: str, now: float, control: ControlLog
 ) -> Principal | None:
     """The principal a bearer token stands for, or None: malformed, unknown, wrong secret,
-    revoked, expired, its principal disabled, or either row not sealed by the admin service
-    (written straight into the database) all read the same to the caller."""
+    revoked, expired, its principal disabled, or not in the verified control log (a row written
+    or put back in the database) all read the same to the caller."""
     parsed = parse_token(text)
     if parsed is None:
         return None
     token_id, secret = parsed
-    async with engine.connect() as conn:
-        row = (await conn.execute(select(api_tokens).where(api_tokens.c.id == token_id))).first()
-        owner = None if row is None else await by_id(conn, row.principal_id, sealer)
+    state = await control.refresh(engine)
+    token = state.tokens.get(token_id)
+    owner = None if token is None else state.principals.get(token.principal_id)
     now_us = _us(now)
     if (
-        row is None
+        token is None
         or owner is None
         or owner.disabled
-        or not secret_matches(secret, row.secret_hash)
-        or row.revoked_at_us is not None
-        or (row.expires_at_us is not None and row.expires_at_us <= now_us)
-        or not sealer.verifies(
-            "token",
-            token_fields(row.id, row.principal_id, row.secret_hash, row.expires_at_us, False),
-            row.seal,
-        )
+        or not secret_matches(secret, token.secret_hash)
+        or token.revoked_at_us is not None
+        or (token.expires_at_us is not None and token.expires_at_us <= now_us)
     ):
         return None
-    if row.last_used_at_us is None or now_us - row.last_used_at_us > _LAST_USED_RESOLUTION_US:
+    # When it was last used is for people, not a fact anything acts on: the cache row is fine.
+    async with engine.connect() as conn:
+        last = (
+            await conn.execute(
+                select(api_tokens.c.last_used_at_us).where(api_tokens.c.id == token_id)
+            )
+        ).scalar_one_or_none()
+    if last is None or now_us - last > _LAST_USED_RESOLUTION_US:
         async with engine.begin() as conn:
             await conn.execute(
                 update(api_tokens).where(api_tokens.c.id == token_id).values(last_used_at_us=now_us)
             )
+    found = _principal(owner)
     return Principal(
-        owner.id, owner.name, owner.roles, token_id=token_id, oidc_subject=owner.oidc_subject
+        found.id, found.name, found.roles, token_id=token_id, oidc_subject=found.oidc_subject
     )
 
 
 async def revoke(
-    conn: AsyncConnection, token_id: str, *, actor: str, now: float, node: str, sealer: Sealer
+    conn: AsyncConnection,
+    token_id: str,
+    *,
+    actor: str,
+    now: float,
+    node: str,
+    control: ControlLog,
+    by: Principal | None = None,
 ) -> bool:
-    row = (
-        await conn.execute(
-            select(api_tokens).where(
-                api_tokens.c.id == token_id, api_tokens.c.revoked_at_us.is_(None)
-            )
-        )
-    ).first()
-    if row is None:
+    token = (await control.state(conn)).tokens.get(token_id)
+    if token is None or token.revoked_at_us is not None:
         return False
-    # Resealed as revoked: a row set back to "not revoked" no longer verifies.
-    seal = sealer.seal(
-        "token",
-        token_fields(row.id, row.principal_id, row.secret_hash, row.expires_at_us, True),
-    )
+    try:
+        await control.append(conn, "token.revoke", _by(by), {"id": token_id}, now)
+    except Refusal:
+        return False
     await conn.execute(
-        update(api_tokens)
-        .where(api_tokens.c.id == token_id)
-        .values(revoked_at_us=_us(now), seal=seal)
+        update(api_tokens).where(api_tokens.c.id == token_id).values(revoked_at_us=_us(now))
     )
     await events.record(conn, "token", f"revoked token {token_id}", actor=actor, now=now, node=node)
     return True
 
 
-async def list_all(conn: AsyncConnection, sealer: Sealer) -> list[Principal]:
-    """Every sealed principal (rows without a valid seal are not principals)."""
-    rows = (await conn.execute(select(principals).order_by(principals.c.name))).all()
-    return [p for p in (_sealed(r, sealer) for r in rows) if p is not None]
+async def list_all(conn: AsyncConnection, control: ControlLog) -> list[Principal]:
+    """Every principal in the verified log (rows of the table alone are not principals)."""
+    state = await control.state(conn)
+    return sorted((_principal(p) for p in state.principals.values()), key=lambda p: p.name)
 
 
-async def list_tokens(conn: AsyncConnection) -> list[TokenInfo]:
-    query = (
-        select(api_tokens, principals.c.name)
-        .join(principals, principals.c.id == api_tokens.c.principal_id)
-        .order_by(api_tokens.c.created_at_us)
-    )
+async def list_tokens(conn: AsyncConnection, control: ControlLog) -> list[TokenInfo]:
+    state = await control.state(conn)
+    used = {
+        r.id: r.last_used_at_us
+        for r in await conn.execute(select(api_tokens.c.id, api_tokens.c.last_used_at_us))
+    }
 
     def s(us: int | None) -> float | None:
         return None if us is None else us / 1e6
 
     return [
         TokenInfo(
-            r.id,
-            r.name,
-            r.created_at_us / 1e6,
-            r.created_by,
-            s(r.expires_at_us),
-            s(r.revoked_at_us),
-            s(r.last_used_at_us),
+            t.id,
+            state.name_of(t.principal_id),
+            t.created_at_us / 1e6,
+            t.created_by,
+            s(t.expires_at_us),
+            s(t.revoked_at_us),
+            s(used.get(t.id)),
         )
-        for r in (await conn.execute(query)).all()
+        for t in sorted(state.tokens.values(), key=lambda t: t.created_at_us)
     ]
 
 
 __all__ = [
+    "Grant",
+    "GrantRefused",
     "NameTaken",
     "Principal",
     "SubjectTaken",
     "TokenInfo",
+    "approve_grant",
     "authenticate",
     "by_oidc_subject",
     "create",
     "issue_token",
+    "list_grants",
+    "propose_grant",
 ]

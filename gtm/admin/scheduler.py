@@ -30,14 +30,15 @@ async def activate_due(ctx: AdminContext) -> list[int]:
     if ctx.signer is None:
         return []
     now = ctx.clock()
-    async with ctx.engine.connect() as conn:
-        due = await lifecycle.due(conn, now)
+    # What is due is what the verified log says: a proposal row set to "approved" with a
+    # schedule in the database (a rollback by SQL) is nothing here.
+    due = lifecycle.due(await ctx.control.refresh(ctx.engine), now)
     done = []
     for proposal_id, scheduled_by in due:
         try:
             async with ctx.engine.begin() as conn:
                 # Who scheduled it must still be a sealed, enabled approver now.
-                actor = await identities.by_id(conn, scheduled_by, ctx.sealer)
+                actor = await identities.by_id(conn, scheduled_by, ctx.control)
                 if actor is None or actor.disabled or Role.POLICY_APPROVER not in actor.roles:
                     log.error("admin.schedule_refused", proposal=proposal_id)
                     continue
@@ -48,7 +49,7 @@ async def activate_due(ctx: AdminContext) -> list[int]:
                     ctx.signer,
                     now=now,
                     node=ctx.node,
-                    sealer=ctx.sealer,
+                    control=ctx.control,
                     min_approvals=ctx.required_approvals,
                 )
             done.append(proposal_id)

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Mapping
 
 import structlog
 import uvicorn
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from gtm.admin import oidc, scheduler
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
 from gtm.admin.console.oidc_signin import ConsoleOidc
 from gtm.admin.oidc import OidcVerifier
-from gtm.admin.seals import Sealer
-from gtm.admin.signer import load_signer
+from gtm.admin.signer import Signer, load_signer
 from gtm.audit.watch import VerificationWatch
+from gtm.control.log import ControlLog
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
 from gtm.listen import EmbeddedServer, parse_listen
@@ -49,7 +51,7 @@ def context_for(runtime: Runtime) -> AdminContext:
         runtime.engine,
         settings.node_id,
         settings.policy_approvals,
-        Sealer(signer, runtime.document_keys),
+        control_log_for(settings, signer, runtime.document_keys),
         signer,
         files=files,
         snapshot=lambda: runtime.store.current,
@@ -60,6 +62,19 @@ def context_for(runtime: Runtime) -> AdminContext:
         console_key_file=settings.console_session_key_file,
         console_idle_s=settings.console_idle_timeout_s,
         console_oidc=console_oidc(settings),
+    )
+
+
+def control_log_for(
+    settings: Settings, signer: Signer | None, keys: Mapping[str, Ed25519PublicKey]
+) -> ControlLog:
+    """The admin service's view of the control log: it writes with ``signer`` and keeps the
+    highest entry it accepted beside its spool (gtm.control.watermark)."""
+    return ControlLog(
+        keys,
+        signer,
+        mark=settings.spool_dir.parent / "state" / "control-log.admin.json",
+        public=None if signer is None else signer.public_key(),
     )
 
 
@@ -110,7 +125,10 @@ async def serve_admin(
     ready: asyncio.Event | None = None,
 ) -> None:
     """Serve the admin API on ``sock`` until ``stop`` is set."""
-    app = create_app(context_for(runtime))
+    ctx = context_for(runtime)
+    # Read and verify the whole log before serving: a log refused now serves nothing.
+    await ctx.control.refresh(runtime.engine)
+    app = create_app(ctx)
     host, port = sock.getsockname()[:2]
 
     def started() -> None:

@@ -17,12 +17,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin.errors import Invalid, NotFound, Tampered
-from gtm.audit.schema import document_versions, proposals
+from gtm.audit.schema import document_versions
+from gtm.control.log import ControlLog
 from gtm.errors import ConfigError
 from gtm.fleet.signed_documents import content_digest
 from gtm.runtime import parse_documents
-
-ACTIVE = "active"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +71,11 @@ async def store(
     return version
 
 
-async def active_version(conn: AsyncConnection) -> str | None:
-    """The version of the newest activation (a second "active" row, written outside the admin
-    service, does not confuse it)."""
-    return (
-        await conn.execute(
-            select(proposals.c.version_id)
-            .where(proposals.c.state == ACTIVE)
-            .order_by(proposals.c.sequence.desc())
-            .limit(1)
-        )
-    ).scalar_one_or_none()
+async def active_version(conn: AsyncConnection, control: ControlLog) -> str | None:
+    """The version of the newest activation, as the verified control log says (no row of the
+    proposals table, however it was written, changes it)."""
+    in_force = (await control.state(conn)).in_force
+    return None if in_force is None else in_force.version
 
 
 async def get_version(conn: AsyncConnection, version: str) -> Version:

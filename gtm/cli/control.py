@@ -21,12 +21,12 @@ from gtm.admin import principals, signer
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer
 from gtm.admin.signer import load_signer
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.admin_client import call
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.control.log import ControlLog
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet.operator import parse_duration
@@ -44,8 +44,9 @@ proposal_app = typer.Typer(
 # -- tokens (database access) ------------------------------------------------------------------
 
 
-def _sealer(settings: Settings) -> Sealer:
-    """Tokens are sealed with the admin service's key: database access alone makes none."""
+def _control(settings: Settings) -> ControlLog:
+    """Principals and tokens are entries of the control log, signed with the admin service's
+    key: database access alone makes neither. The key file's holder writes as ``bootstrap``."""
     if settings.document_signing_key is None:
         raise fail(
             GTMError(
@@ -58,7 +59,7 @@ def _sealer(settings: Settings) -> Sealer:
         keys = load_public_keys(settings.document_keys)
     except ConfigError as exc:
         raise fail(exc) from exc
-    return Sealer(signer, keys)
+    return ControlLog(keys, signer, public=signer.public_key())
 
 
 @token_app.command("create")
@@ -75,7 +76,7 @@ def token_create(
         lifetime = None if expires is None else parse_duration(expires)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
-    sealer = _sealer(settings)
+    control = _control(settings)
     migrate.upgrade(settings.database_url)
     # Who ran it, as the operating system says: there is no token yet to say it.
     actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
@@ -84,8 +85,9 @@ def token_create(
         engine = make_async_engine(settings.database_url)
         now = time.time()
         try:
+            await control.refresh(engine)
             async with engine.begin() as conn:
-                principal = await principals.by_name(conn, name, sealer)
+                principal = await principals.by_name(conn, name, control)
                 if principal is None:
                     principal = await principals.create(
                         conn,
@@ -94,7 +96,7 @@ def token_create(
                         created_by=actor,
                         now=now,
                         node=settings.node_id,
-                        sealer=sealer,
+                        control=control,
                     )
                 elif principal.roles != frozenset(role):
                     raise GTMError(
@@ -108,7 +110,7 @@ def token_create(
                     now=now,
                     expires_at=None if lifetime is None else now + lifetime,
                     node=settings.node_id,
-                    sealer=sealer,
+                    control=control,
                 )
             return token.text
         finally:
@@ -126,13 +128,14 @@ def token_create(
 def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
     """Revoke token TOKEN_ID (the 16 hex digits after ``gtm_``)."""
     settings = cli_settings(database_url=database_url)
-    sealer = _sealer(settings)
+    control = _control(settings)
     migrate.upgrade(settings.database_url)
     actor = f"local:{getpass.getuser()}@{socket.gethostname()}"
 
     async def main() -> bool:
         engine = make_async_engine(settings.database_url)
         try:
+            await control.refresh(engine)
             async with engine.begin() as conn:
                 return await principals.revoke(
                     conn,
@@ -140,7 +143,7 @@ def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
                     actor=actor,
                     now=time.time(),
                     node=settings.node_id,
-                    sealer=sealer,
+                    control=control,
                 )
         finally:
             await engine.dispose()
@@ -166,7 +169,7 @@ def admin_keygen(directory: Path) -> None:
 
 def openapi_document() -> dict[str, Any]:
     """The admin API's OpenAPI document (no database is touched to build it)."""
-    context = AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1, Sealer(None, {}))
+    context = AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1, ControlLog({}))
     app = create_app(context)
     return app.openapi()
 

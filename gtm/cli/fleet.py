@@ -127,7 +127,7 @@ def region_status(
             topology = await _topology(engine, settings)
             now = time.time()
             observations = await shared_state.read_observations(engine, 0)
-            overrides = await shared_state.read_overrides(engine)
+            overrides = await operator.verified_overrides(engine, settings)
             live = await shared_state.read_node_status(engine, now - LIVE_WITHIN_S)
         finally:
             await engine.dispose()

@@ -21,7 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.admin import principals, signer
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer
+from gtm.control.entry import BOOTSTRAP
+from gtm.control.log import ControlLog
 from gtm.demo.local_fleet import MODEL, Fleet
 from gtm.fleet import operator
 
@@ -59,22 +60,30 @@ def signing_keys(directory: Path) -> tuple[Path, Path]:
     return private, public
 
 
+def key_holder(private_key: Path) -> ControlLog:
+    """The demo holds the admin service's key file: it writes the control log as the bootstrap
+    command does (``gtm token create``)."""
+    key = signer.load_signer(private_key)
+    return ControlLog({}, key, public=key.public_key())
+
+
 async def issue_tokens(
     engine: AsyncEngine, private_key: Path, now: float
 ) -> dict[str, tuple[tuple[Role, ...], str]]:
     """A fresh token for each demo person (made once, like ``gtm token create``)."""
-    sealer = Sealer(signer.load_signer(private_key), {})
+    control = key_holder(private_key)
+    await control.refresh(engine)
     out = {}
     async with engine.begin() as conn:
         for name, roles in PEOPLE.items():
-            person = await principals.by_name(conn, name, sealer)
+            person = await principals.by_name(conn, name, control)
             if person is None:
                 person = await principals.create(
-                    conn, name, roles, created_by="demo", now=now, node="demo", sealer=sealer
+                    conn, name, roles, created_by="demo", now=now, node="demo", control=control
                 )
             token = await principals.issue_token(
                 conn, person, created_by="demo", now=now, expires_at=now + 86400,
-                node="demo", sealer=sealer,
+                node="demo", control=control,
             )  # fmt: skip
             out[name] = (roles, token.text)
     return out
@@ -178,15 +187,19 @@ async def scenario(
         say("scenario: us-east's load ends")
 
 
-async def restore(fleet: Fleet, engine: AsyncEngine, regions: list[str]) -> None:
+async def restore(
+    fleet: Fleet, engine: AsyncEngine, regions: list[str], control: ControlLog
+) -> None:
     """The whole fleet back: every balancer running and no operator override left by the demo."""
     for name, proc in list(fleet.processes.items()):
         if proc.poll() is not None:
             fleet.restart(name)
+    await control.refresh(engine)
     for region in regions:
         await operator.clear(
-            engine, region, actor="demo", reason="the demo leaves the fleet whole", now=time.time()
-        )
+            engine, region, control=control, by=BOOTSTRAP, actor="demo",
+            reason="the demo leaves the fleet whole", now=time.time(),
+        )  # fmt: skip
 
 
 async def propose(admin_url: str, author_token: str) -> int | None:
@@ -222,6 +235,7 @@ __all__ = [
     "client_traffic",
     "fill",
     "issue_tokens",
+    "key_holder",
     "propose",
     "restore",
     "scenario",

@@ -34,6 +34,8 @@ from gtm.audit.record import record_of
 from gtm.audit.verify import verify
 from gtm.cli.audit import explain_row
 from gtm.cli.main import render_decision
+from gtm.control.entry import BOOTSTRAP
+from gtm.control.log import ControlLog
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, next_capacity
 from gtm.decision.topology import load_topology
@@ -204,6 +206,7 @@ async def serve_live(
 ) -> None:
     var = Path(os.environ.get("GTM_DEMO_VAR", "var"))
     private_key, public_key = scenario.signing_keys(var / "demo-keys")
+    holder = scenario.key_holder(private_key)
     admin_port = free_port(8081)
     live_settings = settings.model_copy(
         update={
@@ -232,7 +235,7 @@ async def serve_live(
     try:
         # The store outlives a run, and so could an override an earlier run left: undo it, on
         # the record, so a run starts from a whole fleet.
-        await scenario.restore(fleet, engine, regions)
+        await scenario.restore(fleet, engine, regions, holder)
         await until_up(node, len(fleet.balancers))
         await asyncio.sleep(1.5)  # a round of pushed reports
         accepted = REGISTRY.get_sample_value(
@@ -241,9 +244,9 @@ async def serve_live(
         print(f"capacity reports pushed by the balancers and accepted: {accepted or 0:.0f}")
         await show_dns(dns_port)
         await show_http(http_port, settings.database_url)
-        await show_failover(node, fleet, dns_port)
+        await show_failover(node, fleet, dns_port, holder)
         heading("Back to a whole fleet: eu-central's balancer restarted, eu-west undrained")
-        await scenario.restore(fleet, engine, regions)
+        await scenario.restore(fleet, engine, regions, holder)
         await until_up(node, len(fleet.balancers), within=30)
         await show_console(node, (dns_port, http_port, admin_port), private_key, var)
         database = (
@@ -280,7 +283,7 @@ async def serve_live(
             ]
             await stop.wait()
             await asyncio.gather(*watched, return_exceptions=True)
-            await scenario.restore(fleet, engine, regions)
+            await scenario.restore(fleet, engine, regions, holder)
             print("Stopped with the fleet whole: no balancer left down, no override left set.")
     finally:
         stop.set()
@@ -472,7 +475,7 @@ async def show_curl(port: int, body: dict[str, object]) -> None:
     print(f"curl -L POST chat.eu.gtm.example from 8.8.8.8: {summary}: {content!r}")
 
 
-async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:
+async def show_failover(node: Node, fleet: Fleet, dns_port: int, holder: ControlLog) -> None:
     heading("Failover: the eu-central balancer is killed")
     before = shown(await ask_dns(dns_port, "chat.gtm.example.", "A", "85.214.0.0/24"))
     fleet.kill("eu-central-lb")
@@ -493,9 +496,12 @@ async def show_failover(node: Node, fleet: Fleet, dns_port: int) -> None:
 
     heading("Operator control: eu-west is drained too (who and why are recorded)")
     runtime = node.runtime
+    await holder.refresh(runtime.engine)
     await operator.amend(
         runtime.engine,
         "eu-west",
+        control=holder,
+        by=BOOTSTRAP,
         actor="demo-operator",
         reason="GPU driver upgrade",
         now=time.time(),

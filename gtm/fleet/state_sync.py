@@ -25,7 +25,9 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gtm.control.log import ControlLog, LogRefused
 from gtm.fleet import shared_state
+from gtm.fleet.operator import overrides_of
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.shared_state import NodeStatus, Published
 
@@ -48,6 +50,7 @@ class StateSync:
         on_documents: Callable[[list[Published]], None],
         own_status: Callable[[float], NodeStatus] | None = None,
         clock: Callable[[], float] = time.time,
+        control: ControlLog | None = None,
     ) -> None:
         self.engine = engine
         self.book = book
@@ -56,6 +59,8 @@ class StateSync:
         self.on_compose = on_compose
         self.on_documents = on_documents
         self.own_status = own_status
+        # Operator overrides come from the verified control log, never from their table.
+        self.control = control if control is not None else ControlLog({})
         self._clock = clock
         self.pending: deque[RegionEvent] = deque(maxlen=MAX_PENDING_EVENTS)
         self.dropped_events = 0
@@ -126,7 +131,7 @@ class StateSync:
                 await shared_state.write_observations(self.engine, own)
                 await self._flush_events()
                 peers = await shared_state.read_observations(self.engine, now - self.book.max_age_s)
-                overrides = await shared_state.read_overrides(self.engine)
+                await self.control.refresh(self.engine)
                 newest = await shared_state.newest_document_id(self.engine)
                 if newest is not None and newest != self.document_id:
                     published = await shared_state.read_published_after(
@@ -144,7 +149,12 @@ class StateSync:
             self._down_since = None
         self.last_ok = now
         self.book.replace_peers(peers)
-        self.book.set_overrides(overrides)
+        try:
+            # A log refused now keeps the last good overrides (refresh returned them); one
+            # never accepted holds none, and gtm_control_log_broken says so.
+            self.book.set_overrides(overrides_of(self.control.good))
+        except LogRefused:
+            self.book.set_overrides([])
         if published:
             # Every row since the last look is offered: the newest one may be refused (not
             # signed, a replay) while an earlier one of them is the version to put in force.

@@ -175,7 +175,7 @@ async def get_active_version(
     ctx: Ctx, _: Annotated[Principal, Depends(require("get_active_version"))]
 ) -> VersionOut:
     async with ctx.engine.connect() as conn:
-        active = await versions.active_version(conn)
+        active = await versions.active_version(conn, ctx.control)
         if active is None:
             raise NotFound("no version has been activated: nodes use their configured files")
         v = await versions.get_version(conn, active)
@@ -202,7 +202,7 @@ async def get_current_documents(
     """What a new proposal starts from: the active version's documents, or, before the first
     activation, the files this node answers from (what the first proposal is diffed against)."""
     async with ctx.engine.connect() as conn:
-        active = await versions.active_version(conn)
+        active = await versions.active_version(conn, ctx.control)
         if active is not None:
             v = await versions.get_version(conn, active)
             return CurrentOut(
@@ -236,7 +236,7 @@ async def list_proposals(
     state: Annotated[str | None, Query()] = None,
 ) -> list[ProposalOut]:
     async with ctx.engine.connect() as conn:
-        return [_out(p) for p in await lifecycle.list_all(conn, state)]
+        return [_out(p) for p in await lifecycle.list_all(conn, ctx.control, state)]
 
 
 @router.post(
@@ -257,7 +257,7 @@ async def create_proposal(
             required_approvals=ctx.required_approvals,
             now=ctx.clock(),
             node=ctx.node,
-            sealer=ctx.sealer,
+            control=ctx.control,
         )
     return _out(proposal)
 
@@ -267,7 +267,7 @@ async def get_proposal(
     proposal_id: ProposalId, ctx: Ctx, _: Annotated[Principal, Depends(require("get_proposal"))]
 ) -> ProposalOut:
     async with ctx.engine.connect() as conn:
-        return _out(await lifecycle.get(conn, proposal_id))
+        return _out(await lifecycle.get(conn, proposal_id, ctx.control))
 
 
 @router.put("/proposals/{proposal_id}", operation_id="update_proposal", response_model=ProposalOut)
@@ -277,11 +277,13 @@ async def update_proposal(
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("update_proposal"))],
 ) -> ProposalOut:
-    async with ctx.engine.begin() as conn:
-        proposal = await lifecycle.update_content(
-            conn, proposal_id, author, body.topology, body.policies, now=ctx.clock(), node=ctx.node
-        )
-    return _out(proposal)
+    async def step(conn: AsyncConnection) -> Proposal:
+        return await lifecycle.update_content(
+            conn, proposal_id, author, body.topology, body.policies,
+            now=ctx.clock(), node=ctx.node, control=ctx.control,
+        )  # fmt: skip
+
+    return _out(await _keeping_refusal(ctx, step, Refused))
 
 
 @router.get(
@@ -293,8 +295,8 @@ async def get_proposal_diff(
     _: Annotated[Principal, Depends(require("get_proposal_diff"))],
 ) -> DiffOut:
     async with ctx.engine.connect() as conn:
-        proposal = await lifecycle.get(conn, proposal_id)
-        active, files = await lifecycle.diff(conn, proposal_id, ctx.files)
+        proposal = await lifecycle.get(conn, proposal_id, ctx.control)
+        active, files = await lifecycle.diff(conn, proposal_id, ctx.control, ctx.files)
     return DiffOut(
         proposal=proposal_id,
         version=proposal.version,
@@ -311,10 +313,12 @@ async def submit_proposal(
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("submit_proposal"))],
 ) -> ProposalOut:
-    async with ctx.engine.begin() as conn:
-        return _out(
-            await lifecycle.submit(conn, proposal_id, author, now=ctx.clock(), node=ctx.node)
+    async def step(conn: AsyncConnection) -> Proposal:
+        return await lifecycle.submit(
+            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control
         )
+
+    return _out(await _keeping_refusal(ctx, step, Refused))
 
 
 @router.post(
@@ -327,10 +331,12 @@ async def withdraw_proposal(
     ctx: Ctx,
     author: Annotated[Principal, Depends(require("withdraw_proposal"))],
 ) -> ProposalOut:
-    async with ctx.engine.begin() as conn:
-        return _out(
-            await lifecycle.withdraw(conn, proposal_id, author, now=ctx.clock(), node=ctx.node)
+    async def step(conn: AsyncConnection) -> Proposal:
+        return await lifecycle.withdraw(
+            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control
         )
+
+    return _out(await _keeping_refusal(ctx, step, Refused))
 
 
 @router.post(
@@ -351,7 +357,7 @@ async def approve_proposal(
             body.comment,
             now=ctx.clock(),
             node=ctx.node,
-            sealer=ctx.sealer,
+            control=ctx.control,
         )
 
     return _out(await _keeping_refusal(ctx, step, Refused))
@@ -373,8 +379,9 @@ async def activate_proposal(
     if body is not None and body.at is not None and body.at > ctx.clock():
         async with ctx.engine.begin() as conn:
             scheduled = await lifecycle.schedule(
-                conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node
-            )
+                conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node,
+                control=ctx.control,
+            )  # fmt: skip
         return _out(scheduled)
     if ctx.signer is None:
         raise Conflict(
@@ -391,7 +398,7 @@ async def activate_proposal(
             signer,
             now=ctx.clock(),
             node=ctx.node,
-            sealer=ctx.sealer,
+            control=ctx.control,
             min_approvals=ctx.required_approvals,
         )
 
@@ -420,7 +427,7 @@ async def get_proposal_impact(
     until = ctx.clock()
     since = until - body.since_s
     async with ctx.engine.connect() as conn:
-        proposal = await lifecycle.get(conn, proposal_id)
+        proposal = await lifecycle.get(conn, proposal_id, ctx.control)
         version = await versions.get_version(conn, proposal.version)
     started = time.perf_counter()
     inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
@@ -464,7 +471,7 @@ async def get_proposal_rollout(
 ) -> RolloutOut:
     """Whether the activation is in force on every live node, and which have not got it."""
     async with ctx.engine.connect() as conn:
-        proposal = await lifecycle.get(conn, proposal_id)
+        proposal = await lifecycle.get(conn, proposal_id, ctx.control)
     live = await shared_state.read_node_status(ctx.engine, ctx.clock() - ctx.live_within_s)
     sequence = proposal.sequence
     acknowledged = sorted(

@@ -115,7 +115,8 @@ async def list_regions(
     if ctx.snapshot is None:
         raise Conflict("this admin service has no snapshot")
     snapshot, now = ctx.snapshot(), ctx.clock()
-    overrides = {o.region: o for o in await shared_state.read_overrides(ctx.engine)}
+    state = await ctx.control.refresh(ctx.engine)
+    overrides = {o.region: o for o in operator.overrides_of(state)}
     live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
     out = safety.out_of_service(snapshot, overrides, now)
     rows = []
@@ -213,7 +214,7 @@ async def _change(
     now = ctx.clock()
     broke: list[str] = []
 
-    def guard(before: Mapping[str, Override], after: Mapping[str, Override]) -> None:
+    def guard(before: Mapping[str, Override], after: Mapping[str, Override]) -> list[str]:
         broke.extend(safety.check(snapshot, before, after, now))
         if broke and not body.override_safety:
             raise Conflict(
@@ -222,14 +223,26 @@ async def _change(
             )
         if broke and Role.ADMIN not in principal.roles:
             raise Forbidden("only an admin may override the safety rules")
+        return list(broke)
 
     try:
         result = await operator.amend(
-            ctx.engine, region, actor=principal.name, reason=body.reason, now=now, guard=guard,
-            **change,
+            ctx.engine, region, control=ctx.control, by=principal.id, actor=principal.name,
+            reason=body.reason, now=now, guard=guard, **change,
         )  # fmt: skip
     except ValueError as exc:
         raise Invalid(str(exc), [Problem("request", "body", str(exc))]) from None
+    except (Forbidden, Conflict, operator.OverrideRefused) as exc:
+        # Every refusal is evidence: a denied event with what was asked and why it was not.
+        why = exc.message if isinstance(exc, Forbidden | Conflict) else str(exc)
+        async with ctx.engine.begin() as conn:
+            await events.record(
+                conn, "denied", f"{region}: {why}", actor=principal.name, now=now,
+                node=ctx.node, reason=body.reason,
+            )  # fmt: skip
+        if isinstance(exc, operator.OverrideRefused):
+            raise Forbidden(str(exc)) from None
+        raise
     if broke:
         async with ctx.engine.begin() as conn:
             await events.record(

@@ -16,8 +16,8 @@ import pytest
 
 from gtm.admin import principals, signer
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer
 from gtm.admin.server import bind, serve_admin
+from gtm.control.log import ControlLog
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
@@ -31,22 +31,25 @@ class Admin:
     keys: Path  # the key pair's directory
 
     @property
-    def sealer(self) -> Sealer:
-        return Sealer(signer.load_signer(self.keys / signer.PRIVATE_NAME), {})
+    def control(self) -> ControlLog:
+        """The key file's holder's writer (as ``gtm token create``): a fresh read of the log."""
+        key = signer.load_signer(self.keys / signer.PRIVATE_NAME)
+        return ControlLog({}, key, public=key.public_key())
 
     async def token(self, name: str, *roles: Role) -> str:
         """A principal NAME with ROLES (made once) and a new token for it."""
-        sealer = self.sealer
+        control = self.control
+        await control.refresh(self.runtime.engine)
         async with self.runtime.engine.begin() as conn:
-            principal = await principals.by_name(conn, name, sealer)
+            principal = await principals.by_name(conn, name, control)
             if principal is None:
                 principal = await principals.create(
                     conn, name, roles, created_by="test", now=time.time(), node="test",
-                    sealer=sealer,
+                    control=control,
                 )  # fmt: skip
             token = await principals.issue_token(
                 conn, principal, created_by="test", now=time.time(), expires_at=None,
-                node="test", sealer=sealer,
+                node="test", control=control,
             )  # fmt: skip
         return token.text
 

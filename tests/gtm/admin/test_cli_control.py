@@ -15,9 +15,9 @@ import pytest
 
 from gtm.admin import principals
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer
 from gtm.admin.signer import PRIVATE_NAME, generate, load_signer
 from gtm.audit.database import make_async_engine
+from gtm.control.log import ControlLog
 from gtm.errors import ConfigError
 from gtm.fleet import shared_state
 from tests.conftest import DEMO, ROOT
@@ -66,7 +66,7 @@ async def test_the_first_token_is_made_on_the_node_and_recorded(tmp_path: Path) 
     engine = make_async_engine(url)
     try:
         principal = await principals.authenticate(
-            engine, token, 0, Sealer(load_signer(private), {})
+            engine, token, 0, ControlLog({}, (k := load_signer(private)), public=k.public_key())
         )
         assert principal is not None and principal.roles == {Role.ADMIN}
         events = await shared_state.read_events(engine, "-", 10)
@@ -138,6 +138,8 @@ async def test_region_controls_from_the_cli_are_the_tokens_principal(
             "GTM_ADMIN_URL": admin.url,
             "GTM_ADMIN_TOKEN": olga,
             "GTM_DATABASE_URL": admin.runtime.settings.database_url,
+            # `region status` reads overrides from the verified control log: the public key.
+            "GTM_DOCUMENT_KEYS": json.dumps([str(admin.keys / "document-signing.pub")]),
         }
 
         async def run(*args: str) -> subprocess.CompletedProcess[str]:

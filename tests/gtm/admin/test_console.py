@@ -330,8 +330,13 @@ async def test_an_admin_makes_a_principal_issues_a_token_once_and_revokes_it(
                 {"name": "pat", "role:auditor": "on", "role:viewer": "on"},
             )
             assert made.status_code == 303
-            issued = await post_form(
+            # Nobody mints a token for someone else: the admin's form for pat is refused.
+            other = await post_form(
                 client, "/console/access", "/console/access/tokens", {"principal": "pat"}
+            )
+            assert other.status_code == 403 and "only for themself" in other.text
+            issued = await post_form(
+                client, "/console/access", "/console/access/tokens", {"principal": "root"}
             )
             assert issued.status_code == 201
             assert issued.headers["cache-control"] == "no-store"
@@ -339,8 +344,12 @@ async def test_an_admin_makes_a_principal_issues_a_token_once_and_revokes_it(
             assert token, "the new token is shown once"
             again = await client.get("/console/access")
             assert token.group(1) not in again.text  # and never again
-        async with sign_in(admin.url, token.group(1)) as pat:
-            page = await pat.get("/console/")
+        async with sign_in(admin.url, token.group(1)) as second:
+            page = await second.get("/console/")
+            assert "root" in page.text and "admin" in page.text
+        pat = await admin.token("pat")  # pat's own token, from the key file's holder
+        async with sign_in(admin.url, pat) as client:
+            page = await client.get("/console/")
             assert "pat" in page.text and "auditor" in page.text
         async with sign_in(admin.url, root) as client:
             listing = (await client.get("/console/access")).text

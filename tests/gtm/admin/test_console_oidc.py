@@ -120,10 +120,12 @@ def settings_for(provider: Provider) -> dict[str, Any]:
 
 
 async def bind(admin: Admin, name: str, subject: str, *roles: Role) -> None:
+    control = admin.control
+    await control.refresh(admin.runtime.engine)
     async with admin.runtime.engine.begin() as conn:
         await principals.create(
             conn, name, roles, created_by="test", now=time.time(), node="test",
-            sealer=admin.sealer, oidc_subject=subject,
+            control=control, oidc_subject=subject,
         )  # fmt: skip
 
 

@@ -100,7 +100,8 @@ async def test_approvals_inserted_into_the_database_approve_nothing(
             )
         async with admin.client(alice) as a:
             r = await a.post(f"/v1/proposals/{p['id']}/activate")
-            assert r.status_code == 409 and "0 valid approval(s)" in r.json()["message"]
+            # The verified log holds no approval: the proposal is still only proposed.
+            assert r.status_code == 409 and "proposed, not approved" in r.json()["message"]
         await synced(admin.runtime)
         assert eu_answer(admin.runtime) != "us-east"
 
@@ -118,8 +119,10 @@ async def test_a_rewritten_author_is_refused(start_admin: AdminFactory) -> None:
                 .values(author_id=await _id_of(admin, "carol"))
             )
         async with admin.client(alice) as a:
+            # The author is what the signed log says: alice, whatever the row now claims.
+            assert (await a.get(f"/v1/proposals/{p['id']}")).json()["author"] == "alice"
             r = await a.post(f"/v1/proposals/{p['id']}/approve", json={"version": p["version"]})
-            assert r.status_code == 409 and r.json()["error"] == "tampered"
+            assert r.status_code == 403 and "may not approve" in r.json()["message"]
 
 
 async def test_content_swapped_under_review_is_shown_and_activated_from_nowhere(
@@ -160,7 +163,8 @@ async def test_lowering_the_approvals_needed_in_the_database_does_not_count(
                     .values(required_approvals=1, state="approved")
                 )
             r = await b.post(f"/v1/proposals/{p['id']}/activate")
-            assert r.status_code == 409 and "1 valid approval(s) of 2" in r.json()["message"]
+            # The log's proposal still needs two: one approval leaves it proposed.
+            assert r.status_code == 409 and "proposed, not approved" in r.json()["message"]
 
 
 async def _two_activations(admin: Admin) -> None:
@@ -201,7 +205,8 @@ async def test_a_restarted_node_is_not_rolled_back(start_admin: AdminFactory) ->
         restarted = Runtime(admin.runtime.settings)  # same node, same disk
         await restarted.start()
         try:
-            assert restarted.document_sequence is None  # keeps its files, not version 1
+            # Activation 2, from its own verified copy: not version 1, nor its files.
+            assert restarted.document_sequence == 2
             assert eu_answer(restarted) != "us-east"
         finally:
             await restarted.stop()

@@ -154,7 +154,8 @@ async def test_a_database_writer_cannot_change_routing(start_admin: AdminFactory
                     update(proposals).where(proposals.c.id == pid).values(state="approved")
                 )
             r = await a.post(f"/v1/proposals/{pid}/activate")
-            assert r.status_code == 409 and "0 valid approval" in r.json()["message"]
+            # The control log says it is a draft: the row's "approved" is no state at all.
+            assert r.status_code == 409 and "draft, not approved" in r.json()["message"]
 
         # 3. A manifest signed with a key the nodes do not trust, and a forged signature.
         other = load_signer(_other_key(admin.keys.parent))
@@ -287,5 +288,5 @@ async def test_a_node_without_the_signing_key_reads_but_writes_nothing(
         async with admin.client(alice) as a:
             assert (await a.get("/v1/whoami")).json()["name"] == "alice"
             r = await a.post("/v1/proposals", json=loose_proposal())
-            assert r.status_code == 409 and r.json()["error"] == "cannot_seal"
+            assert r.status_code == 409 and r.json()["error"] == "cannot_sign"
             assert (await a.get("/v1/proposals")).json() == []

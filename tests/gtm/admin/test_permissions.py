@@ -18,6 +18,7 @@ PLACEHOLDERS = {
     "name": "nobody",
     "proposal_id": "999999",
     "token_id": "0" * 16,
+    "grant_id": "999999",
     "version_id": "0" * 64,
     "region": "nowhere",
     "decision_id": "nowhere~18c0000000~aaaaaaaa~1",
@@ -101,21 +102,28 @@ async def test_tokens_expire(start_admin: AdminFactory) -> None:
         async with admin.client(root) as adm:
             r = await adm.post("/v1/principals", json={"name": "dave", "roles": ["viewer"]})
             assert r.status_code == 201
-            r = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "1h"})
-            assert r.status_code == 201
-            dave = r.json()["token"]
             assert (
                 await adm.post("/v1/principals", json={"name": "dave", "roles": ["viewer"]})
             ).status_code == 409
-            bad = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "soon"})
+            # Nobody mints a token for someone else, an admin included (a 403, and evidence).
+            other = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "1h"})
+            assert other.status_code == 403 and "only for themself" in other.json()["message"]
+            r = await adm.post("/v1/principals/root/tokens", json={"expires_in": "1h"})
+            assert r.status_code == 201
+            hour = r.json()["token"]
+            bad = await adm.post("/v1/principals/root/tokens", json={"expires_in": "soon"})
             assert bad.status_code == 422 and "duration" in bad.json()["message"]
             assert bad.json()["problems"][0]["location"] == "body.expires_in"
-            forever = await adm.post("/v1/principals/dave/tokens", json={"expires_in": "99999999d"})
+            forever = await adm.post("/v1/principals/root/tokens", json={"expires_in": "99999999d"})
             assert forever.status_code == 422 and "ten years at most" in forever.json()["message"]
-        async with admin.client(dave) as client:
+            events = (await adm.get("/v1/events", params={"region": "-"})).json()
+            assert any(
+                e["kind"] == "denied" and "create_token: for dave" in e["detail"] for e in events
+            )
+        async with admin.client(hour) as client:
             assert (await client.get("/v1/whoami")).status_code == 200
         # An hour and a second on, the same token is refused.
         later = time.time() + 3601
         assert (
-            await principals.authenticate(admin.runtime.engine, dave, later, admin.sealer) is None
+            await principals.authenticate(admin.runtime.engine, hour, later, admin.control) is None
         )

@@ -1,0 +1,255 @@
+"""The control log in the database: appended under its head's lock, read and verified by every
+reader, folded into the state the control plane and the nodes act on.
+
+Appending (the admin service, or the key file's holder at the command line): in the caller's
+transaction, the one-row head is updated first (a row lock on PostgreSQL, the write lock on
+SQLite), so concurrent writers queue and never fork the log; the new entry follows what the
+writer has verified, is checked against the fold (:func:`gtm.control.state.check_applies`), is
+signed and lands with the change it records, or not at all.
+
+Reading: :meth:`ControlLog.refresh` reads committed entries after the last one accepted, checks
+each (link, signature, stored hash) and folds it; it also checks that the entry it accepted last
+is still there with the same hash, and that the log reaches the mark on this reader's disk. A log
+cut back, forked, edited or missing entries is *refused*: counted
+(``gtm_control_log_refused_total``), flagged (``gtm_control_log_broken``), logged once per
+change, and the reader keeps its last good state. A reader that starts against a refused log has
+no good state: it acts on nothing (:class:`LogRefused`) until the log is repaired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from sqlalchemy import insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from gtm.audit.schema import control_head, control_log
+from gtm.control import watermark
+from gtm.control.entry import BadEntry, EntrySigner, check, from_row, sign
+from gtm.control.state import ControlState, check_applies, fold
+from gtm.errors import GTMError
+from gtm.metrics import CONTROL_LOG_BROKEN, CONTROL_LOG_REFUSED, CONTROL_LOG_SEQUENCE
+
+log = structlog.get_logger(__name__)
+
+
+class LogRefused(GTMError):
+    """The control log in the database cannot be trusted (why says how); nothing may be written
+    to it or, before a good state was ever read, acted on."""
+
+
+class CannotSign(GTMError):
+    """This process holds no signing key: it reads the control log, it cannot write it."""
+
+
+class ControlLog:
+    """One process's view of the control log: the last good fold, and the means to extend it.
+
+    ``keys``: the trusted public keys by id (GTM_DOCUMENT_KEYS); ``signer``: the admin service's
+    key, on processes that write; ``mark``: the file where this reader keeps the highest entry
+    it accepted (None: in memory only, for tools that read once).
+    """
+
+    def __init__(
+        self,
+        keys: Mapping[str, Ed25519PublicKey],
+        signer: EntrySigner | None = None,
+        *,
+        mark: Path | None = None,
+        public: Ed25519PublicKey | None = None,
+    ) -> None:
+        self.keys = dict(keys)
+        self.signer = signer
+        if signer is not None and public is not None:
+            self.keys.setdefault(signer.key_id, public)  # its own entries always verify here
+        self.mark_path = mark
+        self._good = ControlState()
+        self._loaded = False
+        self.refusal: str | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def good(self) -> ControlState:
+        """The last good fold (no I/O); :class:`LogRefused` if there never was one."""
+        if not self._loaded:
+            raise LogRefused(self.refusal or "the control log has not been read yet")
+        return self._good
+
+    async def refresh(self, engine: AsyncEngine) -> ControlState:
+        """Read and verify committed entries after the last accepted one; the last good state
+        (refusing, loudly, what does not verify)."""
+        async with self._lock, engine.connect() as conn:
+            try:
+                state, last = await self._read(conn, self._good)
+                await self._still_there(conn)
+                self._against_mark(state, last)
+            except LogRefused as exc:
+                self._refuse(str(exc))
+                return self.good
+            except BadEntry as exc:
+                self._refuse(str(exc))
+                return self.good
+        if self.refusal is not None:
+            log.info("control_log.accepted_again", seq=state.seq)
+            self.refusal = None
+            CONTROL_LOG_BROKEN.set(0)
+        moved = state.seq != self._good.seq or not self._loaded
+        self._good, self._loaded = state, True
+        CONTROL_LOG_SEQUENCE.set(state.seq)
+        if moved and self.mark_path is not None:
+            watermark.write(self.mark_path, watermark.Mark(state.seq, state.head))
+        return state
+
+    async def state(self, conn: AsyncConnection) -> ControlState:
+        """The state as ``conn`` sees it: the last good fold and the entries after it that this
+        connection can see (its own transaction's, uncommitted, included). The cached fold is
+        not changed: a transaction that rolls back leaves nothing behind."""
+        state, _ = await self._read(conn, self.good)
+        return state
+
+    async def append(
+        self,
+        conn: AsyncConnection,
+        kind: str,
+        principal: str,
+        body: Mapping[str, Any],
+        now: float,
+    ) -> ControlState:
+        """Append one entry in the caller's transaction; the state after it.
+        :class:`gtm.control.state.Refusal` when the fold would refuse it."""
+        if self.signer is None:
+            raise CannotSign(
+                "this process has no signing key (GTM_DOCUMENT_SIGNING_KEY): it cannot write "
+                "the control log"
+            )
+        if self.refusal is not None:
+            raise LogRefused(f"the control log is refused here: {self.refusal}")
+        head = (
+            await conn.execute(
+                update(control_head)
+                .where(control_head.c.id == 1)
+                .values(seq=control_head.c.seq)
+                .returning(control_head.c.seq, control_head.c.last_hash)
+            )
+        ).first()
+        state = await self.state(conn)
+        if head is None or (head.seq, head.last_hash) != (state.seq, state.head):
+            raise LogRefused("the control log's head row disagrees with its verified entries")
+        entry = sign(
+            self.signer,
+            seq=state.seq + 1,
+            prev_hash=state.head,
+            at_us=round(now * 1e6),
+            kind=kind,
+            principal=principal,
+            body=body,
+        )
+        check_applies(state, entry)
+        await conn.execute(
+            insert(control_log),
+            {
+                "seq": entry.seq,
+                "prev_hash": entry.prev_hash,
+                "at_us": entry.at_us,
+                "kind": entry.kind,
+                "principal": entry.principal,
+                "body": entry.body_text(),
+                "key_id": entry.key_id,
+                "signature": entry.signature,
+                "entry_hash": entry.entry_hash,
+            },
+        )
+        await conn.execute(
+            update(control_head)
+            .where(control_head.c.id == 1)
+            .values(seq=entry.seq, last_hash=entry.entry_hash)
+        )
+        fold(state, entry)
+        return state
+
+    async def _read(
+        self, conn: AsyncConnection, base: ControlState
+    ) -> tuple[ControlState, dict[int, str]]:
+        """``base`` and the verified entries after it; the hashes seen, by sequence."""
+        rows = (
+            await conn.execute(
+                select(control_log).where(control_log.c.seq > base.seq).order_by(control_log.c.seq)
+            )
+        ).mappings()
+        state = base.copy()
+        seen: dict[int, str] = {}
+        for row in rows:
+            entry = from_row(dict(row))
+            check(entry, self.keys, (state.seq, state.head), row.get("entry_hash"))
+            fold(state, entry)
+            seen[entry.seq] = entry.entry_hash
+        return state, seen
+
+    async def _still_there(self, conn: AsyncConnection) -> None:
+        """The entry accepted last is still in the log with its hash: a log cut back or
+        rewritten behind this reader is refused, not silently read from where it now ends."""
+        if self._good.seq == 0:
+            return
+        stored = (
+            await conn.execute(
+                select(control_log.c.entry_hash).where(control_log.c.seq == self._good.seq)
+            )
+        ).scalar_one_or_none()
+        if stored != self._good.head:
+            raise LogRefused(
+                f"entry {self._good.seq}, accepted here, is "
+                + ("gone (the log was cut back)" if stored is None else "not what was accepted")
+            )
+
+    def _against_mark(self, state: ControlState, seen: dict[int, str]) -> None:
+        """A reader starting again holds the mark it wrote: the log must reach it, through it."""
+        if self._loaded or self.mark_path is None:
+            return
+        mark = _read_mark(self.mark_path)
+        if mark is None:
+            return
+        if state.seq < mark.seq:
+            raise LogRefused(
+                f"the log ends at entry {state.seq}; this reader accepted entry {mark.seq} "
+                "before (the log was cut back)"
+            )
+        if seen.get(mark.seq, state.head if state.seq == mark.seq else None) != mark.hash:
+            raise LogRefused(f"entry {mark.seq} is not the one this reader accepted (a fork)")
+
+    def _refuse(self, why: str) -> None:
+        CONTROL_LOG_REFUSED.labels(reason=_reason(why)).inc()
+        CONTROL_LOG_BROKEN.set(1)
+        if why != self.refusal:
+            log.error(
+                "control_log.refused", why=why, keeps=self._good.seq if self._loaded else None
+            )
+        self.refusal = why
+
+
+def _read_mark(path: Path) -> watermark.Mark | None:
+    try:
+        return watermark.read(path)
+    except watermark.BadMark as exc:
+        raise LogRefused(f"the mark on this reader's disk is unreadable: {exc}") from None
+
+
+def _reason(why: str) -> str:
+    for word, code in (
+        ("cut back", "cut_back"),
+        ("fork", "forked"),
+        ("missing", "missing"),
+        ("signature", "bad_signature"),
+        ("trusted", "unknown_key"),
+        ("link", "forked"),
+    ):
+        if word in why:
+            return code
+    return "invalid"
+
+
+__all__ = ["CannotSign", "ControlLog", "LogRefused"]
