@@ -180,6 +180,8 @@ def worker_settings(settings: Settings, index: int) -> Settings:
             "node_id": f"{settings.node_id}/w{index}"[:64],
             "observer_id": settings.observer_id or settings.node_id,
             "spool_dir": settings.spool_dir / f"w{index}",
+            # One vote, one observation key for the node's workers (not a key per spool).
+            "health_signing_key": settings.health_key_path,
             # One sink for the node: each worker's chain files and key beside its siblings'.
             "audit_checkpoint_dir": settings.checkpoint_dir,
             # Only the first worker serves metrics on the shared port; each exports its own

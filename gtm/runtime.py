@@ -40,6 +40,7 @@ from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
 from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
+from gtm.fleet.observation_seal import ObservationGate, gate_for, load_or_create_node_key
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
@@ -147,6 +148,10 @@ class Runtime:
             readmit_window_s=topology.routing.readmit_window_s,
             members=frozenset(settings.health_members),
         )
+        # Health from known nodes only (gtm.fleet.observation_seal): this node's own key, and
+        # the membership (node -> key) of the topology in force, else of its settings.
+        self.node_key = load_or_create_node_key(settings.health_key_path)
+        self.book.set_gate(self._health_gate(topology))
         self.sync = StateSync(
             self.engine,
             self.book,
@@ -305,9 +310,20 @@ class Runtime:
             return []
         node = self.book.node
         return [
-            Observation(node, region, h.state, h.since, now, h.detail)
+            self.node_key.seal(Observation(node, region, h.state, h.since, now, h.detail))
             for region, h in self.prober.health.items()
         ]
+
+    def _health_gate(self, topology: Topology) -> ObservationGate:
+        settings = self.settings
+        return gate_for(
+            topology.fleet.members,
+            settings.health_members,
+            self.book.node,
+            self.node_key,
+            quorum=settings.health_quorum,
+            max_future_s=settings.health_max_future_s,
+        )
 
     def _health_changed(self, region: str, before: TargetHealth, after: TargetHealth) -> None:
         """This node's probes changed their mind: take it into account at once, not at the
@@ -434,6 +450,8 @@ class Runtime:
         topology = docs.topology
         self.swap(topology=topology, policy=docs.policy)
         self.book.retarget(tuple(r.id for r in topology.regions))
+        if topology.fleet != current.topology.fleet:
+            self.book.set_gate(self._health_gate(topology))
         self.book.readmit_window_s = topology.routing.readmit_window_s
         self.intake.regions = {r.id for r in topology.regions}
         self.intake.stale_after_s = topology.routing.spillover.stale_after_s

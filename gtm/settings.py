@@ -150,12 +150,19 @@ class Settings(BaseSettings):
     anycast_max_db_loss_s: float = Field(default=30.0, ge=0)
     anycast_fall: int = Field(default=2, ge=1)
     anycast_check_interval_s: float = Field(default=1.0, gt=0)
-    # The fleet's configured observers (observer ids, or node ids): when given, only their
-    # observations count and a region's state needs a majority of them (or health_quorum, if
-    # higher), whoever is alive; empty: every node that reports, the quorum shrinking to those.
+    # The fleet's configured observers (observer ids), used only when the topology has no
+    # fleet.members (which wins): only their observations count and a region's state needs a
+    # majority of them (or health_quorum, if higher), whoever is alive. An entry "ID=KEY" gives
+    # the member's observation key (64 hex digits); a member without a key cannot vote (said at
+    # start). Neither: this node counts its own observations only (gtm.fleet.observation_seal).
     health_members: tuple[str, ...] = ()
     # A node's observation counts while it is younger than this.
     health_observation_max_age_s: float = Field(default=3.0, gt=0)
+    # ...and only if it is dated at most this far ahead of this node's clock (clock skew).
+    health_max_future_s: float = Field(default=2.0, ge=0)
+    # This node's observation signing key (Ed25519, mode 0600, made on first start; one per
+    # node, shared by its worker processes); unset: health-signing.key in the spool directory.
+    health_signing_key: Path | None = None
     # How often a node exchanges observations, overrides and published documents with the
     # shared database (the bound on how late another node's change takes effect here).
     state_sync_interval_s: float = Field(default=0.5, gt=0)
@@ -203,6 +210,12 @@ class Settings(BaseSettings):
     otel_endpoint: str | None = Field(default=None, pattern=r"^https?://")
     otel_service_name: str | None = Field(default=None, min_length=1)
     otel_sample_ratio: float | None = Field(default=None, ge=0, le=1)
+
+    @property
+    def health_key_path(self) -> Path:
+        if self.health_signing_key is not None:
+            return self.health_signing_key
+        return self.spool_dir / "health-signing.key"
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -123,7 +123,9 @@ event_chain = Table(
 )
 
 # The latest health observation of each (node, region): refreshed while the node probes, so a
-# quorum counts only fresh rows and a dead node's view ages out by itself.
+# quorum counts only fresh rows and a dead node's view ages out by itself. Each row is signed by
+# its node's own key over every other column (gtm.fleet.observation_seal; key_id only names the
+# key it claims): readers count it only when it verifies with that member's key.
 health_observations = Table(
     "health_observations",
     metadata,
@@ -133,6 +135,8 @@ health_observations = Table(
     Column("since_us", BigInteger, nullable=False),
     Column("observed_at_us", BigInteger, nullable=False),
     Column("detail", Text, nullable=False),
+    Column("key_id", String(16), nullable=True),
+    Column("signature", String(128), nullable=True),
 )
 
 # Operator overrides in force, one row per region (history lives in region_events).

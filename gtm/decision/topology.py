@@ -17,6 +17,9 @@ Example (see ``examples/demo.yaml`` for a complete one)::
          ipv4: [192.0.2.30], base_url: "https://eu-west.gtm.example"}
     services:
       - {id: chat, dns_names: [chat.gtm.example.], regions: [eu-west]}
+    fleet:                      # optional: the nodes whose signed health observations count
+      members:                  # public_key: 64 hex digits (raw Ed25519) or a PEM block
+        - {id: gtm-1, public_key: 08ff75fff311dd786262e7cfebd37e929e3963d706aaa6683b50d4ac9c15edd1}
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -245,6 +250,58 @@ class Tenant(_Strict):
     residency_classes: tuple[str, ...] = ()
 
 
+# A node's observer id (GTM_OBSERVER_ID, else GTM_NODE_ID): what its observations are signed as.
+MemberId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^\S+$")]
+
+
+def public_key_bytes(text: str) -> bytes:
+    """The raw 32 bytes of an Ed25519 public key given as PEM (SubjectPublicKeyInfo) or as 64
+    hex digits; ValueError saying what is wrong otherwise."""
+    value = text.strip()
+    if value.startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_public_key(value.encode())
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"not a PEM public key: {exc}") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise ValueError("not an Ed25519 public key")
+        return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(
+            "not an Ed25519 public key: give 64 hex digits (the raw key) or a PEM block"
+        ) from None
+    if len(raw) != 32:
+        raise ValueError(f"an Ed25519 public key is 32 bytes (64 hex digits), not {len(raw)}")
+    return raw
+
+
+class FleetMember(_Strict):
+    """One GTM node whose health observations count: its observer id and the public half of its
+    observation signing key (``gtm.fleet.observation_seal``)."""
+
+    id: MemberId
+    public_key: str = Field(min_length=1, max_length=1000)
+
+    @field_validator("public_key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        public_key_bytes(v)
+        return v.strip()
+
+    def key(self) -> bytes:
+        return public_key_bytes(self.public_key)
+
+
+class Fleet(_Strict):
+    """The fleet's membership: only these nodes' signed observations count towards a region's
+    state, and a state needs a majority of them. Empty: GTM_HEALTH_MEMBERS, else the node alone
+    (``gtm.fleet.observation_seal.membership``)."""
+
+    members: tuple[FleetMember, ...] = Field(default=(), max_length=256)
+
+
 class Topology(_Strict):
     zone: Zone
     regions: tuple[Region, ...] = Field(min_length=1)
@@ -252,6 +309,7 @@ class Topology(_Strict):
     routing: Routing = Routing()
     tenants: tuple[Tenant, ...] = ()
     safety: Safety = Safety()
+    fleet: Fleet = Fleet()
 
     _regions_by_id: dict[str, Region] = PrivateAttr(default_factory=dict)
     _by_name: dict[str, Service] = PrivateAttr(default_factory=dict)
@@ -301,6 +359,7 @@ def cross_reference_problems(topo: Topology) -> list[tuple[str, str]]:
         problems.append(("tenants", f"tenant id {dup!r} is defined more than once"))
     for dup in _duplicates([s.id for s in topo.services]):
         problems.append(("services", f"service id {dup!r} is defined more than once"))
+    problems += _membership_problems(topo.fleet)
     seen_names: dict[str, str] = {}
     seen_hosts: dict[str, str] = {}
     for i, svc in enumerate(topo.services):
@@ -335,6 +394,25 @@ def cross_reference_problems(topo: Topology) -> list[tuple[str, str]]:
         seen_names,
         frozenset(ns.name for ns in zone.nameservers if in_zone(ns.name, zone.apex)),
     )
+    return problems
+
+
+def _membership_problems(fleet: Fleet) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for dup in _duplicates([m.id for m in fleet.members]):
+        problems.append(("fleet.members", f"member id {dup!r} is listed more than once"))
+    holder: dict[bytes, str] = {}
+    for i, member in enumerate(fleet.members):
+        raw = member.key()
+        if raw in holder and holder[raw] != member.id:
+            problems.append(
+                (
+                    f"fleet.members[{i}].public_key",
+                    f"{member.id!r} has the same key as {holder[raw]!r}: each node signs with "
+                    "its own key, or one node's observations would count as two votes",
+                )
+            )
+        holder.setdefault(raw, member.id)
     return problems
 
 

@@ -11,12 +11,17 @@ one node and says what changed, so the runtime can swap a snapshot and record re
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from gtm.decision.snapshot import HealthState, RegionHealth
+
+if TYPE_CHECKING:
+    from gtm.fleet.observation_seal import ObservationGate
 
 # When several states tie for the most fresh observations and the previous one is not among
 # them, the more cautious wins: down before draining before up.
@@ -30,7 +35,10 @@ class Force(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """One node's latest judgement of one region, from its own probes."""
+    """One node's latest judgement of one region, from its own probes. ``signature`` is the
+    node's over every other field (:mod:`gtm.fleet.observation_seal`); ``key_id`` names the key
+    it claims to have signed with (a hint for the operator: the membership's key is the one
+    checked)."""
 
     node: str
     region: str
@@ -38,6 +46,8 @@ class Observation:
     since: float  # when this node's view last changed
     observed_at: float  # when the node last confirmed it (its probes are running)
     detail: str = ""
+    signature: str = ""
+    key_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +177,12 @@ class Composed:
 @dataclass
 class RegionBook:
     """One node's knowledge of every region: observations (its own and its peers'), the
-    overrides in force and each region's state in force, with what changed."""
+    overrides in force and each region's state in force, with what changed.
+
+    With a ``gate`` (:meth:`set_gate`; the runtime always sets one) a peer's observation counts
+    only when it is a member's, signed with that member's key and dated within bounds of this
+    node's ``clock``, and never older than one already accepted from it; without one, what
+    :meth:`replace_peers` is given is taken as it is (pure tests, display recounts)."""
 
     node: str
     regions: tuple[str, ...]
@@ -175,6 +190,8 @@ class RegionBook:
     max_age_s: float = 3.0
     members: frozenset[str] = frozenset()  # configured observers; empty: whoever reports
     readmit_window_s: float = 0.0
+    gate: ObservationGate | None = None
+    clock: Callable[[], float] = time.time
     observations: dict[tuple[str, str], Observation] = field(default_factory=dict)
     overrides: dict[str, Override] = field(default_factory=dict)
     _effective: dict[str, Override] = field(default_factory=dict)
@@ -185,12 +202,39 @@ class RegionBook:
     def observe(self, observation: Observation) -> None:
         self.observations[(observation.node, observation.region)] = observation
 
+    def set_gate(self, gate: ObservationGate) -> None:
+        """Count only ``gate``'s members' verified observations, a majority of its configured
+        membership deciding (none configured: this node's own observations, alone)."""
+        self.gate = gate
+        self.members = gate.membership.voters
+        known = gate.membership.keys
+        self.observations = {
+            k: o for k, o in self.observations.items() if k[0] == self.node or k[0] in known
+        }
+
     def replace_peers(self, observations: Iterable[Observation]) -> None:
         """Every other node's observations, as just read from the shared database."""
         mine = {k: v for k, v in self.observations.items() if k[0] == self.node}
-        self.observations = mine | {
-            (o.node, o.region): o for o in observations if o.node != self.node
-        }
+        peers = [o for o in observations if o.node != self.node]
+        if self.gate is None:
+            self.observations = mine | {(o.node, o.region): o for o in peers}
+            return
+        now = self.clock()
+        fresh: dict[tuple[str, str], Observation] = {}
+        for o in self.gate.admit(peers, now):
+            key = (o.node, o.region)
+            before = self.observations.get(key)
+            if (
+                before is not None
+                and before.observed_at > o.observed_at
+                and now - before.observed_at <= self.max_age_s
+            ):
+                # A member's older row put back: its newer word, still fresh, stands.
+                self.gate.refuse("older than one accepted", o)
+                o = before
+            if key not in fresh or fresh[key].observed_at < o.observed_at:
+                fresh[key] = o
+        self.observations = mine | fresh
 
     def set_overrides(self, overrides: Iterable[Override]) -> None:
         self.overrides = {o.region: o for o in overrides}

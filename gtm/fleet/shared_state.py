@@ -30,6 +30,7 @@ from gtm.audit.schema import (
     region_overrides,
 )
 from gtm.decision.snapshot import HealthState
+from gtm.fleet.observation_seal import MAX_DETAIL, REFUSALS, micros
 from gtm.fleet.region_state import Force, Observation, Override, RegionEvent
 
 
@@ -46,14 +47,18 @@ def _iso(t: float) -> str:
 
 
 async def write_observations(engine: AsyncEngine, observations: Iterable[Observation]) -> None:
+    """This node's observations, as its key sealed them (gtm.fleet.observation_seal): stored
+    exactly as signed, so a reader's check covers every column."""
     rows = [
         {
             "node": o.node,
             "region": o.region,
             "state": o.state.value,
-            "since_us": _us(o.since),
-            "observed_at_us": _us(o.observed_at),
-            "detail": o.detail[:500],
+            "since_us": micros(o.since),
+            "observed_at_us": micros(o.observed_at),
+            "detail": o.detail[:MAX_DETAIL],
+            "key_id": o.key_id or None,
+            "signature": o.signature or None,
         }
         for o in observations
     ]
@@ -62,29 +67,43 @@ async def write_observations(engine: AsyncEngine, observations: Iterable[Observa
     stmt = upsert(engine, health_observations)
     stmt = stmt.on_conflict_do_update(
         index_elements=["node", "region"],
-        set_={c: stmt.excluded[c] for c in ("state", "since_us", "observed_at_us", "detail")},
+        set_={
+            c: stmt.excluded[c]
+            for c in ("state", "since_us", "observed_at_us", "detail", "key_id", "signature")
+        },
     )
     async with engine.begin() as conn:
         await conn.execute(stmt, rows)
 
 
 async def read_observations(engine: AsyncEngine, newer_than: float) -> list[Observation]:
+    """Every node's observations since ``newer_than``, as the rows say: untrusted until a
+    :class:`~gtm.fleet.observation_seal.ObservationGate` admits them. A row that is not even an
+    observation (an unknown state, a time that is not a number) is refused here, counted, and
+    the rest is returned."""
     query = select(health_observations).where(
         health_observations.c.observed_at_us >= _us(newer_than)
     )
     async with engine.connect() as conn:
         rows = (await conn.execute(query)).mappings().all()
-    return [
-        Observation(
-            r["node"],
-            r["region"],
-            HealthState(r["state"]),
-            r["since_us"] / 1e6,
-            r["observed_at_us"] / 1e6,
-            r["detail"],
-        )
-        for r in rows
-    ]
+    found = []
+    for r in rows:
+        try:
+            found.append(
+                Observation(
+                    str(r["node"]),
+                    str(r["region"]),
+                    HealthState(r["state"]),
+                    int(r["since_us"]) / 1e6,
+                    int(r["observed_at_us"]) / 1e6,
+                    str(r["detail"]),
+                    str(r["signature"] or ""),
+                    str(r["key_id"] or ""),
+                )
+            )
+        except (TypeError, ValueError, OverflowError):
+            REFUSALS.refuse("malformed", r["node"], r["region"])
+    return found
 
 
 async def append_events(engine: AsyncEngine, events: Iterable[RegionEvent]) -> None:

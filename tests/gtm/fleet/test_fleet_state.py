@@ -20,6 +20,7 @@ from gtm.admin.signer import PRIVATE_NAME, PUBLIC_NAME, generate, load_signer
 from gtm.audit.schema import region_events
 from gtm.decision.snapshot import HealthState
 from gtm.fleet import operator, shared_state
+from gtm.fleet.observation_seal import KEY_NAME, NodeKey, load_or_create_node_key
 from gtm.fleet.region_state import Force, Observation
 from gtm.fleet.signed_documents import Manifest, content_digest
 from gtm.runtime import Runtime
@@ -113,37 +114,72 @@ async def until(check: Callable[[], bool], within: float) -> float:
     return time.monotonic() - started
 
 
-async def test_a_quorum_of_nodes_decides_and_a_lone_node_decides_alone(
-    nodes: list[Runtime],
-) -> None:
-    a, b = nodes
-    for n in nodes:
-        await until(lambda n=n: state(n, "eu-central") is HealthState.UP, 5)  # type: ignore[misc]
+@pytest.fixture
+async def members(
+    tmp_path: Path,
+    balancers: tuple[Path, dict[str, FakeBalancer]],
+    database_url: str,
+    geoip_path: Path,
+) -> AsyncIterator[tuple[list[Runtime], dict[str, NodeKey]]]:
+    """Two running nodes in a membership of five (the signed topology's fleet.members): the
+    other three members' keys are held by the test, which speaks for them."""
+    config, _ = balancers
+    keys = {
+        n: load_or_create_node_key(tmp_path / f"spool-{n}" / KEY_NAME)
+        for n in ("node-a", "node-b", "node-c", "node-d", "node-e")
+    }
+    data = yaml.safe_load(config.read_text())
+    data["fleet"] = {"members": [{"id": n, "public_key": k.public_hex} for n, k in keys.items()]}
+    config.write_text(yaml.safe_dump(data))
+    runtimes = [
+        Runtime(
+            node_settings(tmp_path, config, database_url, n, geoip_path=geoip_path, health_quorum=2)
+        )
+        for n in ("node-a", "node-b")
+    ]
+    for r in runtimes:
+        await r.start()
+    yield runtimes, {n: k for n, k in keys.items() if n not in ("node-a", "node-b")}
+    for r in runtimes:
+        await r.stop()
 
-    async def peers_say(state_: HealthState, *peers: str) -> None:
+
+async def test_a_majority_of_the_membership_decides(
+    members: tuple[list[Runtime], dict[str, NodeKey]],
+) -> None:
+    """Only members' signed observations vote (gtm.fleet.observation_seal), and a state needs a
+    majority of the five: the two running nodes' own probes are two votes of the three needed.
+    (Before observations were signed, any row naming any node voted: see
+    test_signed_observations.)"""
+    nodes, peers = members
+    a, b = nodes
+
+    async def peers_say(state_: HealthState, *names: str) -> None:
         now = time.time()
         await shared_state.write_observations(
-            a.engine, [Observation(p, "eu-central", state_, now, now) for p in peers]
+            a.engine,
+            [peers[p].seal(Observation(p, "eu-central", state_, now, now)) for p in names],
         )
 
-    # Two nodes see it up, one peer says down: no quorum of two for "down".
+    async def say_until(state_: HealthState, names: tuple[str, ...], want: HealthState) -> None:
+        deadline = time.monotonic() + 8
+        while not (state(a, "eu-central") is want and state(b, "eu-central") is want):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not {want} within 8 s")
+            await peers_say(state_, *names)
+            await asyncio.sleep(SYNC_S)
+
+    # The two nodes' probes and one more member say up: up on both.
+    await say_until(HealthState.UP, ("node-c",), HealthState.UP)
+    # One member says down against two: no majority for down.
     for _ in range(5):
         await peers_say(HealthState.DOWN, "node-c")
         await asyncio.sleep(SYNC_S)
     assert state(a, "eu-central") is HealthState.UP and state(b, "eu-central") is HealthState.UP
-    # Three peers say down against two: down on both nodes, though their own probes say up.
-    for _ in range(8):
-        await peers_say(HealthState.DOWN, "node-c", "node-d", "node-e")
-        await asyncio.sleep(SYNC_S)
-        if (
-            state(a, "eu-central") is HealthState.DOWN
-            and state(b, "eu-central") is HealthState.DOWN
-        ):
-            break
-    assert state(a, "eu-central") is HealthState.DOWN and state(b, "eu-central") is HealthState.DOWN
-    # The peers go quiet: their observations age out and the live nodes' own view returns.
-    await until(lambda: state(a, "eu-central") is HealthState.UP, 3)
-    await until(lambda: state(b, "eu-central") is HealthState.UP, 3)
+    # Three members say down against two: down on both nodes, though their own probes say up.
+    await say_until(HealthState.DOWN, ("node-c", "node-d", "node-e"), HealthState.DOWN)
+    # They see it up again: up again.
+    await say_until(HealthState.UP, ("node-c", "node-d", "node-e"), HealthState.UP)
     await until(lambda: not a.sync.pending and not b.sync.pending, 2)
     async with a.engine.connect() as conn:
         rows = (
@@ -155,6 +191,7 @@ async def test_a_quorum_of_nodes_decides_and_a_lone_node_decides_alone(
         ).all()
     # unknown -> up -> down -> up, recorded by each node
     assert dict(rows) == {"node-a": 3, "node-b": 3}
+    assert all(n.book.gate is not None and not n.book.gate.refused for n in nodes)
 
 
 async def test_operator_controls_reach_every_node_within_two_seconds(nodes: list[Runtime]) -> None:
