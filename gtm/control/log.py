@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, event, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.audit.schema import control_head, control_log
@@ -108,8 +108,15 @@ class ControlLog:
     async def state(self, conn: AsyncConnection) -> ControlState:
         """The state as ``conn`` sees it: the last good fold and the entries after it that this
         connection can see (its own transaction's, uncommitted, included). The cached fold is
-        not changed: a transaction that rolls back leaves nothing behind."""
-        state, _ = await self._read(conn, self.good)
+        not changed: a transaction that rolls back leaves nothing behind. Entries after it that
+        do not verify are refused, loudly, and the last good state is returned: reads go on from
+        what was verified, and :meth:`append` refuses to write after a refused log."""
+        good = self.good
+        try:
+            state, _ = await self._read(conn, good)
+        except BadEntry as exc:
+            self._refuse(str(exc))
+            return good
         return state
 
     async def append(
@@ -138,6 +145,8 @@ class ControlLog:
             )
         ).first()
         state = await self.state(conn)
+        if self.refusal is not None:  # found just now, reading what follows the good state
+            raise LogRefused(f"the control log is refused here: {self.refusal}")
         if head is None or (head.seq, head.last_hash) != (state.seq, state.head):
             raise LogRefused("the control log's head row disagrees with its verified entries")
         entry = sign(
@@ -170,7 +179,43 @@ class ControlLog:
             .values(seq=entry.seq, last_hash=entry.entry_hash)
         )
         fold(state, entry)
+        self._adopt_on_commit(conn, state)
         return state
+
+    def _adopt_on_commit(self, conn: AsyncConnection, state: ControlState) -> None:
+        """When the appending transaction commits, what this writer signed is accepted here (and
+        marked on disk) at once: a log cut back behind its own entries is then refused like any
+        other. A rollback forgets it. Both listeners are removed once either fires."""
+        sync = conn.sync_connection
+        assert sync is not None
+        loop = asyncio.get_running_loop()
+        settled = False
+
+        def committed(_: Connection) -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            loop.call_soon(settle)  # not during the dispatch that is iterating the listeners
+            if self._loaded and state.seq > self._good.seq:
+                self._good = state
+                CONTROL_LOG_SEQUENCE.set(state.seq)
+                if self.mark_path is not None:
+                    watermark.write(self.mark_path, watermark.Mark(state.seq, state.head))
+
+        def rolled_back(_: Connection) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                loop.call_soon(settle)
+
+        def settle() -> None:
+            for name, fn in (("commit", committed), ("rollback", rolled_back)):
+                if event.contains(sync, name, fn):
+                    event.remove(sync, name, fn)
+
+        event.listen(sync, "commit", committed)
+        event.listen(sync, "rollback", rolled_back)
 
     async def _read(
         self, conn: AsyncConnection, base: ControlState
