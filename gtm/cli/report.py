@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.database import make_async_engine
 from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_with_sink
+from gtm.control.log import ControlLog, LogRefused
+from gtm.control.state import ControlState
 from gtm.decision.policy import policy_files
+from gtm.fleet.signed_documents import load_public_keys
 from gtm.report.compliance import Compliance, compliance_report
 from gtm.report.html import render
+from gtm.settings import Settings
 
 report_app = typer.Typer(help="Reports for compliance teams and regulators.", no_args_is_help=True)
 
@@ -62,6 +67,16 @@ def compliance(
         {p.name: p.read_text(encoding="utf-8") for p in policy_files(settings.policies)},
     )
 
+    async def _verified_control(engine: AsyncEngine, settings: Settings) -> ControlState | None:
+        """Who approved what, from the control log verified with GTM_DOCUMENT_KEYS."""
+        control = ControlLog(load_public_keys(settings.document_keys))
+        try:
+            await control.refresh(engine)
+        except LogRefused as exc:
+            typer.echo(f"warning: the control log is refused: {exc}", err=True)
+            return None
+        return control.good
+
     async def main() -> Compliance:
         engine = make_async_engine(settings.database_url)
         try:
@@ -71,6 +86,7 @@ def compliance(
                 to_us,
                 sink=sink,
                 own_documents=[own],
+                control=await _verified_control(engine, settings),
             )
         finally:
             await engine.dispose()

@@ -22,14 +22,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.checkpoints import CheckpointSink
 from gtm.audit.schema import (
-    approvals,
     decisions,
     document_versions,
-    principals,
-    proposals,
     region_events,
 )
 from gtm.audit.verify import Verification, verify
+from gtm.control.state import ControlState
 from gtm.decision.documents import parse_yaml
 from gtm.decision.policy import PolicySet, parse_policies
 from gtm.decision.topology import parse_topology
@@ -66,6 +64,7 @@ class Compliance:
     policies: dict[str, PolicyInForce] = field(default_factory=dict)
     operator_actions: list[dict[str, Any]] = field(default_factory=list)
     verification: dict[str, Any] = field(default_factory=dict)
+    control_log: str = ""  # whether who-approved-what comes from a verified control log
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -161,30 +160,28 @@ async def _policies(engine: AsyncEngine, own: Iterable[tuple[str, Mapping[str, s
     return found
 
 
-async def _who_approved(engine: AsyncEngine, report: Compliance, policies: Policies) -> None:
+def _who_approved(report: Compliance, policies: Policies, control: ControlState | None) -> None:
+    """Who wrote and who approved each version in the window, from the verified control log
+    (the proposals and approvals tables are caches anyone with the database password can edit).
+    ``None``: the log was refused or could not be read; the report says so."""
+    if control is None:
+        report.control_log = "refused or unreadable: who approved what is not shown"
+        return
+    report.control_log = f"verified through entry {control.seq}"
     wanted = {policies.documents[v]: v for v in report.policies if v in policies.documents}
-    async with engine.connect() as conn:
-        names = {
-            r.id: r.name for r in await conn.execute(select(principals.c.id, principals.c.name))
-        }
-        query = select(proposals).where(proposals.c.version_id.in_(list(wanted)))
-        for p in await conn.execute(query):
-            approvers = [
-                names.get(a.principal_id, a.principal_id)
-                for a in await conn.execute(
-                    select(approvals.c.principal_id).where(approvals.c.proposal_id == p.id)
-                )
-            ]
-            report.policies[wanted[p.version_id]].proposals.append(
-                {
-                    "proposal": p.id,
-                    "state": p.state,
-                    "author": names.get(p.author_id, p.author_id),
-                    "approvers": sorted(approvers),
-                    "reason": p.reason,
-                    "activated_at_us": p.activated_at_us,
-                }
-            )
+    for p in sorted(control.proposals.values(), key=lambda p: p.id):
+        if p.version not in wanted:
+            continue
+        report.policies[wanted[p.version]].proposals.append(
+            {
+                "proposal": p.id,
+                "state": p.state,
+                "author": control.name_of(p.author_id),
+                "approvers": sorted(control.name_of(a.approver_id) for a in p.approvals),
+                "reason": p.reason,
+                "activated_at_us": p.activated_at_us,
+            }
+        )
 
 
 async def _operator_actions(engine: AsyncEngine, report: Compliance) -> None:
@@ -235,6 +232,7 @@ async def compliance_report(
     *,
     sink: CheckpointSink,
     own_documents: Iterable[tuple[str, Mapping[str, str]]] = (),
+    control: ControlState | None = None,
 ) -> Compliance:
     verification = await verify(engine, sink)
     report = Compliance(from_us, to_us, verification.store)
@@ -256,7 +254,7 @@ async def compliance_report(
         for row in rows:
             tally.add(row)
         last_id = rows[-1]["id"]
-    await _who_approved(engine, report, policies)
+    _who_approved(report, policies, control)
     await _operator_actions(engine, report)
     report.verification = _verification(verification)
     return report

@@ -27,6 +27,8 @@ from gtm.audit.decision_id import DecisionIdError, parse_id
 from gtm.audit.schema import document_versions
 from gtm.audit.status import ChainStatus, Held, SinkIndex, evidence_status
 from gtm.audit.watch import VerificationWatch
+from gtm.control.log import LogRefused
+from gtm.control.state import ControlState
 from gtm.decision.snapshot import Snapshot
 from gtm.errors import ConfigError, Problem
 from gtm.report.compliance import compliance_report
@@ -204,6 +206,15 @@ async def replay_decision(
     return out
 
 
+async def _verified_control(ctx: AdminContext) -> ControlState | None:
+    """The verified control log's fold, or None when it is refused (the report says so)."""
+    try:
+        await ctx.control.refresh(ctx.engine)
+        return None if ctx.control.refusal is not None else ctx.control.good
+    except LogRefused:
+        return None
+
+
 @router.get(
     "/reports/compliance",
     operation_id="compliance_report",
@@ -229,6 +240,7 @@ async def compliance(
         round(until * 1e6),
         sink=_sink(ctx),
         own_documents=[] if ctx.files is None else [ctx.files],
+        control=await _verified_control(ctx),
     )
     if format == "html":
         return HTMLResponse(render(report))

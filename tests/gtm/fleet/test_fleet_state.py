@@ -15,11 +15,11 @@ from sqlalchemy import func, select
 
 from gtm.admin import lifecycle, principals
 from gtm.admin.permissions import Role
-from gtm.admin.seals import Sealer
 from gtm.admin.signer import PRIVATE_NAME, PUBLIC_NAME, generate, load_signer
 from gtm.audit.schema import region_events
+from gtm.control.log import ControlLog
 from gtm.decision.snapshot import HealthState
-from gtm.fleet import operator, shared_state
+from gtm.fleet import shared_state
 from gtm.fleet.observation_seal import KEY_NAME, NodeKey, load_or_create_node_key
 from gtm.fleet.region_state import Force, Observation
 from gtm.fleet.signed_documents import Manifest, content_digest
@@ -27,6 +27,7 @@ from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
+from tests.support.control import KeyHolder
 from tests.support.postgres import postgres_database
 from tests.support.tcp_proxy import TcpProxy
 
@@ -194,17 +195,20 @@ async def test_a_majority_of_the_membership_decides(
     assert all(n.book.gate is not None and not n.book.gate.refused for n in nodes)
 
 
-async def test_operator_controls_reach_every_node_within_two_seconds(nodes: list[Runtime]) -> None:
+async def test_operator_controls_reach_every_node_within_two_seconds(
+    nodes: list[Runtime], tmp_path: Path
+) -> None:
     a, b = nodes
     for n in nodes:
         await until(lambda n=n: state(n, "us-east") is HealthState.UP, 5)  # type: ignore[misc]
-    await operator.amend(
+    holder = KeyHolder(tmp_path / "keys")  # the nodes trust its public key (document_keys)
+    await holder.amend(
         a.engine, "us-east", actor="ops", reason="GPU driver upgrade", now=time.time(), drain=True
     )
     for n in nodes:
         took = await until(lambda n=n: state(n, "us-east") is HealthState.DRAINING, 2)  # type: ignore[misc]
         assert took < 2
-    await operator.amend(
+    await holder.amend(
         a.engine,
         "us-east",
         actor="ops",
@@ -220,7 +224,7 @@ async def test_operator_controls_reach_every_node_within_two_seconds(nodes: list
     # The forced state lapses by itself; the weight stays until cleared.
     await until(lambda: state(b, "us-east") is HealthState.UP, 3)
     assert b.store.current.regions["us-east"].weight == 0.25
-    await operator.clear(a.engine, "us-east", actor="ops", reason="done", now=time.time())
+    await holder.clear(a.engine, "us-east", actor="ops", reason="done", now=time.time())
     await until(lambda: b.store.current.regions["us-east"].weight == 1.0, 2)
     events = await shared_state.read_events(a.engine, "us-east")
     operator_events = [
@@ -241,24 +245,25 @@ async def test_an_approved_version_is_in_force_on_every_node_within_two_seconds(
     topology = yaml.safe_dump(data)
     before = [n.store.current.topology.fingerprint() for n in nodes]
     key = load_signer(tmp_path / "keys" / PRIVATE_NAME)
-    seal = Sealer(key, {})
+    seal = ControlLog({}, key, public=key.public_key())
     engine, now = nodes[0].engine, time.time()
+    await seal.refresh(engine)
     async with engine.begin() as conn:
         alice = await principals.create(
-            conn, "alice", [Role.POLICY_AUTHOR], created_by="t", now=now, node="t", sealer=seal
+            conn, "alice", [Role.POLICY_AUTHOR], created_by="t", now=now, node="t", control=seal
         )
         bob = await principals.create(
-            conn, "bob", [Role.POLICY_APPROVER], created_by="t", now=now, node="t", sealer=seal
+            conn, "bob", [Role.POLICY_APPROVER], created_by="t", now=now, node="t", control=seal
         )
         p = await lifecycle.create(
             conn, alice, topology, policies, "shorter TTL",
-            required_approvals=1, now=now, node="t", sealer=seal,
+            required_approvals=1, now=now, node="t", control=seal,
         )  # fmt: skip
-        await lifecycle.submit(conn, p.id, alice, now=now, node="t")
-        await lifecycle.approve(conn, p.id, bob, p.version, "", now=now, node="t", sealer=seal)
+        await lifecycle.submit(conn, p.id, alice, now=now, node="t", control=seal)
+        await lifecycle.approve(conn, p.id, bob, p.version, "", now=now, node="t", control=seal)
     started = time.monotonic()
     async with engine.begin() as conn:
-        await lifecycle.activate(conn, p.id, bob, key, now=time.time(), node="t", sealer=seal)
+        await lifecycle.activate(conn, p.id, bob, key, now=time.time(), node="t", control=seal)
     for n in nodes:
         await until(lambda n=n: n.store.current.topology.routing.degraded_ttl == 7, 2)  # type: ignore[misc]
     assert time.monotonic() - started < 2

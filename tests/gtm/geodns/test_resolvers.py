@@ -28,10 +28,10 @@ import pytest
 import yaml
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm.fleet import operator
 from gtm.fleet.region_state import Force
 from tests.conftest import POLICIES
 from tests.support import resolvers
+from tests.support.control import KeyHolder
 from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
@@ -134,13 +134,13 @@ def fail_closed_with_nodata(tmp_path: Path) -> tuple[Path, tuple[Path, ...]]:
 EU = ("eu-west", "eu-central")
 
 
-async def force_eu(engine: AsyncEngine, down: bool) -> None:
+async def force_eu(engine: AsyncEngine, down: bool, holder: KeyHolder) -> None:
     """The EU regions forced down, or cleared, as an operator does: through the shared
     database, which every node reads on its next state sync (a snapshot swapped in by hand
     would be replaced by the next sync's view)."""
     for region in EU:
         if down:
-            await operator.amend(
+            await holder.amend(
                 engine,
                 region,
                 actor="test",
@@ -150,7 +150,7 @@ async def force_eu(engine: AsyncEngine, down: bool) -> None:
                 force_for_s=600,
             )
         else:
-            await operator.clear(engine, region, actor="test", reason="back", now=time.time())
+            await holder.clear(engine, region, actor="test", reason="back", now=time.time())
 
 
 @pytest.mark.parametrize("kind", sorted(ARGV))
@@ -158,14 +158,15 @@ async def test_resolver_recovers_from_fail_closed_within_the_negative_ttl(
     start_node: StartNode, start_resolver: StartResolver, tmp_path: Path, kind: str
 ) -> None:
     topology, policies = fail_closed_with_nodata(tmp_path)
-    node = await start_node(topology, policies=policies)
+    holder = KeyHolder(tmp_path / "keys")  # overrides are signed control-log entries
+    node = await start_node(topology, policies=policies, document_keys=(holder.public,))
     port = await start_resolver(kind, port_of(node))
 
     # Geo answers by ECS through the resolver, each subnet its own (scope caching).
     assert addresses(await ask(port, NAME, ecs=DE)) == {"192.0.2.40"}  # Frankfurt
     assert addresses(await ask(port, "chat.gtm.example.", ecs=US)) == {"192.0.2.10"}
 
-    await force_eu(node.runtime.engine, down=True)
+    await force_eu(node.runtime.engine, down=True, holder=holder)
     seen: list[dns.message.Message] = []
 
     async def failed_closed() -> bool:
@@ -182,7 +183,7 @@ async def test_resolver_recovers_from_fail_closed_within_the_negative_ttl(
     for ecs in (DE, US):
         assert not addresses(await ask(port, NAME, ecs=ecs))
 
-    await force_eu(node.runtime.engine, down=False)  # the EU regions are back
+    await force_eu(node.runtime.engine, down=False, holder=holder)  # the EU regions are back
 
     async def recovered(ecs: str, expected: set[str]) -> bool:
         return addresses(await ask(port, NAME, ecs=ecs)) == expected
