@@ -23,6 +23,7 @@ from gtm.admin.console.oidc_signin import ConsoleOidc
 from gtm.admin.oidc import OidcVerifier
 from gtm.admin.signer import Signer, load_signer
 from gtm.audit.watch import VerificationWatch
+from gtm.control.anchor import ControlAnchor
 from gtm.control.log import ControlLog
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
@@ -101,6 +102,21 @@ def console_oidc(settings: Settings) -> ConsoleOidc | None:
     )
 
 
+async def _anchor_control_log(
+    ctx: AdminContext, anchor: ControlAnchor, stop: asyncio.Event, interval_s: float = 1.0
+) -> None:
+    """Read the control log and checkpoint its verified head outside the database whenever it
+    moved: a log cut back or wiped behind it is then a break `gtm audit verify` names."""
+    while not stop.is_set():
+        try:
+            await ctx.control.refresh(ctx.engine)
+            await anchor.checkpoint_if_moved()
+        except Exception:  # a database or a sink away: the next round tries again
+            log.warning("admin.control_anchor_failed", exc_info=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
 def bind(listen: str) -> socket.socket:
     host, port = parse_listen(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -151,7 +167,11 @@ async def serve_admin(
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     stopping = asyncio.ensure_future(stop.wait())
     scheduled = asyncio.ensure_future(scheduler.run(app.state.admin, stop))
-    background = [scheduled]
+    anchor = ControlAnchor(
+        ctx.control, runtime.checkpoint_sink, runtime.spool.key, runtime.spool.bound_store
+    )
+    anchored = asyncio.ensure_future(_anchor_control_log(ctx, anchor, stop))
+    background = [scheduled, anchored]
     settings = runtime.settings
     if settings.audit_verify_interval_s > 0:
         watch = VerificationWatch(

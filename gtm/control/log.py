@@ -256,7 +256,7 @@ class ControlLog:
         if self._loaded or self.mark_path is None:
             return
         mark = _read_mark(self.mark_path)
-        if mark is None:
+        if mark is None or mark.seq == 0:  # it accepted an empty log: anything extends it
             return
         if state.seq < mark.seq:
             raise LogRefused(

@@ -24,6 +24,7 @@ from gtm.audit.schema import (
     proposals,
     region_overrides,
 )
+from gtm.control.anchor import ControlAnchor, sink_checkpoints, verify_control_log
 from gtm.control.log import ControlLog, LogRefused
 from gtm.fleet.signed_documents import content_digest
 from tests.gtm.admin.conftest import Admin, AdminFactory, loosen_eu
@@ -326,3 +327,38 @@ async def test_every_refusal_is_a_denied_event(
         for what in ("submit", "withdraw", "edit"):
             assert any(a == "carol" and what in d for a, d in denied), (what, denied)
         assert any(a == "olga" and "only an admin" in d for a, d in denied), denied
+
+
+async def test_a_wiped_or_cut_back_control_log_is_named_by_its_checkpoints(
+    start_admin: AdminFactory, database_url: str | None
+) -> None:
+    """A reader with no mark (a new admin node, an auditor) reads a consistent, shorter log: the
+    head checkpointed outside the database is what names the cut."""
+    async with start_admin(database_url=database_url) as admin:
+        await admin.token("root", Role.ADMIN)
+        await admin.token("olga", Role.OPERATOR)
+        runtime, engine = admin.runtime, admin.runtime.engine
+        ctx = context_for(runtime)
+        await ctx.control.refresh(engine)
+        anchor = ControlAnchor(
+            ctx.control, runtime.checkpoint_sink, runtime.spool.key, runtime.spool.bound_store
+        )
+        assert await anchor.checkpoint_if_moved()
+        checkpoints, bad = sink_checkpoints(runtime.checkpoint_sink)
+        assert bad == [] and [c.seq for c in checkpoints] == [4]
+        keys = runtime.document_keys
+        assert await verify_control_log(engine, keys, checkpoints) == (4, [])
+        # Cut back by one entry, head moved back: consistent in itself, not with the sink.
+        async with engine.begin() as conn:
+            await triggers_off(conn)
+            await conn.execute(delete(control_log).where(control_log.c.seq == 4))
+        checked, breaks = await verify_control_log(engine, keys, checkpoints)
+        assert checked == 3
+        assert [(b.node, b.node_seq) for b in breaks] == [("control_log", 4)]
+        assert "cut back or wiped" in breaks[0].problem
+        # Wiped: every entry gone.
+        async with engine.begin() as conn:
+            await triggers_off(conn)
+            await conn.execute(delete(control_log))
+        checked, breaks = await verify_control_log(engine, keys, checkpoints)
+        assert checked == 0 and [b.node_seq for b in breaks] == [4]
