@@ -40,12 +40,13 @@ from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
 from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
+from gtm.fleet.local_documents import Accepted, read_accepted, review, write_accepted
 from gtm.fleet.observation_seal import ObservationGate, gate_for, load_or_create_node_key
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
 from gtm.fleet.shared_state import NodeStatus, Published
-from gtm.fleet.signed_documents import Manifest, Untrusted, load_public_keys, verify
+from gtm.fleet.signed_documents import Untrusted, load_public_keys
 from gtm.fleet.state_sync import StateSync
 from gtm.settings import Settings
 from regional_lb.capacity_report import CapacityReport
@@ -98,6 +99,12 @@ class Runtime:
         # The decision core's memos are bounded by shares of the same budget (rule 8).
         memos.bound(MemoLimits.from_mb(settings.dns_cache_budget_mb))
         docs = load_documents(settings.config, settings.policies)
+        # Signed versions (gtm.fleet.signed_documents): the keys trusted, and the version this
+        # node accepted before it restarted, from its own disk and verified again: it answers
+        # from that, not from its files, until the database offers something newer.
+        self.document_keys = load_public_keys(settings.document_keys)
+        self.accepted: Accepted | None = None
+        docs = self._accepted_from_disk(docs)
         self.geoip = GeoIPSource(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
         self.store = SnapshotStore(
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
@@ -161,14 +168,22 @@ class Runtime:
             on_documents=self._apply_documents,
             own_status=self._own_status,
         )
-        # Signed versions (gtm.fleet.signed_documents): the keys trusted, and the sequence of
-        # the version in force (None while the node answers from its own files).
-        self.document_keys = load_public_keys(settings.document_keys)
-        self.document_sequence: int | None = None
-        # The sequence in force when this node last ran, kept on its own disk: after a restart
-        # no older version comes into force, whatever rows the database holds then.
+        # The sequence of the signed version in force (None while the node answers from its
+        # own files: no signed version exists, here or in the database).
+        self.document_sequence: int | None = (
+            None if self.accepted is None else self.accepted.sequence
+        )
+        # The sequence alone, also kept on disk (and all a node upgraded from before the copy
+        # has): when the copy cannot be used, no older version comes into force.
         self._sequence_file = settings.spool_dir / "documents-in-force"
         self._sequence_floor = _read_sequence(self._sequence_file)
+        # The newest valid sequence the database has offered, and whether it is refused for
+        # being behind this node's ("behind") or forking from it ("fork").
+        self._database_head: int | None = None
+        self._diverged: str | None = None
+        self._documents_reviewed = False  # the first review sees every row: history is no alarm
+        metrics.DOCUMENT_SEQUENCE.set(self.document_sequence or 0)
+        metrics.DOCUMENTS_DIVERGED.set(0)
         metrics.STATE_SYNC_AGE.set_function(lambda: self.sync.age_s)
         metrics.SNAPSHOT_VERSION.set(1)
 
@@ -192,6 +207,7 @@ class Runtime:
             log.warning("capacity.marks_unavailable", error=str(exc).splitlines()[0])
         self._tasks.append(asyncio.create_task(self._sync_marks(), name="report-marks"))
         await self.sync.start()  # adopts the fleet's published documents before probing starts
+        self._check_database_head()  # a database emptied of documents offers no row at all
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
         if self.prober is not None:
             await self.prober.start()
@@ -399,33 +415,85 @@ class Runtime:
             return self.document_sequence
         return None if self._sequence_floor is None else self._sequence_floor - 1
 
+    def _accepted_from_disk(self, files: Documents) -> Documents:
+        """The documents to start with: the signed version this node accepted before, when its
+        copy verifies again; else its files."""
+        path = self.settings.document_state_path
+        try:
+            accepted = read_accepted(path, self.document_keys, self.settings.policy_approvals)
+        except Untrusted as exc:
+            metrics.DOCUMENTS_REFUSED.labels(exc.reason).inc()
+            log.error(
+                "documents.local_copy_refused",
+                path=str(path),
+                reason=exc.reason,
+                detail=exc.detail,
+            )
+            return files
+        if accepted is None:
+            return files
+        try:
+            docs = parse_documents(accepted.topology, accepted.policies, f"{path}")
+        except ConfigError as exc:
+            metrics.DOCUMENTS_REFUSED.labels("invalid").inc()
+            log.error(
+                "documents.local_copy_rejected",
+                path=str(path),
+                problems=[str(p) for p in exc.problems],
+            )
+            return files
+        self.accepted = accepted
+        log.info(
+            "documents.local_copy",
+            path=str(path),
+            sequence=accepted.sequence,
+            version=accepted.manifest.version,
+            policy=docs.policy.version,
+        )
+        return docs
+
+    def _refuse(self, published: Published, reason: str, detail: str) -> None:
+        # Whatever the database says, an unapproved, unsigned, replayed or forked version never
+        # moves traffic here (DESIGN.md rule 6): the version in force stays.
+        metrics.DOCUMENTS_REFUSED.labels(reason).inc()
+        log.error("documents.refused", id=published.id, reason=reason, detail=detail)
+
     def _apply_documents(self, rows: list[Published]) -> None:
         """Put in force the signed version with the highest sequence among ``rows``, if it is
-        above the one in force; refuse, and say why, every row that does not verify."""
-        trusted: list[tuple[Manifest, Published]] = []
-        for published in rows:
-            try:
-                manifest = verify(
-                    published.topology,
-                    published.policies,
-                    published.manifest,
-                    published.signature,
-                    self.document_keys,
-                    self._must_exceed(),
-                    self.settings.policy_approvals,
-                )
-            except Untrusted as exc:
-                # Whatever the database says, an unapproved or unsigned version never moves
-                # traffic here (DESIGN.md rule 6): the version in force stays.
-                metrics.DOCUMENTS_REFUSED.labels(exc.reason).inc()
-                log.error(
-                    "documents.refused", id=published.id, reason=exc.reason, detail=exc.detail
-                )
-                continue
-            trusted.append((manifest, published))
-        if not trusted:
-            return
-        manifest, published = max(trusted, key=lambda pair: pair[0].sequence)
+        above the one in force; refuse, and say why, every row that does not verify (whatever it
+        holds: this never raises for a row), and say loudly when the database is behind this
+        node's version or forks from it."""
+        first = not self._documents_reviewed
+        self._documents_reviewed = True
+        result = review(rows, self.document_keys, self.settings.policy_approvals)
+        for published, exc in result.refused:
+            self._refuse(published, exc.reason, exc.detail)
+        held = self.accepted
+        threshold = self._must_exceed()
+        newer: list[tuple[Accepted, Published]] = []
+        for accepted, published in result.valid:
+            sequence = accepted.sequence
+            self._database_head = max(sequence, self._database_head or sequence)
+            if held is not None and sequence == held.sequence:
+                if accepted.manifest_hash != held.manifest_hash:
+                    detail = (
+                        f"sequence {sequence} signed again as {accepted.manifest_hash[:16]}, "
+                        f"not the {held.manifest_hash[:16]} in force"
+                    )
+                    self._refuse(published, "fork", detail)
+                    self._diverge("fork", detail)
+            elif threshold is None or sequence > threshold:
+                newer.append((accepted, published))
+            elif not first:
+                # A new row with an old version: a replay. (At the first look every row is
+                # offered, and the older versions there are history, not an attack.)
+                self._refuse(published, "replayed", f"sequence {sequence} is not after {threshold}")
+        for accepted, published in newer:  # highest sequence first
+            if self._put_in_force(accepted, published):
+                break
+        self._check_database_head()
+
+    def _put_in_force(self, accepted: Accepted, published: Published) -> bool:
         try:
             docs = documents_from_published(published)
         except ConfigError as exc:
@@ -437,16 +505,30 @@ class Runtime:
                 id=published.id,
                 problems=[str(p) for p in exc.problems],
             )
-            return
+            return False
+        manifest = accepted.manifest
+        self.accepted = accepted
         self.document_sequence = manifest.sequence
-        _write_sequence(self._sequence_file, manifest.sequence)
+        try:
+            write_accepted(self.settings.document_state_path, accepted)
+            _write_sequence(self._sequence_file, manifest.sequence)
+        except OSError as exc:
+            # In force all the same: the database offered it and it verified. A restart before
+            # the disk is back starts from the database (or the previous copy) again.
+            log.error(
+                "documents.local_copy_not_written",
+                path=str(self.settings.document_state_path),
+                error=str(exc),
+            )
         metrics.DOCUMENT_SEQUENCE.set(manifest.sequence)
+        if self._diverged is not None:
+            self._undiverge(f"sequence {manifest.sequence} put in force")
         current = self.store.current
         if (
             docs.topology.fingerprint() == current.topology.fingerprint()
             and docs.policy.version == current.policy.version
         ):
-            return
+            return True
         topology = docs.topology
         self.swap(topology=topology, policy=docs.policy)
         self.book.retarget(tuple(r.id for r in topology.regions))
@@ -472,6 +554,43 @@ class Runtime:
             topology=topology.fingerprint(),
             policy=docs.policy.version,
         )
+        return True
+
+    def _check_database_head(self) -> None:
+        """Once the database has been read: refuse it loudly when its newest valid signed
+        version is below the one this node holds (rows deleted or edited: a rollback)."""
+        held = self.document_sequence if self.accepted is not None else self._sequence_floor
+        if held is None or self.sync.last_ok is None:
+            return
+        head = self._database_head
+        if head is not None and head >= held:
+            if self._diverged == "behind":
+                self._undiverge(f"the database offers sequence {head} again")
+            return
+        self._diverge(
+            "behind",
+            f"the database's newest valid signed version is {head if head is not None else 'none'}"
+            f", below the {held} this node accepted",
+        )
+
+    def _diverge(self, kind: str, detail: str) -> None:
+        if self._diverged == kind:
+            return  # one error per episode, not one per sync
+        self._diverged = kind
+        metrics.DOCUMENTS_DIVERGED.set(1)
+        metrics.DOCUMENTS_ROLLBACK_REFUSED.labels(kind).inc()
+        log.error(
+            "documents.database_refused",
+            kind=kind,
+            detail=detail,
+            serving=self.document_sequence,
+            policy=self.store.current.versions.policy,
+        )
+
+    def _undiverge(self, detail: str) -> None:
+        log.warning("documents.database_agrees", was=self._diverged, detail=detail)
+        self._diverged = None
+        metrics.DOCUMENTS_DIVERGED.set(0)
 
     async def _reprobe(self, topology: Topology) -> None:
         if self.prober is not None:

@@ -176,6 +176,11 @@ class Settings(BaseSettings):
     # a published topology or policy comes into force only signed by one of them, with its
     # approval record (gtm.fleet.signed_documents). None configured: none comes into force.
     document_keys: tuple[Path, ...] = ()
+    # Where this node keeps the signed version it last accepted (gtm.fleet.local_documents),
+    # on its own disk: after a restart it answers from it, verified again, never from its files
+    # or an older version the database offers. Unset: <spool dir's parent>/state/<spool dir
+    # name>-documents.json, beside the spool (one per node).
+    document_state_file: Path | None = None
     # The admin service's private signing key (PEM, Ed25519, mode 0600): only nodes serving
     # the admin API need it, to sign activated versions. `gtm admin keygen` makes a pair.
     document_signing_key: Path | None = None
@@ -210,6 +215,12 @@ class Settings(BaseSettings):
     otel_endpoint: str | None = Field(default=None, pattern=r"^https?://")
     otel_service_name: str | None = Field(default=None, min_length=1)
     otel_sample_ratio: float | None = Field(default=None, ge=0, le=1)
+
+    @property
+    def document_state_path(self) -> Path:
+        if self.document_state_file is not None:
+            return self.document_state_file
+        return self.spool_dir.parent / "state" / f"{self.spool_dir.name}-documents.json"
 
     @property
     def health_key_path(self) -> Path:

@@ -22,7 +22,7 @@ from gtm.cli.control import admin_app, proposal_app, token_app
 from gtm.cli.dnssec import dnssec_app
 from gtm.cli.fleet import config_app, region_app
 from gtm.cli.report import report_app
-from gtm.cli.whatif import apply_state
+from gtm.cli.whatif import apply_state, choose_snapshot
 from gtm.decision.policy import json_schema, load_policy
 from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
 from gtm.decision.topology import load_topology, normalise_dns_name
@@ -180,9 +180,23 @@ def explain(
         typer.Option("--state", help="YAML of region health and capacity for a what-if"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    files: Annotated[
+        bool,
+        typer.Option(
+            "--files",
+            help="decide with the local topology and policy files, not the version in force "
+            "(the newest signed version in the database, verified with GTM_DOCUMENT_KEYS)",
+        ),
+    ] = False,
+    database_url: DbOpt = None,
 ) -> None:
-    """Decide for one client and print the decision with a reason for every region."""
-    settings = cli_settings(config=config, policies=policies, geoip_path=geoip_path)
+    """Decide for one client and print the decision with a reason for every region.
+
+    The documents are the version in force, as every node serves it (``--files``: the local
+    files); a note on stderr says when the two differ."""
+    settings = cli_settings(
+        config=config, policies=policies, geoip_path=geoip_path, database_url=database_url
+    )
     try:
         client_ip = ip_address(client)
         ecs_net = ip_network(ecs, strict=True) if ecs else None
@@ -191,7 +205,8 @@ def explain(
         raise typer.Exit(2) from exc
     now = time.time()
     try:
-        snapshot = build_snapshot(settings, now)
+        chosen = choose_snapshot(settings, now, files=files)
+        snapshot = chosen.snapshot
         if state is not None:
             snapshot = apply_state(snapshot, state, now)
     except (GTMError, OSError, ValueError, KeyError) as exc:
@@ -216,10 +231,19 @@ def explain(
         tenant=tenant,
     )
     decision = decide(request, snapshot, now)
+    for note in chosen.notes:
+        typer.echo(f"note: {note}", err=True)
+    documents = {"source": chosen.source, "sequence": chosen.sequence}
     if as_json:
-        typer.echo(json.dumps(decision_json(decision), indent=2))
+        typer.echo(json.dumps({**decision_json(decision), "documents": documents}, indent=2))
     else:
         typer.echo(render_decision(decision, name))
+        if chosen.sequence is None:
+            typer.echo("  documents: the local files (no signed version in force)")
+        else:
+            typer.echo(
+                f"  documents: the version in force, sequence {chosen.sequence} ({chosen.source})"
+            )
 
 
 def render_decision(decision: Decision, name: str) -> str:

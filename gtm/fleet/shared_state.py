@@ -9,13 +9,14 @@ microseconds, like the audit log.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import RowMapping, delete, desc, insert, select, update
+from sqlalchemy import RowMapping, Select, Text, cast, delete, desc, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.audit.database import upsert
@@ -330,11 +331,19 @@ async def newest_document_id(engine: AsyncEngine) -> int | None:
 async def read_published(engine: AsyncEngine, document_id: int) -> Published | None:
     async with engine.connect() as conn:
         row = (
-            (await conn.execute(select(documents).where(documents.c.id == document_id)))
+            (await conn.execute(_document_rows().where(documents.c.id == document_id)))
             .mappings()
             .first()
         )
     return None if row is None else _published(row)
+
+
+def _document_rows() -> Select[Any]:
+    """The documents' columns, ``policies`` as its text: a value the JSON column cannot decode
+    (SQLite stores whatever it is given) is handed to the verification, which refuses it with
+    its reason, instead of failing the whole read."""
+    columns = [c for c in documents.c if c.name != "policies"]
+    return select(*columns, cast(documents.c.policies, Text).label("policies"))
 
 
 async def read_published_after(
@@ -342,9 +351,11 @@ async def read_published_after(
 ) -> list[Published]:
     """Rows published after ``after_id`` (all when None), highest claimed sequence first, at
     most ``limit``: rows copied in bulk cannot push the newest activation out of view (the
-    claim is only an order; each row's signed record is what is checked)."""
+    claim is only an order; each row's signed record is what is checked). Every field is as the
+    database holds it, untrusted: a malformed row is still returned, for the reader to refuse
+    with its reason, and never stops the others from being read."""
     query = (
-        select(documents)
+        _document_rows()
         .order_by(desc(documents.c.sequence).nulls_last(), desc(documents.c.id))
         .limit(limit)
     )
@@ -356,14 +367,26 @@ async def read_published_after(
 
 
 def _published(row: RowMapping) -> Published:
+    """A row as the database holds it. Nothing is checked here but nothing raises either: the
+    content, the record and the signature are verified before anything comes into force
+    (:func:`gtm.fleet.signed_documents.verify`), which refuses a ``policies`` that is not a
+    mapping, a topology that is not text, a record that is not one."""
+    policies: Any = row["policies"]
+    if isinstance(policies, str):  # read as text (_document_rows)
+        with contextlib.suppress(orjson.JSONDecodeError):  # else left as text: malformed
+            policies = orjson.loads(policies)
+    try:
+        published_at = float(row["published_at_us"]) / 1e6
+    except (TypeError, ValueError, OverflowError):
+        published_at = 0.0
     return Published(
         row["id"],
         row["fingerprint"],
         row["topology"],
-        row["policies"],
+        policies,
         row["actor"],
         row["reason"],
-        row["published_at_us"] / 1e6,
+        published_at,
         row["manifest"],
         row["signature"],
     )

@@ -16,6 +16,11 @@ topology and policies cannot be swapped under a valid manifest); four-eyes in th
 (``required`` distinct approvers, none of them the author); and that ``sequence`` is higher
 than the one in force (an older, validly signed version re-inserted as the newest row is a
 replay, not a rollback: a rollback is a new activation with a new sequence).
+
+Every field of a row is untrusted input (DESIGN.md rule 6: an attacker may write any value to any
+column): a ``policies`` that is not a mapping of names to text, a topology that is not text, a
+manifest that is not an approval record are refused by :func:`verify` with a reason like any
+other bad row, never an exception of another kind.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ def content_digest(topology: str, policies: Mapping[str, str]) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def manifest_hash(manifest_text: str) -> str:
+    """The id of one signed approval record: SHA-256 over its exact bytes. Two records of the
+    same sequence with different hashes are a fork."""
+    return hashlib.sha256(manifest_text.encode()).hexdigest()
+
+
 def key_id(key: Ed25519PublicKey) -> str:
     """A public key's id: the first 16 hex digits of SHA-256 over its raw bytes."""
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -81,6 +92,10 @@ class Manifest:
     def parse(cls, text: str) -> Manifest:
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            if not isinstance(data["approvers"], list):
+                raise TypeError("approvers is not a list")
             manifest = cls(
                 version=str(data["version"]),
                 sequence=int(data["sequence"]),
@@ -93,18 +108,32 @@ class Manifest:
                 reason=str(data["reason"]),
                 key=str(data["key"]),
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise Untrusted("bad_manifest", f"not an approval record: {exc}") from None
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            raise Untrusted("bad_manifest", f"not an approval record: {exc!s:.200}") from None
         if not math.isfinite(manifest.activated_at):
             raise Untrusted("bad_manifest", "activated_at is not a finite time")
         return manifest
 
 
+def check_content(topology: object, policies: object) -> tuple[str, dict[str, str]]:
+    """``topology`` and ``policies`` when the one is text and the other a mapping of file names
+    to text; :class:`Untrusted` (``malformed``) otherwise: what a row's columns must hold before
+    anything else is looked at."""
+    if not isinstance(topology, str):
+        raise Untrusted("malformed", f"topology is a {type(topology).__name__}, not text")
+    if not isinstance(policies, Mapping):
+        raise Untrusted("malformed", f"policies is a {type(policies).__name__}, not a mapping")
+    for name, text in policies.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise Untrusted("malformed", f"policies[{name!r:.80}] is not text named by text")
+    return topology, {str(name): str(text) for name, text in policies.items()}
+
+
 def verify(
-    topology: str,
-    policies: Mapping[str, str],
-    manifest_text: str | None,
-    signature_hex: str | None,
+    topology: object,
+    policies: object,
+    manifest_text: object,
+    signature_hex: object,
     keys: Mapping[str, Ed25519PublicKey],
     in_force: int | None,
     min_approvals: int = 1,
@@ -117,6 +146,9 @@ def verify(
     """
     if not manifest_text or not signature_hex:
         raise Untrusted("unsigned", "no approval record or signature")
+    if not isinstance(manifest_text, str) or not isinstance(signature_hex, str):
+        raise Untrusted("malformed", "the approval record or the signature is not text")
+    topology_text, policy_texts = check_content(topology, policies)
     if not keys:
         raise Untrusted("no_keys", "this node has no document key to verify with")
     manifest = Manifest.parse(manifest_text)
@@ -125,9 +157,12 @@ def verify(
         raise Untrusted("unknown_key", f"signed with key {manifest.key!r}, not a trusted one")
     try:
         key.verify(bytes.fromhex(signature_hex), manifest_text.encode())
-    except (InvalidSignature, ValueError):
+    except (InvalidSignature, ValueError, UnicodeError):
         raise Untrusted("bad_signature", "the signature does not verify") from None
-    digest = content_digest(topology, policies)
+    try:
+        digest = content_digest(topology_text, policy_texts)
+    except (TypeError, ValueError) as exc:  # orjson: text that is not valid Unicode
+        raise Untrusted("malformed", f"the content cannot be hashed: {exc!s:.200}") from None
     if digest != manifest.version:
         raise Untrusted("content_mismatch", f"content hashes to {digest}, not {manifest.version}")
     approvers = set(manifest.approvers)
@@ -164,8 +199,10 @@ def load_public_keys(paths: tuple[Path, ...]) -> dict[str, Ed25519PublicKey]:
 __all__ = [
     "Manifest",
     "Untrusted",
+    "check_content",
     "content_digest",
     "key_id",
     "load_public_keys",
+    "manifest_hash",
     "verify",
 ]
