@@ -29,6 +29,7 @@ from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter, queued_rows
+from gtm.control.log import ControlLog
 from gtm.decision import memos
 from gtm.decision.documents import parse_yaml
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
@@ -167,6 +168,13 @@ class Runtime:
             on_compose=self._apply_composed,
             on_documents=self._apply_documents,
             own_status=self._own_status,
+            # The node's own view of the control log (overrides), its mark on its own disk.
+            control=ControlLog(
+                self.document_keys,
+                mark=settings.spool_dir.parent
+                / "state"
+                / f"{settings.spool_dir.name}-control-log.node.json",
+            ),
         )
         # The sequence of the signed version in force (None while the node answers from its
         # own files: no signed version exists, here or in the database).

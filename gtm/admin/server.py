@@ -74,7 +74,9 @@ def control_log_for(
     return ControlLog(
         keys,
         signer,
-        mark=settings.spool_dir.parent / "state" / "control-log.admin.json",
+        mark=settings.spool_dir.parent
+        / "state"
+        / f"{settings.spool_dir.name}-control-log.admin.json",
         public=None if signer is None else signer.public_key(),
     )
 
