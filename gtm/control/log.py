@@ -8,8 +8,9 @@ writer has verified, is checked against the fold (:func:`gtm.control.state.check
 signed and lands with the change it records, or not at all.
 
 Reading: :meth:`ControlLog.refresh` reads committed entries after the last one accepted, checks
-each (link, signature, stored hash) and folds it; it also checks that the entry it accepted last
-is still there with the same hash, and that the log reaches the mark on this reader's disk. A log
+each (link, signature, stored hash) and folds it, and checks that the entry it accepted last is
+still there with the same hash. Every accepted entry is also kept in this reader's own copy on
+its disk (:mod:`gtm.control.watermark`), which is where a restarted reader starts from. A log
 cut back, forked, edited or missing entries is *refused*: counted
 (``gtm_control_log_refused_total``), flagged (``gtm_control_log_broken``), logged once per
 change, and the reader keeps its last good state. A reader that starts against a refused log has
@@ -30,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm.audit.schema import control_head, control_log
 from gtm.control import watermark
-from gtm.control.entry import BadEntry, EntrySigner, check, from_row, sign
+from gtm.control.entry import BadEntry, Entry, EntrySigner, check, from_row, sign
 from gtm.control.state import ControlState, check_applies, fold
 from gtm.errors import GTMError
 from gtm.metrics import CONTROL_LOG_BROKEN, CONTROL_LOG_REFUSED, CONTROL_LOG_SEQUENCE
@@ -70,6 +71,7 @@ class ControlLog:
         self.mark_path = mark
         self._good = ControlState()
         self._loaded = False
+        self._replica_read = False
         self.refusal: str | None = None
         self._lock = asyncio.Lock()
 
@@ -84,10 +86,10 @@ class ControlLog:
         """Read and verify committed entries after the last accepted one; the last good state
         (refusing, loudly, what does not verify)."""
         async with self._lock, engine.connect() as conn:
+            self._from_replica()
             try:
-                state, last = await self._read(conn, self._good)
+                state, new = await self._read(conn, self._good)
                 await self._still_there(conn)
-                self._against_mark(state, last)
             except LogRefused as exc:
                 self._refuse(str(exc))
                 return self.good
@@ -98,12 +100,21 @@ class ControlLog:
             log.info("control_log.accepted_again", seq=state.seq)
             self.refusal = None
             CONTROL_LOG_BROKEN.set(0)
-        moved = state.seq != self._good.seq or not self._loaded
         self._good, self._loaded = state, True
         CONTROL_LOG_SEQUENCE.set(state.seq)
-        if moved and self.mark_path is not None:
-            watermark.write(self.mark_path, watermark.Mark(state.seq, state.head))
+        if new and self.mark_path is not None:
+            watermark.append(self.mark_path, new)
         return state
+
+    def _from_replica(self) -> None:
+        """Once, before the first read: start from this reader's own copy, verified again."""
+        if self._replica_read or self.mark_path is None:
+            return
+        self._replica_read = True
+        state = watermark.read(self.mark_path, self.keys)
+        if state is not None and state.seq > 0:
+            self._good, self._loaded = state, True
+            log.info("control_log.resumed", seq=state.seq, source=str(self.mark_path))
 
     async def state(self, conn: AsyncConnection) -> ControlState:
         """The state as ``conn`` sees it: the last good fold and the entries after it that this
@@ -179,10 +190,10 @@ class ControlLog:
             .values(seq=entry.seq, last_hash=entry.entry_hash)
         )
         fold(state, entry)
-        self._adopt_on_commit(conn, state)
+        self._adopt_on_commit(conn, state, entry)
         return state
 
-    def _adopt_on_commit(self, conn: AsyncConnection, state: ControlState) -> None:
+    def _adopt_on_commit(self, conn: AsyncConnection, state: ControlState, entry: Entry) -> None:
         """When the appending transaction commits, what this writer signed is accepted here (and
         marked on disk) at once: a log cut back behind its own entries is then refused like any
         other. A rollback forgets it. Both listeners are removed once either fires."""
@@ -197,11 +208,14 @@ class ControlLog:
                 return
             settled = True
             loop.call_soon(settle)  # not during the dispatch that is iterating the listeners
-            if self._loaded and state.seq > self._good.seq:
+            # Adopted only when it extends exactly what this process holds (entries of other
+            # writers in between are left to the next refresh, which copies them in order).
+            extends = entry.prev_hash == self._good.head and self._good.seq == entry.seq - 1
+            if self._loaded and extends:
                 self._good = state
                 CONTROL_LOG_SEQUENCE.set(state.seq)
                 if self.mark_path is not None:
-                    watermark.write(self.mark_path, watermark.Mark(state.seq, state.head))
+                    watermark.append(self.mark_path, [entry])
 
         def rolled_back(_: Connection) -> None:
             nonlocal settled
@@ -219,20 +233,20 @@ class ControlLog:
 
     async def _read(
         self, conn: AsyncConnection, base: ControlState
-    ) -> tuple[ControlState, dict[int, str]]:
-        """``base`` and the verified entries after it; the hashes seen, by sequence."""
+    ) -> tuple[ControlState, list[Entry]]:
+        """``base`` and the verified entries after it, in order."""
         rows = (
             await conn.execute(
                 select(control_log).where(control_log.c.seq > base.seq).order_by(control_log.c.seq)
             )
         ).mappings()
         state = base.copy()
-        seen: dict[int, str] = {}
+        seen: list[Entry] = []
         for row in rows:
             entry = from_row(dict(row))
             check(entry, self.keys, (state.seq, state.head), row.get("entry_hash"))
             fold(state, entry)
-            seen[entry.seq] = entry.entry_hash
+            seen.append(entry)
         return state, seen
 
     async def _still_there(self, conn: AsyncConnection) -> None:
@@ -251,21 +265,6 @@ class ControlLog:
                 + ("gone (the log was cut back)" if stored is None else "not what was accepted")
             )
 
-    def _against_mark(self, state: ControlState, seen: dict[int, str]) -> None:
-        """A reader starting again holds the mark it wrote: the log must reach it, through it."""
-        if self._loaded or self.mark_path is None:
-            return
-        mark = _read_mark(self.mark_path)
-        if mark is None or mark.seq == 0:  # it accepted an empty log: anything extends it
-            return
-        if state.seq < mark.seq:
-            raise LogRefused(
-                f"the log ends at entry {state.seq}; this reader accepted entry {mark.seq} "
-                "before (the log was cut back)"
-            )
-        if seen.get(mark.seq, state.head if state.seq == mark.seq else None) != mark.hash:
-            raise LogRefused(f"entry {mark.seq} is not the one this reader accepted (a fork)")
-
     def _refuse(self, why: str) -> None:
         CONTROL_LOG_REFUSED.labels(reason=_reason(why)).inc()
         CONTROL_LOG_BROKEN.set(1)
@@ -274,13 +273,6 @@ class ControlLog:
                 "control_log.refused", why=why, keeps=self._good.seq if self._loaded else None
             )
         self.refusal = why
-
-
-def _read_mark(path: Path) -> watermark.Mark | None:
-    try:
-        return watermark.read(path)
-    except watermark.BadMark as exc:
-        raise LogRefused(f"the mark on this reader's disk is unreadable: {exc}") from None
 
 
 def _reason(why: str) -> str:

@@ -131,7 +131,8 @@ class StateSync:
                 await shared_state.write_observations(self.engine, own)
                 await self._flush_events()
                 peers = await shared_state.read_observations(self.engine, now - self.book.max_age_s)
-                await self.control.refresh(self.engine)
+                with contextlib.suppress(LogRefused):  # refused loudly; last good kept
+                    await self.control.refresh(self.engine)
                 newest = await shared_state.newest_document_id(self.engine)
                 if newest is not None and newest != self.document_id:
                     published = await shared_state.read_published_after(

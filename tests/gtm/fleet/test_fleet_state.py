@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select, update
 
 from gtm.admin import lifecycle, principals
 from gtm.admin.permissions import Role
 from gtm.admin.signer import PRIVATE_NAME, PUBLIC_NAME, generate, load_signer
-from gtm.audit.schema import region_events
+from gtm.audit.schema import control_head, control_log, region_events
 from gtm.control.log import ControlLog
 from gtm.decision.snapshot import HealthState
 from gtm.fleet import shared_state
@@ -29,6 +29,7 @@ from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
 from tests.support.control import KeyHolder
 from tests.support.postgres import postgres_database
+from tests.support.tamper import triggers_off
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.postgres
@@ -193,6 +194,42 @@ async def test_a_majority_of_the_membership_decides(
     # unknown -> up -> down -> up, recorded by each node
     assert dict(rows) == {"node-a": 3, "node-b": 3}
     assert all(n.book.gate is not None and not n.book.gate.refused for n in nodes)
+
+
+async def test_a_control_log_rolled_back_is_refused_by_every_node_which_keeps_its_state(
+    nodes: list[Runtime], tmp_path: Path
+) -> None:
+    """Both nodes hold the drain they verified; the attacker deletes its entry and moves the
+    head back; each node refuses the log (loudly) and keeps draining, and a node restarted on
+    the same disk refuses it too, from its mark."""
+    a, b = nodes
+    holder = KeyHolder(tmp_path / "keys")
+    await holder.amend(a.engine, "us-east", actor="ops", reason="upgrade", now=time.time(),
+                       drain=True)  # fmt: skip
+    for n in nodes:
+        await until(lambda n=n: state(n, "us-east") is HealthState.DRAINING, 2)  # type: ignore[misc]
+    async with a.engine.begin() as conn:
+        newest = (await conn.execute(select(func.max(control_log.c.seq)))).scalar_one()
+        previous = (
+            await conn.execute(
+                select(control_log.c.entry_hash).where(control_log.c.seq == newest - 1)
+            )
+        ).scalar_one_or_none() or "0" * 64  # the genesis hash when it was the first entry
+        await triggers_off(conn)
+        await conn.execute(delete(control_log).where(control_log.c.seq == newest))
+        await conn.execute(update(control_head).values(seq=newest - 1, last_hash=previous))
+    for n in nodes:
+        await until(lambda n=n: n.sync.control.refusal is not None, 2)  # type: ignore[misc]
+        assert "cut back" in (n.sync.control.refusal or "")
+        assert state(n, "us-east") is HealthState.DRAINING
+    again = Runtime(b.settings)
+    await again.start()
+    try:
+        # From its own copy of the log, verified again: the drain it accepted stays in force.
+        assert again.sync.control.refusal is not None and "cut back" in again.sync.control.refusal
+        assert state(again, "us-east") is HealthState.DRAINING
+    finally:
+        await again.stop()
 
 
 async def test_operator_controls_reach_every_node_within_two_seconds(
