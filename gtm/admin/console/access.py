@@ -1,5 +1,6 @@
-"""Access (admins): principals and their roles, binding an identity provider's subject, API
-tokens issued (shown once), listed and revoked."""
+"""Access (admins): principals and their roles, binding an identity provider's subject, role
+grants (power roles wait for a second admin's approval), API tokens issued to oneself (shown
+once), listed and revoked."""
 
 from __future__ import annotations
 
@@ -18,13 +19,24 @@ async def access(view: SignedIn) -> Response:
     if not people.ok:
         return view.refused(people)
     tokens = await view.api.get("/v1/tokens")
+    grants = await view.api.get("/v1/grants")
     return view.render(
         "access.html",
         people=people.body,
         tokens=tokens.body if tokens.ok else [],
+        grants=grants.body if grants.ok else [],
         roles=[r.value for r in Role],
         issued=None,
     )
+
+
+@router.post("/access/grants/{grant_id}/approve")
+async def approve_grant(grant_id: int, posted: Posted) -> Response:
+    view, _ = posted
+    reply = await view.api.post(f"/v1/grants/{grant_id}/approve", {})
+    if not reply.ok:
+        return view.refused(reply)
+    return view.redirect("/console/access")
 
 
 @router.post("/access/principals")
@@ -51,12 +63,14 @@ async def create_token(posted: Posted) -> Response:
         return view.refused(reply)
     people = await view.api.get("/v1/principals")
     tokens = await view.api.get("/v1/tokens")
+    grants = await view.api.get("/v1/grants")
     # Rendered, not redirected: the token is shown this once and never kept by the console.
     return view.render(
         "access.html",
         status=201,
         people=people.body if people.ok else [],
         tokens=tokens.body if tokens.ok else [],
+        grants=grants.body if grants.ok else [],
         roles=[r.value for r in Role],
         issued=reply.body,
     )

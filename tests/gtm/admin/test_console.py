@@ -365,6 +365,39 @@ async def test_an_admin_makes_a_principal_issues_a_token_once_and_revokes_it(
             assert refused.status_code == 401
 
 
+async def test_power_granted_in_the_console_takes_a_second_admin(
+    start_admin: AdminFactory,
+) -> None:
+    async with start_admin() as admin:
+        root = await admin.token("root", Role.ADMIN)
+        ida = await admin.token("ida", Role.ADMIN)
+        async with sign_in(admin.url, root) as client:
+            made = await post_form(
+                client,
+                "/console/access",
+                "/console/access/principals",
+                {"name": "paula", "role:policy-approver": "on"},
+            )
+            assert made.status_code == 303
+            page = await client.get("/console/access")
+            assert "waiting for another admin" in page.text
+            assert "/console/access/grants/1/approve" not in page.text  # not for its proposer
+            # Forged past the hidden button: the API refuses it too.
+            refused = await post_form(
+                client, "/console/access", "/console/access/grants/1/approve", {}
+            )
+            assert refused.status_code == 403
+        async with sign_in(admin.url, ida) as client:
+            page = await client.get("/console/access")
+            assert 'action="/console/access/grants/1/approve"' in page.text
+            approved = await post_form(
+                client, "/console/access", "/console/access/grants/1/approve", {}
+            )
+            assert approved.status_code == 303
+            page = await client.get("/console/access")
+            assert "approved by ida" in page.text
+
+
 async def test_an_auditor_opens_the_compliance_report(start_admin: AdminFactory) -> None:
     async with start_admin() as admin:
         token = await admin.token("audrey", Role.AUDITOR)
