@@ -1,11 +1,21 @@
 """Anchoring: this node's chains, checkpointed and signed, in the database and outside it.
 
-Beside the writer (:mod:`gtm.audit.writer`), the anchor signs a checkpoint
-(:mod:`gtm.audit.checkpoints`) of the node's decision chain and of the fleet's event chain as
-this node sees it: when it starts (``open``), on a schedule when a chain moved (and about once a
-minute when it did not), and at shutdown, after the writer's last flush. Each goes to the sink
-outside the database first and then to ``audit_checkpoints``; the sink is what verification
-trusts, the table is a convenience copy.
+Threat model: the database is untrusted storage (whoever holds its password can read, write and
+delete every row, but holds no key file and cannot rewrite the checkpoint sink). So the anchor
+never signs what the database says: beside the writer (:mod:`gtm.audit.writer`) it signs a
+checkpoint (:mod:`gtm.audit.checkpoints`) of the node's decision chain as the writer holds it in
+memory, and of the fleet's event chain at the newest head this process itself wrote (and
+committed: :func:`gtm.audit.event_chain.written_head`), never the head the ``event_chain`` row
+shows, which anyone with the password can move. Checkpoints are written when the anchor starts
+(``open``), on a schedule when a chain moved (and about once a minute when it did not), and at
+shutdown, after the writer's last flush. Each goes to the sink outside the database first and
+then to ``audit_checkpoints``; the sink is what verification trusts, the table is a convenience
+copy.
+
+The anchor's key also signs this process's region events (``start`` registers it with
+:func:`gtm.audit.event_chain.use_key`, ``stop`` withdraws it): events are signed by the key
+whose anchor checkpoints them, so each event row is attributable to a writer, and each writer
+vouches only for heads it wrote.
 
 A start after an unclean stop (the running marker a clean stop removes is still there) first
 signs a ``gap``: answers counted after the chain's last flush and before this start were lost,
@@ -26,8 +36,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
+from gtm.audit import event_chain as keyed_events
 from gtm.audit.checkpoints import EVENTS_CHAIN, Checkpoint, Kind, Signed, Sink, sign
-from gtm.audit.schema import audit_checkpoints, audit_store, event_chain
+from gtm.audit.schema import audit_checkpoints, audit_store
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
 
@@ -83,7 +94,7 @@ class Anchor:
         self.sink = sink
         self.key = spool.key
         self.interval_s = interval_s
-        self.events = events  # also checkpoint the fleet's event chain
+        self.events = events  # also sign this process's events and checkpoint their heads
         self.clock = clock
         self._last: dict[str, tuple[int, str, float]] = {}  # chain -> (seq, head, at) signed
         # A chain that did not move is signed again this often: a verifier tells an idle node
@@ -95,6 +106,9 @@ class Anchor:
     async def start(self) -> None:
         """Publish the key, record a gap if the last run stopped uncleanly, open the chain."""
         await asyncio.to_thread(self.sink.publish_key, self.key)
+        if self.events:
+            # Published first: a verifier must know the key before any event it signed exists.
+            keyed_events.use_key(self.key)
         if self.spool.running_path.exists():
             self.unclean_start = True
             metrics.AUDIT_UNCLEAN_STOPS.inc()
@@ -119,6 +133,9 @@ class Anchor:
                 await self._task
             self._task = None
         await self.checkpoint("checkpoint")
+        if self.events:
+            # Nothing checkpoints what this key would sign from now on.
+            keyed_events.drop_key(self.key)
         with contextlib.suppress(FileNotFoundError):
             self.spool.running_path.unlink()
 
@@ -142,16 +159,21 @@ class Anchor:
                 self.spool.bind(store)
         now = self.clock()
         head = self.writer.head()
-        heads = [(self.writer.node, head.seq, head.hash, head.answers)]
+        heads = [(self.writer.node, head.seq, head.hash, head.answers, force)]
         if self.events and kind != "gap":  # a gap is this node's own chain's
-            events_head = await self._events_head()
+            # Only heads this process wrote: none until it appends an event. Heads of its own
+            # that the chain lost since (events removed, the head moved back) first, each signed
+            # whatever the schedule: they are what contradicts the removal.
+            for seq, digest in keyed_events.take_displaced(self.key.id):
+                heads.append((EVENTS_CHAIN, seq, digest, 0, True))
+            events_head = keyed_events.written_head(self.key.id)
             if events_head is not None:
-                heads.append((EVENTS_CHAIN, events_head[0], events_head[1], 0))
+                heads.append((EVENTS_CHAIN, events_head[0], events_head[1], 0, force))
         written = 0
-        for chain, seq, digest, answers in heads:
+        for chain, seq, digest, answers, forced in heads:
             last = self._last.get(chain)
             if (
-                not force
+                not forced
                 and last is not None
                 and last[:2] == (seq, digest)  # the chain did not move
                 and now - last[2] < self.heartbeat_s
@@ -167,16 +189,6 @@ class Anchor:
                 written += 1
                 self._last[chain] = (seq, digest, now)
         return written
-
-    async def _events_head(self) -> tuple[int, str] | None:
-        try:
-            async with self.engine.connect() as conn:
-                row = (
-                    await conn.execute(select(event_chain.c.seq, event_chain.c.last_hash))
-                ).first()
-        except (SQLAlchemyError, OSError):
-            return None
-        return None if row is None else (int(row.seq), str(row.last_hash))
 
     async def _write(self, signed: Signed) -> bool:
         cp = signed.checkpoint

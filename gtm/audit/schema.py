@@ -108,6 +108,10 @@ region_events = Table(
     Column("seq", BigInteger, unique=True),
     Column("prev_hash", String(64)),
     Column("row_hash", String(64)),
+    # Who wrote it (0011): the writer's audit key id and its Ed25519 signature over row_hash,
+    # checked against the keys published in the checkpoint sink. NULL: nobody vouches for it.
+    Column("key_id", String(16)),
+    Column("signature", String(128)),
     Index("ix_region_events_at_us", "at_us"),
     Index("ix_region_events_region", "region"),
 )

@@ -1,9 +1,21 @@
 """``gtm audit verify``: every chain checked against its links and its signed checkpoints.
 
-What a verifier needs is the checkpoints and the public keys (the sink outside the database,
-:mod:`gtm.audit.checkpoints`); the database is what is being checked, never a source of trust.
-The rows are streamed chain by chain in pages (memory stays flat however large the store), and
-for every chain:
+Threat model: the database is untrusted storage. Whoever holds its password can read, write and
+delete every row of every table (on PostgreSQL as superuser, with the append-only triggers
+switched off), give the store a new id, and rewrite the heads it keeps; they hold no key file
+and cannot rewrite the write-once checkpoint sink. What a verifier trusts is therefore only the
+sink (:mod:`gtm.audit.checkpoints`): its signed checkpoints and the writers' public keys. The
+database is what is being checked, never a source of trust, and an empty answer from it is not
+an empty store: checkpoints with no rows behind them are breaks.
+
+The sink first, as a whole:
+
+* a checkpoint of a store other than the database's (the old id of a store that was erased and
+  given a new one) is a break naming it, and so is a database whose store id no checkpoint
+  knows while the sink holds others', or one with no store id at all;
+
+then the rows, streamed chain by chain in pages (memory stays flat however large the store),
+and for every chain:
 
 * each row must follow the one before it (``seq`` + 1, ``prev_hash``) and hash to its
   ``row_hash``: an edited, removed or reordered row breaks here;
@@ -15,7 +27,12 @@ for every chain:
 * a chain with rows but no checkpoint at all is a break too (rows nobody signed for: added
   outside GTM, or a node whose sink is missing);
 * a chain whose oldest rows retention removed (:mod:`gtm.audit.retention`) starts after its
-  newest signed ``cut``: its next row must follow the cut's sequence and hash.
+  newest signed ``cut``: its next row must follow the cut's sequence and hash;
+* each region event must be signed by its writer's key, published in the sink
+  (:mod:`gtm.audit.event_chain`): a forged event, or one rewritten and re-hashed, is reported at
+  that row; an event row outside the chain (no ``seq``) is reported by its id. Writers
+  checkpoint only heads they wrote, so an event removed (and the head moved back) is
+  contradicted by its writer's checkpoint.
 
 A verification can start from checkpoints (``start``: one per chain, trusted because its
 signature verifies): rows up to each are not read again, the row at the checkpoint must still be
@@ -38,7 +55,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.anchor import read_store_id
@@ -51,12 +68,18 @@ from gtm.audit.checkpoints import (
     check,
     parse,
 )
-from gtm.audit.event_chain import event_hash
+from gtm.audit.event_chain import PublicKeys, event_hash, signature_problem
 from gtm.audit.query import distinct
 from gtm.audit.record import GENESIS, ChainBreak, row_hash
-from gtm.audit.schema import decisions, region_events
+from gtm.audit.schema import control_log, decisions, region_events
 
 _PAGE = 5000
+_NAMED = 20  # rows outside the event chain named one by one (the count is always whole)
+UNBOUND = "unbound"  # the store a node names before it could read the database's id (anchor)
+# The control log's chain in the sink (gtm.control.anchor.CHAIN): not a decision chain. Its
+# entries' signatures need the admin keys (gtm.control.anchor.verify_control_log); here each of
+# its checkpoints must still find the entry it vouches for.
+CONTROL_CHAIN = "control_log"
 
 
 @dataclass
@@ -119,6 +142,69 @@ def read_checkpoints(
     return good, bad
 
 
+def foreign_checkpoints(
+    checkpoints: Iterable[tuple[Signed, str]], store: str | None
+) -> tuple[list[tuple[Signed, str]], list[tuple[Signed, str]]]:
+    """Trusted checkpoints split into the database's store's and other stores'. Checkpoints
+    a node signed before it could learn the store id (``unbound``) are in neither: they vouch
+    for no store."""
+    own: list[tuple[Signed, str]] = []
+    other: list[tuple[Signed, str]] = []
+    for signed, location in checkpoints:
+        named = signed.checkpoint.store
+        if store is not None and named == store:
+            own.append((signed, location))
+        elif named != UNBOUND:
+            other.append((signed, location))
+    return own, other
+
+
+def store_breaks(
+    store: str | None, own: int, foreign: Iterable[tuple[Signed, str]]
+) -> list[ChainBreak]:
+    """Checkpoints in the sink whose store is not the database's are rows that should be
+    there and are not: each (store, chain) is named at its newest checkpoint."""
+    newest: dict[tuple[str, str], tuple[Checkpoint, str]] = {}
+    for signed, location in foreign:
+        cp = signed.checkpoint
+        known = newest.get((cp.store, cp.chain))
+        if known is None or cp.seq >= known[0].seq:
+            newest[(cp.store, cp.chain)] = (cp, location)
+    if not newest:
+        return []
+    stores = sorted({s for s, _ in newest})
+    breaks: list[ChainBreak] = []
+    if store is None:
+        breaks.append(
+            ChainBreak(
+                "store",
+                0,
+                f"the database has no audit store id, and the checkpoint sink vouches for "
+                f"store(s) {', '.join(stores)}: an erased store",
+            )
+        )
+    elif own == 0:
+        breaks.append(
+            ChainBreak(
+                "store",
+                0,
+                f"the database's store id {store} is unknown to the checkpoint sink, which "
+                f"vouches for store(s) {', '.join(stores)}: an erased store given a new id",
+            )
+        )
+    for (other, chain), (cp, location) in sorted(newest.items()):
+        breaks.append(
+            ChainBreak(
+                chain,
+                cp.seq,
+                f"the checkpoint at {location} vouches for rows up to {cp.seq} of store "
+                f"{other}, which is not this database's ({store or 'no id'}): checkpoints "
+                "with no rows behind them",
+            )
+        )
+    return breaks
+
+
 class _Checker:
     """One chain's rows, fed in sequence order, checked against its links and checkpoints."""
 
@@ -130,8 +216,12 @@ class _Checker:
         seq_key: str,
         counted: bool,
         start: Checkpoint | None = None,
+        attest: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
         self.result = ChainResult(chain, checkpoints=len(anchors))
+        # Who wrote each row (event signatures): a row nobody's key vouches for is a break
+        # at that row, however well it hashes.
+        self._attest = attest
         self.breaks: list[ChainBreak] = []
         self._by_seq: dict[int, list[tuple[Checkpoint, str]]] = defaultdict(list)
         for cp, location in anchors:
@@ -193,9 +283,14 @@ class _Checker:
 
     def _match(self, cp: Checkpoint, location: str, digest: str, answers: int) -> None:
         if cp.head != digest:
+            # Where: a decision row carries no signature of its own, so the rewrite lies
+            # between the newest checkpoint that still matched and this one.
+            matched = self.result.anchored_seq
+            still = f" (row {matched} still matches its checkpoint)" if matched else ""
             self._break(
                 cp.seq,
-                f"row hash differs from the checkpoint at {location}: rewritten (and re-hashed)",
+                f"row hash differs from the checkpoint at {location}: rewritten (and re-hashed) "
+                f"in rows {matched + 1}..{cp.seq}{still}",
             )
         elif self._counted and cp.answers != answers:
             self._break(
@@ -217,6 +312,8 @@ class _Checker:
             self._break(seq, "prev_hash does not match the previous row")
         if self._rehash(row["prev_hash"], row) != row["row_hash"]:
             self._break(seq, "row content does not match its hash")
+        elif self._attest is not None and (problem := self._attest(row)) is not None:
+            self._break(seq, problem)
         r.rows += 1
         if self._counted:
             r.answers += int(row["count"])
@@ -285,13 +382,20 @@ async def verify_store(
     bad: Iterable[BadCheckpoint],
     store: str | None,
     start: Mapping[str, Checkpoint] | None = None,
+    *,
+    keys: PublicKeys | None = None,
+    foreign: Iterable[tuple[Signed, str]] = (),
 ) -> Verification:
-    """Every chain of the store checked against ``checkpoints``; each chain named in
-    ``start`` from that checkpoint on."""
+    """Every chain of the store checked against ``checkpoints`` (the store's own); each chain
+    named in ``start`` from that checkpoint on. ``keys`` (the sink's published keys) check
+    each event's signature; ``foreign`` are the sink's checkpoints of other stores, each a
+    break (see :func:`store_breaks`)."""
     start = start or {}
     out = Verification(store)
     for b in bad:
         out.breaks.append(ChainBreak("checkpoint", 0, f"{b.location}: {b.problem}"))
+    checkpoints = list(checkpoints)
+    out.breaks.extend(store_breaks(store, len(checkpoints), foreign))
     anchors: dict[str, list[tuple[Checkpoint, str]]] = defaultdict(list)
     for signed, location in checkpoints:
         cp = signed.checkpoint
@@ -302,7 +406,7 @@ async def verify_store(
         anchors[cp.chain].append((cp, location))
     async with engine.connect() as conn:
         nodes = await distinct(conn, decisions.c.node)
-    chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN}))
+    chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN, CONTROL_CHAIN}))
     for chain in chains:
         checker = _Checker(
             chain, anchors.get(chain, []), row_hash, "node_seq", True, start.get(chain)
@@ -330,6 +434,7 @@ async def verify_store(
         "seq",
         False,
         start.get(EVENTS_CHAIN),
+        None if keys is None else (lambda row: signature_problem(row, keys)),
     )
     if events.resumes is not None:
         events.check_resumed(
@@ -349,7 +454,77 @@ async def verify_store(
         events.finish()
         out.chains[EVENTS_CHAIN] = events.result
         out.breaks.extend(events.breaks)
+    out.breaks.extend(await _unchained_events(engine))
+    out.breaks.extend(await _control_log_anchors(engine, anchors.get(CONTROL_CHAIN, [])))
     return out
+
+
+async def _control_log_anchors(
+    engine: AsyncEngine, anchors: list[tuple[Checkpoint, str]]
+) -> list[ChainBreak]:
+    """Each checkpoint of the control log's head against the entry it names: a log wiped or
+    cut back behind it, or forked there, is a break (the newest such checkpoint per seq)."""
+    if not anchors:
+        return []
+    async with engine.connect() as conn:
+        held = {
+            int(seq): str(digest)
+            for seq, digest in await conn.execute(
+                select(control_log.c.seq, control_log.c.entry_hash)
+            )
+        }
+    breaks: list[ChainBreak] = []
+    for cp, location in sorted(
+        {cp.seq: (cp, loc) for cp, loc in anchors}.values(), key=lambda x: x[0].seq
+    ):
+        digest = held.get(cp.seq)
+        if digest is None:
+            breaks.append(
+                ChainBreak(
+                    CONTROL_CHAIN,
+                    cp.seq,
+                    f"the checkpoint at {location} vouches for this entry; the log has it no "
+                    "more (cut back or wiped)",
+                )
+            )
+        elif digest != cp.head:
+            breaks.append(
+                ChainBreak(
+                    CONTROL_CHAIN,
+                    cp.seq,
+                    f"not the entry the checkpoint at {location} vouches for (a fork)",
+                )
+            )
+    return breaks
+
+
+async def _unchained_events(engine: AsyncEngine) -> list[ChainBreak]:
+    """Event rows outside the chain (no ``seq``): the event log shows them, nothing vouches for
+    them. Named by row id, the first few; the rest counted."""
+    outside = region_events.c.seq.is_(None)
+    async with engine.connect() as conn:
+        count = int(await conn.scalar(select(func.count()).where(outside)) or 0)
+        if not count:
+            return []
+        ids = list(
+            await conn.scalars(
+                select(region_events.c.id).where(outside).order_by(region_events.c.id).limit(_NAMED)
+            )
+        )
+    breaks = [
+        ChainBreak(
+            EVENTS_CHAIN,
+            0,
+            f"event row id {i} is outside the chain (no seq): added outside GTM, or older "
+            "than the chain",
+        )
+        for i in ids
+    ]
+    if count > len(ids):
+        breaks.append(
+            ChainBreak(EVENTS_CHAIN, 0, f"{count - len(ids)} more event row(s) outside the chain")
+        )
+    return breaks
 
 
 def starts_at(checkpoints: Iterable[tuple[Signed, str]], since: float) -> dict[str, Checkpoint]:
@@ -374,17 +549,22 @@ async def verify(
     ``gtm audit verify`` runs): the store's id, its trusted checkpoints, every chain; from
     ``start`` (per chain), or from the newest checkpoint at or before ``since``."""
     store = await read_store_id(engine)
-    good, bad = await asyncio.to_thread(read_checkpoints, sink, store)
+    # Every checkpoint in the sink, whichever store it names: one of another store is a break.
+    trusted, bad = await asyncio.to_thread(read_checkpoints, sink, None)
+    keys = await asyncio.to_thread(sink.keys)
+    good, foreign = foreign_checkpoints(trusted, store)
     if since is not None:
         start = {**starts_at(good, since), **(start or {})}
-    return await verify_store(engine, good, bad, store, start)
+    return await verify_store(engine, good, bad, store, start, keys=keys, foreign=foreign)
 
 
 __all__ = [
     "ChainResult",
     "Verification",
+    "foreign_checkpoints",
     "read_checkpoints",
     "starts_at",
+    "store_breaks",
     "verify",
     "verify_store",
 ]

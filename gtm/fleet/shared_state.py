@@ -19,8 +19,10 @@ import orjson
 from sqlalchemy import RowMapping, Select, Text, cast, delete, desc, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from gtm.audit import event_chain as keyed_events
 from gtm.audit.database import upsert
 from gtm.audit.event_chain import chain_events, verify_events
+from gtm.audit.keys import ChainKey
 from gtm.audit.record import ChainBreak
 from gtm.audit.schema import (
     documents,
@@ -107,17 +109,26 @@ async def read_observations(engine: AsyncEngine, newer_than: float) -> list[Obse
     return found
 
 
-async def append_events(engine: AsyncEngine, events: Iterable[RegionEvent]) -> None:
+async def append_events(
+    engine: AsyncEngine, events: Iterable[RegionEvent], key: ChainKey | None = None
+) -> None:
+    """Chain and sign ``events`` (with ``key``, else this process's audit key:
+    :func:`gtm.audit.event_chain.signing_key`)."""
     rows = [_event_row(e) for e in events]
     if rows:
         async with engine.begin() as conn:
-            await _append(conn, rows)
+            await _append(conn, rows, key)
 
 
-async def _append(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
-    """Chain ``rows`` onto the fleet's region events, inside the caller's transaction. The
-    head's update comes first: it locks the head until commit, so concurrent appenders (nodes,
-    workers, operators' CLI) queue here and never fork the chain."""
+async def _append(
+    conn: AsyncConnection, rows: list[dict[str, Any]], key: ChainKey | None = None
+) -> None:
+    """Chain ``rows`` onto the fleet's region events, inside the caller's transaction, each
+    signed by the writer's key. The head's update comes first: it locks the head until commit,
+    so concurrent appenders (nodes, workers, operators' CLI) queue here and never fork the
+    chain. The head read here is only where to append: what this writer's anchor signs is the
+    head it wrote, noted at commit (the database's head is not evidence)."""
+    key = key or keyed_events.signing_key()
     head = (
         await conn.execute(
             update(event_chain)
@@ -126,21 +137,33 @@ async def _append(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
             .returning(event_chain.c.seq, event_chain.c.last_hash)
         )
     ).one()
-    seq, last = chain_events(rows, head.seq, head.last_hash)
+    if key is not None:
+        keyed_events.went_back(key.id, head.seq)
+    seq, last = chain_events(rows, head.seq, head.last_hash, key)
     await conn.execute(insert(region_events), rows)
     await conn.execute(
         update(event_chain).where(event_chain.c.id == 1).values(seq=seq, last_hash=last)
     )
+    if key is None:
+        # Still written (the change it records must not fail for want of a key), but verify
+        # reports it as unsigned: evidence nobody can vouch for is a break, not evidence.
+        keyed_events.warn_unsigned(seq)
+    else:
+        keyed_events.remember_on_commit(conn, key.id, seq, last)
 
 
-async def read_event_chain(engine: AsyncEngine) -> tuple[int, list[ChainBreak]]:
-    """Verify the region events' chain; returns (events checked, breaks)."""
+async def read_event_chain(
+    engine: AsyncEngine, keys: keyed_events.PublicKeys | None = None
+) -> tuple[int, list[ChainBreak]]:
+    """Check the region events' chain against itself (and each row's signature with ``keys``,
+    the sink's published keys); returns (events checked, breaks). Against the checkpoints
+    outside the database: :func:`gtm.audit.verify.verify`."""
     async with engine.connect() as conn:
         result = await conn.execute(select(region_events).order_by(region_events.c.seq))
         rows = [dict(r._mapping) for r in result]
         head = (await conn.execute(select(event_chain.c.seq, event_chain.c.last_hash))).first()
     chained = [r for r in rows if r["seq"] is not None]
-    return len(chained), verify_events(chained, None if head is None else (head[0], head[1]))
+    return len(chained), verify_events(chained, None if head is None else (head[0], head[1]), keys)
 
 
 def _event_row(e: RegionEvent) -> dict[str, Any]:
@@ -264,14 +287,16 @@ async def clear_override(
         return True
 
 
-async def _event(conn: AsyncConnection, event: RegionEvent) -> None:
-    await _append(conn, [_event_row(event)])
+async def _event(conn: AsyncConnection, event: RegionEvent, key: ChainKey | None = None) -> None:
+    await _append(conn, [_event_row(event)], key)
 
 
-async def record_event(conn: AsyncConnection, event: RegionEvent) -> None:
-    """Chain one event in the caller's transaction: it lands with the change it records, or
-    not at all (the admin service's actions)."""
-    await _event(conn, event)
+async def record_event(
+    conn: AsyncConnection, event: RegionEvent, key: ChainKey | None = None
+) -> None:
+    """Chain and sign one event in the caller's transaction: it lands with the change it
+    records, or not at all (the admin service's actions)."""
+    await _event(conn, event, key)
 
 
 @dataclass(frozen=True, slots=True)
