@@ -229,62 +229,65 @@ async def read_overrides(engine: AsyncEngine) -> list[Override]:
 
 
 async def put_override(engine: AsyncEngine, override: Override, node: str) -> None:
-    """Replace a region's override and record who did it and why, in one transaction."""
+    """Replace a region's cached override row and record who did it and why, in one transaction
+    (the override itself is the control log's entry: gtm.fleet.operator)."""
     async with engine.begin() as conn:
-        await conn.execute(
-            delete(region_overrides).where(region_overrides.c.region == override.region)
-        )
-        await conn.execute(
-            insert(region_overrides),
-            {
-                "region": override.region,
-                "drain": override.drain,
-                "weight": override.weight,
-                "force": override.force.value if override.force else None,
-                "force_until_us": None
-                if override.force_until is None
-                else _us(override.force_until),
-                "expires_at_us": None if override.expires_at is None else _us(override.expires_at),
-                "actor": override.actor,
-                "reason": override.reason,
-                "set_at_us": _us(override.set_at),
-            },
-        )
-        until = ""
-        if override.force_until is not None:
-            until += f"; force until {_iso(override.force_until)}"
-        if override.expires_at is not None:
-            until += f"; drain/weight until {_iso(override.expires_at)}"
-        await _event(
-            conn,
-            RegionEvent(
-                override.set_at,
-                node,
-                override.region,
-                "override",
-                None,
-                None,
-                f"set: {override.describe()}{until}",
-                override.actor,
-                override.reason,
-            ),
-        )
+        await put_override_in(conn, override, node)
+
+
+async def put_override_in(conn: AsyncConnection, override: Override, node: str) -> None:
+    await conn.execute(delete(region_overrides).where(region_overrides.c.region == override.region))
+    await conn.execute(
+        insert(region_overrides),
+        {
+            "region": override.region,
+            "drain": override.drain,
+            "weight": override.weight,
+            "force": override.force.value if override.force else None,
+            "force_until_us": None if override.force_until is None else _us(override.force_until),
+            "expires_at_us": None if override.expires_at is None else _us(override.expires_at),
+            "actor": override.actor,
+            "reason": override.reason,
+            "set_at_us": _us(override.set_at),
+        },
+    )
+    until = ""
+    if override.force_until is not None:
+        until += f"; force until {_iso(override.force_until)}"
+    if override.expires_at is not None:
+        until += f"; drain/weight until {_iso(override.expires_at)}"
+    await _event(
+        conn,
+        RegionEvent(
+            override.set_at,
+            node,
+            override.region,
+            "override",
+            None,
+            None,
+            f"set: {override.describe()}{until}",
+            override.actor,
+            override.reason,
+        ),
+    )
 
 
 async def clear_override(
     engine: AsyncEngine, region: str, actor: str, reason: str, node: str, now: float
 ) -> bool:
-    """Remove a region's override; False when it had none."""
+    """Remove a region's cached override row; False when it had none."""
     async with engine.begin() as conn:
-        result = await conn.execute(
-            delete(region_overrides).where(region_overrides.c.region == region)
-        )
-        if not result.rowcount:
-            return False
-        await _event(
-            conn, RegionEvent(now, node, region, "override", None, None, "cleared", actor, reason)
-        )
-        return True
+        return await clear_override_in(conn, region, actor, reason, node, now)
+
+
+async def clear_override_in(
+    conn: AsyncConnection, region: str, actor: str, reason: str, node: str, now: float
+) -> bool:
+    await conn.execute(delete(region_overrides).where(region_overrides.c.region == region))
+    await _event(
+        conn, RegionEvent(now, node, region, "override", None, None, "cleared", actor, reason)
+    )
+    return True
 
 
 async def _event(conn: AsyncConnection, event: RegionEvent, key: ChainKey | None = None) -> None:
