@@ -32,6 +32,7 @@ unsigned row as a break, never as evidence.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from collections.abc import Mapping
@@ -234,16 +235,27 @@ def remember_on_commit(conn: AsyncConnection, key_id: str, seq: int, digest: str
     if sync is None:  # it has just appended the rows: it is connected
         raise RuntimeError("remember_on_commit on a closed connection")
     settled = False
+    loop = asyncio.get_running_loop()
 
     def committed(_: Connection) -> None:
         nonlocal settled
         if not settled:
             settled = True
             _note_written(key_id, seq, digest)
+            loop.call_soon(forget)
 
     def rolled_back(_: Connection) -> None:
         nonlocal settled
-        settled = True
+        if not settled:
+            settled = True
+            loop.call_soon(forget)
+
+    def forget() -> None:
+        # Removed after the dispatch that fired (not during it: it is iterating the listeners);
+        # a pooled connection must not gather two listeners per append for its whole life.
+        for name, fn in (("commit", committed), ("rollback", rolled_back)):
+            if event.contains(sync, name, fn):
+                event.remove(sync, name, fn)
 
     event.listen(sync, "commit", committed)
     event.listen(sync, "rollback", rolled_back)

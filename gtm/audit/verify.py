@@ -71,7 +71,7 @@ from gtm.audit.checkpoints import (
 from gtm.audit.event_chain import PublicKeys, event_hash, signature_problem
 from gtm.audit.query import distinct
 from gtm.audit.record import GENESIS, ChainBreak, row_hash
-from gtm.audit.schema import control_log, decisions, region_events
+from gtm.audit.schema import audit_store, control_log, decisions, region_events
 
 _PAGE = 5000
 _NAMED = 20  # rows outside the event chain named one by one (the count is always whole)
@@ -555,7 +555,15 @@ async def verify(
     good, foreign = foreign_checkpoints(trusted, store)
     if since is not None:
         start = {**starts_at(good, since), **(start or {})}
-    return await verify_store(engine, good, bad, store, start, keys=keys, foreign=foreign)
+    out = await verify_store(engine, good, bad, store, start, keys=keys, foreign=foreign)
+    async with engine.connect() as conn:
+        ids = (await conn.execute(select(audit_store.c.id))).scalars().all()
+    if len(ids) > 1:
+        # One store per database: which one a reader takes would be the database's choice.
+        out.breaks.append(
+            ChainBreak("store", 0, f"the database names {len(ids)} audit stores: {sorted(ids)}")
+        )
+    return out
 
 
 __all__ = [

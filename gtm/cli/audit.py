@@ -23,6 +23,8 @@ from gtm.audit.retention import Retained, retain
 from gtm.audit.schema import decisions
 from gtm.audit.verify import Verification, verify
 from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_async, run_with_sink
+from gtm.control.anchor import verify_control_log
+from gtm.fleet.signed_documents import load_public_keys
 
 audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True)
 
@@ -207,13 +209,23 @@ def audit_verify(
     sink = checkpoint_sink(settings, checkpoints)
     since_us = _time_us(since)
 
+    document_keys = load_public_keys(settings.document_keys)
+
     async def main() -> Verification:
         engine = make_async_engine(settings.database_url)
         try:
-            return await verify(engine, sink, since=None if since_us is None else since_us / 1e6)
+            found = await verify(engine, sink, since=None if since_us is None else since_us / 1e6)
+            if document_keys:
+                # Every control-log entry's link and signature (its checkpoints were checked
+                # above, against the entries they name).
+                entries, breaks = await verify_control_log(engine, document_keys, ())
+                found.breaks.extend(breaks)
+                control_entries.append(entries)
+            return found
         finally:
             await engine.dispose()
 
+    control_entries: list[int] = []
     result = run_with_sink(main)
     for b in result.breaks:
         typer.echo(f"BROKEN {b.node}#{b.node_seq}: {b.problem}")
@@ -235,6 +247,10 @@ def audit_verify(
         f"checked in {len(result.chains)} chain(s) against {result.checkpoints} checkpoint(s) "
         f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s)"
     )
+    if control_entries:
+        typer.echo(f"control-log entries checked with the document keys: {control_entries[0]}")
+    else:
+        typer.echo("control-log entries not checked: no GTM_DOCUMENT_KEYS to verify them with")
     if result.breaks:
         raise typer.Exit(1)
 
