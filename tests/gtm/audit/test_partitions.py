@@ -124,7 +124,7 @@ async def test_rows_from_before_the_migration_stay_and_the_chain_goes_on(
         await engine.dispose()
 
         migrate.upgrade(postgres_url)
-        assert migrate.current_revision(postgres_url) == "0009"
+        assert migrate.current_revision(postgres_url) == migrate.head_revision(postgres_url)
         # Kept where they were: the old table is the history partition, up to the day after
         # its newest row; daily partitions from there on.
         assert await _where(engine) == {"decisions_p_history": before["decisions"]}
@@ -148,7 +148,7 @@ async def test_rows_from_before_the_migration_stay_and_the_chain_goes_on(
         await engine.dispose()
         migrate.downgrade(postgres_url, "0008")
         assert list(await _where(engine)) == ["decisions"]
-        assert (await verify(engine, sink)).breaks == []
+        # (Verified once back up: this code reads columns added after 0008.)
         assert _sql(postgres_url, "DELETE FROM decisions") is not None  # 0007's guard is back
         migrate.upgrade(postgres_url)
         assert (await verify(engine, sink)).breaks == []
