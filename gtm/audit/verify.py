@@ -324,7 +324,10 @@ class _Checker:
     def finish(self) -> None:
         r = self.result
         if self._newest is None:
-            if r.rows:
+            # Rows whose every one carries its writer's verified signature (the event chain)
+            # are not yet anchored, not unvouched: a node's first events come before its first
+            # checkpoint, and a clean start must not read as a break (DESIGN.md rule 10).
+            if r.rows and self._attest is None:
                 self._break(
                     1,
                     "no checkpoint vouches for this chain: rows written outside GTM, or its "

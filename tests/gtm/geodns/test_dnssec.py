@@ -41,6 +41,7 @@ from gtm.node import Node, run_node
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES, ROOT
 from tests.support import resolvers
+from tests.support.control import KeyHolder
 from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
@@ -403,8 +404,11 @@ async def test_fail_closed_nodata_is_signed_and_denies_the_type(
     start_node: StartNode, key: ZoneKey, tmp_path: Path
 ) -> None:
     topology, policies = fail_closed_with_nodata(tmp_path)
-    node = await start_node(topology, policies=policies, dnssec_key_file=key.path)
-    await force_eu(node.runtime.engine, down=True)
+    holder = KeyHolder(tmp_path / "keys")  # overrides are signed control-log entries
+    node = await start_node(
+        topology, policies=policies, dnssec_key_file=key.path, document_keys=(holder.public,)
+    )
+    await force_eu(node.runtime.engine, down=True, holder=holder)
 
     async def failed_closed() -> bool:
         r = await udp(node, q("chat.eu.gtm.example.", ecs=DE))
@@ -656,7 +660,10 @@ async def test_unbound_validates_every_answer_type_the_zone_gives(
     start_node: StartNode, start_unbound: StartUnbound, key: ZoneKey, tmp_path: Path
 ) -> None:
     topology, policies = fail_closed_with_nodata(tmp_path)
-    node = await start_node(topology, policies=policies, dnssec_key_file=key.path)
+    holder = KeyHolder(tmp_path / "keys")  # overrides are signed control-log entries
+    node = await start_node(
+        topology, policies=policies, dnssec_key_file=key.path, document_keys=(holder.public,)
+    )
     port = await start_unbound(port_of(node), key)
     cases: list[tuple[str, str, str | None, bool]] = [
         # name, type, ECS, whether the answer has records
@@ -690,7 +697,7 @@ async def test_unbound_validates_every_answer_type_the_zone_gives(
         got = [x for x in r.answer if x.rdtype == dns.rdatatype.from_text(rdtype)]
         assert bool(got) == positive, (name, rdtype, r)
     # The fail-closed NODATA of a restricted name validates too.
-    await force_eu(node.runtime.engine, down=True)
+    await force_eu(node.runtime.engine, down=True, holder=holder)
 
     async def failed_closed() -> bool:
         r = await resolve(port, "chat.eu.gtm.example.", "A", "198.51.100.0")
