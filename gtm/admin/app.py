@@ -10,20 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from sqlalchemy.exc import SQLAlchemyError
 
-from gtm.admin import console
+from gtm.admin import console, events
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
 from gtm.admin.errors import LifecycleError
 from gtm.admin.oidc import IdentityProviderUnavailable
 from gtm.admin.permissions import OPERATIONS
 from gtm.admin.routes import audit, documents, identity, regions
-from gtm.admin.traces import TraceRequests
+from gtm.admin.traces import PRINCIPAL_STATE, TraceRequests
 from gtm.control.log import CannotSign, LogRefused
 from gtm.tracing import tracer
+
+log = structlog.get_logger(__name__)
 
 
 def _error(status: int, code: str, message: str, problems: list[dict[str, Any]]) -> JSONResponse:
@@ -33,6 +37,28 @@ def _error(status: int, code: str, message: str, problems: list[dict[str, Any]])
         status_code=status,
         headers=headers,
     )
+
+
+async def _record_refusal(ctx: AdminContext, request: Request, message: str) -> None:
+    """A refusal of an authenticated request, as a ``denied`` event (DESIGN.md rule 6: every
+    refusal is evidence). The change it asked for was rolled back; this is written on its own.
+    Unauthenticated requests are counted, never written: no stranger makes the service write."""
+    principal = getattr(request.state, PRINCIPAL_STATE, None)
+    if principal is None:
+        return
+    try:
+        name = ctx.control.good.name_of(principal)
+    except LogRefused:
+        name = principal
+    operation = request.scope.get("route")
+    what = getattr(operation, "operation_id", None) or request.url.path
+    try:
+        async with ctx.engine.begin() as conn:
+            await events.record(
+                conn, "denied", f"{what}: {message}", actor=name, now=ctx.clock(), node=ctx.node
+            )
+    except SQLAlchemyError:  # the refusal is answered whether or not it could be written
+        log.warning("admin.denied_not_recorded", operation=what)
 
 
 def create_app(ctx: AdminContext) -> FastAPI:
@@ -94,6 +120,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
 
     @app.exception_handler(LifecycleError)
     async def lifecycle_error(request: Request, exc: LifecycleError) -> JSONResponse:
+        if exc.status in (403, 409) and not exc.recorded:
+            await _record_refusal(ctx, request, exc.message)
         problems = [
             {"source": p.source, "location": p.location, "message": p.message} for p in exc.problems
         ]

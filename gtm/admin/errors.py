@@ -23,6 +23,9 @@ class LifecycleError(GTMError):
         super().__init__(message)
         self.message = message
         self.problems = problems or []
+        # Whether a ``denied`` event was written where it was raised; the API records the
+        # refusals (403, 409) that were not, so every one is evidence (gtm.admin.app).
+        self.recorded = False
 
 
 class NotFound(LifecycleError):

@@ -228,6 +228,7 @@ async def _refuse(
     """A refusal is evidence too: a ``denied`` event in the caller's transaction. The caller
     commits it (``raise_after_commit``) so the event survives the error response."""
     await events.record(conn, "denied", error.message, actor=principal.name, now=now, node=node)
+    error.recorded = True
     return error
 
 
@@ -413,7 +414,11 @@ async def activate(
             now=now,
             node=node,
         )
-        raise Conflict(f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}")
+        refused = Conflict(
+            f"proposal #{proposal_id} has {len(valid)} valid approval(s) of {required}"
+        )
+        refused.recorded = True
+        raise refused
     version = await versions.get_version(conn, proposal.version)
     sequence = 1 + (before.in_force.sequence if before.in_force is not None else 0)
     # The head's lock (taken by the append) serialises concurrent activations: the second

@@ -242,6 +242,8 @@ async def _change(
             )  # fmt: skip
         if isinstance(exc, operator.OverrideRefused):
             raise Forbidden(str(exc)) from None
+        if isinstance(exc, Conflict):
+            exc.recorded = True
         raise
     if broke:
         async with ctx.engine.begin() as conn:

@@ -316,6 +316,11 @@ async def test_every_refusal_is_a_denied_event(
                 assert (await c.post(f"/v1/proposals/{p['id']}/{step}")).status_code == 403
             edit = await c.put(f"/v1/proposals/{p['id']}", json=demo_documents(loosen_eu))
             assert edit.status_code == 403
+            # A 409 too: activating a draft.
+            early = await a.post(f"/v1/proposals/{p['id']}/submit")
+            assert early.status_code == 200
+            again = await a.post(f"/v1/proposals/{p['id']}/submit")
+            assert again.status_code == 409
             # The last EU region drained by an operator who asks to break the safety rules.
             await o.post("/v1/regions/eu-west/drain", json={"reason": "maintenance"})
             r = await o.post(
@@ -327,6 +332,7 @@ async def test_every_refusal_is_a_denied_event(
         denied = [(e["actor"], e["detail"]) for e in events if e["kind"] == "denied"]
         for what in ("submit", "withdraw", "edit"):
             assert any(a == "carol" and what in d for a, d in denied), (what, denied)
+        assert any(a == "alice" and d.startswith("submit_proposal:") for a, d in denied), denied
         assert any(a == "olga" and "only an admin" in d for a, d in denied), denied
 
 
