@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, update
+from cryptography.exceptions import InvalidSignature
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import events, versions
@@ -31,7 +32,7 @@ from gtm.admin.diff import FileDiff, diff_documents
 from gtm.admin.errors import Conflict, NotFound, Refused
 from gtm.admin.principals import Principal
 from gtm.admin.signer import Signer
-from gtm.audit.schema import approvals, proposals
+from gtm.audit.schema import approvals, documents, proposals
 from gtm.control.log import ControlLog
 from gtm.control.state import (
     ACTIVE,
@@ -45,7 +46,7 @@ from gtm.control.state import (
     Refusal,
 )
 from gtm.fleet import shared_state
-from gtm.fleet.signed_documents import Manifest
+from gtm.fleet.signed_documents import Manifest, Untrusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +421,8 @@ async def activate(
         refused.recorded = True
         raise refused
     version = await versions.get_version(conn, proposal.version)
-    sequence = 1 + (before.in_force.sequence if before.in_force is not None else 0)
+    in_log = before.in_force.sequence if before.in_force is not None else 0
+    sequence = 1 + max(in_log, await _signed_sequence(conn, control))
     # The head's lock (taken by the append) serialises concurrent activations: the second
     # finds the proposal active already and the fold refuses it. Exactly once, whoever asks.
     state = await _append(
@@ -477,6 +479,29 @@ async def activate(
         reason=proposal.reason,
     )
     return _view(state, state.proposals[proposal_id])
+
+
+async def _signed_sequence(conn: AsyncConnection, control: ControlLog) -> int:
+    """The highest activation sequence among published rows whose manifest a trusted key
+    signed (0: none). Nodes refuse a sequence at or below the one they hold, and a store that
+    was upgraded from before the control log holds activations the log never saw."""
+    rows = await conn.execute(
+        select(documents.c.manifest, documents.c.signature)
+        .where(documents.c.sequence.is_not(None))
+        .order_by(documents.c.sequence.desc())
+        .limit(50)
+    )
+    for text, signature in rows:
+        try:
+            manifest = Manifest.parse(text)
+            key = control.keys.get(manifest.key)
+            if key is None:
+                continue
+            key.verify(bytes.fromhex(signature), text.encode())
+        except (Untrusted, InvalidSignature, ValueError, TypeError, AttributeError):
+            continue
+        return manifest.sequence
+    return 0
 
 
 async def schedule(

@@ -19,7 +19,7 @@ Kinds and bodies::
     proposal.submit   {id}      proposal.withdraw {id}
     approval          {proposal, version, comment}         not the author, this version
     schedule          {proposal, at_us}
-    activation        {proposal, version, sequence}        enough valid approvals, next serial
+    activation        {proposal, version, sequence}        enough valid approvals, a later serial
     override.set      {region, drain, weight, force, force_until_us, expires_at_us, reason,
                        broke}                              operator; breaking rules: admin too
     override.clear    {region, reason}
@@ -429,8 +429,11 @@ def _activation(state: ControlState, e: Entry, body: Mapping[str, Any]) -> None:
     required = max(p.required, _int(body, "required"))
     valid = state.valid_approvals(p)
     _require(len(valid) >= required, f"{len(valid)} valid approval(s) of {required}")
-    expected = 1 + (state.in_force.sequence if state.in_force is not None else 0)
-    _require(sequence == expected, f"sequence {sequence} is not the next ({expected})")
+    # Above the one in force: an older sequence is a replay. Not necessarily the next one: a
+    # store upgraded from before the log has activations the log never saw, and nodes refuse
+    # a sequence at or below the one they hold.
+    current = state.in_force.sequence if state.in_force is not None else 0
+    _require(sequence > current, f"sequence {sequence} is not after {current}")
     for other in list(state.proposals.values()):
         if other.state == ACTIVE:
             state.proposals[other.id] = replace(other, state=SUPERSEDED, updated_at_us=e.at_us)

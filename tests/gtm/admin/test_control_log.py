@@ -15,6 +15,7 @@ from sqlalchemy import delete, insert, select, update
 from gtm.admin import scheduler
 from gtm.admin.permissions import Role
 from gtm.admin.server import context_for
+from gtm.admin.signer import load_signer
 from gtm.audit.schema import (
     api_tokens,
     control_head,
@@ -26,10 +27,10 @@ from gtm.audit.schema import (
 )
 from gtm.control.anchor import ControlAnchor, sink_checkpoints, verify_control_log
 from gtm.control.log import ControlLog, LogRefused
-from gtm.fleet.signed_documents import content_digest
+from gtm.fleet.signed_documents import Manifest, content_digest
 from tests.gtm.admin.conftest import Admin, AdminFactory, loosen_eu
 from tests.gtm.admin.conftest import documents as demo_documents
-from tests.gtm.admin.test_lifecycle import eu_answer, synced
+from tests.gtm.admin.test_lifecycle import _insert_signed, eu_answer, synced
 from tests.support.postgres import postgres_database
 from tests.support.tamper import triggers_off
 
@@ -369,3 +370,38 @@ async def test_a_wiped_or_cut_back_control_log_is_named_by_its_checkpoints(
             await conn.execute(delete(control_log))
         checked, breaks = await verify_control_log(engine, keys, checkpoints)
         assert checked == 0 and [b.node_seq for b in breaks] == [4]
+
+
+async def test_an_activation_after_an_upgrade_follows_the_signed_sequence_nodes_hold(
+    start_admin: AdminFactory,
+) -> None:
+    """A store upgraded from before the control log holds signed activations the log never saw
+    (here sequence 3): the log's first activation must come after it, or nodes refuse it."""
+    async with start_admin() as admin:
+        strict = _strict()
+        key = load_signer(admin.keys / "document-signing.key")
+        body, signature = key.sign(
+            Manifest(
+                version=content_digest(strict["topology"], strict["policies"]),
+                sequence=3,
+                proposal=1,
+                author="alice",
+                approvers=("bob",),
+                required=1,
+                activated_at=time.time(),
+                actor="bob",
+                reason="before the upgrade",
+                key="",
+            )
+        )
+        await _insert_signed(
+            admin.runtime.engine, strict["topology"], strict["policies"], body, signature
+        )
+        await synced(admin.runtime)
+        assert admin.runtime.document_sequence == 3
+        alice = await admin.token("alice", Role.POLICY_AUTHOR)
+        bob = await admin.token("bob", Role.POLICY_APPROVER)
+        await _activate(admin, alice, bob, demo_documents(loosen_eu))
+        await synced(admin.runtime)
+        assert admin.runtime.document_sequence == 4
+        assert eu_answer(admin.runtime) == "us-east"

@@ -96,7 +96,7 @@ def test_power_is_granted_by_two_admins_and_tokens_only_to_their_own_principal()
     assert "policy-author" not in log.state.principals["ida"].roles
 
 
-def test_an_activation_needs_the_next_sequence_and_enough_valid_approvals() -> None:
+def test_an_activation_needs_a_later_sequence_and_enough_valid_approvals() -> None:
     log = Log()
     people(log)
     log.add("proposal.create", "alice", id=1, version="v1", reason="r", base=None, required=1)
@@ -104,15 +104,22 @@ def test_an_activation_needs_the_next_sequence_and_enough_valid_approvals() -> N
     log.add("activation", "bob", proposal=1, version="v1", sequence=1, required=1)
     assert log.state.in_force is None  # never approved
     log.add("approval", "bob", proposal=1, version="v1", comment="")
-    log.add("activation", "bob", proposal=1, version="v1", sequence=5, required=1)
-    assert log.state.in_force is None  # not the next serial
-    log.add("activation", "bob", proposal=1, version="v1", sequence=1, required=1)
-    assert log.state.in_force is not None and log.state.in_force.version == "v1"
+    log.add("activation", "bob", proposal=1, version="v1", sequence=0, required=1)
+    assert log.state.in_force is None  # not after the one in force
+    # Later than the next is allowed: a store upgraded from before the log held activations.
+    log.add("activation", "bob", proposal=1, version="v1", sequence=4, required=1)
+    assert log.state.in_force is not None and log.state.in_force.sequence == 4
     # An edit after approval is refused (active now), and a fresh draft starts with nothing.
     log.add("proposal.edit", "alice", id=1, version="v9")
     assert log.state.proposals[1].version == "v1"
     log.add("proposal.create", "alice", id=2, version="v2", reason="r", base="v1", required=1)
     assert log.state.proposals[2].state == DRAFT and log.state.proposals[2].approvals == ()
+    log.add("proposal.submit", "alice", id=2)
+    log.add("approval", "bob", proposal=2, version="v2", comment="")
+    log.add("activation", "bob", proposal=2, version="v2", sequence=4, required=1)  # a replay
+    assert log.state.in_force.version == "v1"
+    log.add("activation", "bob", proposal=2, version="v2", sequence=5, required=1)
+    assert log.state.in_force.version == "v2" and log.state.proposals[1].state == "superseded"
 
 
 def test_an_edited_reordered_or_missing_entry_does_not_verify() -> None:
