@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import structlog
 import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from sqlalchemy.exc import SQLAlchemyError
 
 from gtm.admin import oidc, scheduler
 from gtm.admin.app import create_app
@@ -24,7 +25,7 @@ from gtm.admin.oidc import OidcVerifier
 from gtm.admin.signer import Signer, load_signer
 from gtm.audit.watch import VerificationWatch
 from gtm.control.anchor import ControlAnchor
-from gtm.control.log import ControlLog
+from gtm.control.log import ControlLog, LogRefused
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
 from gtm.listen import EmbeddedServer, parse_listen
@@ -144,8 +145,12 @@ async def serve_admin(
 ) -> None:
     """Serve the admin API on ``sock`` until ``stop`` is set."""
     ctx = context_for(runtime)
-    # Read and verify the whole log before serving: a log refused now serves nothing.
-    await ctx.control.refresh(runtime.engine)
+    # Read and verify the whole log before serving (each request reads what follows); with the
+    # database away the admin API still starts, and answers 503 until the log is read.
+    try:
+        await ctx.control.refresh(runtime.engine)
+    except (SQLAlchemyError, OSError, LogRefused) as exc:
+        log.warning("admin.control_log_unread", error=str(exc).splitlines()[0])
     app = create_app(ctx)
     host, port = sock.getsockname()[:2]
 
