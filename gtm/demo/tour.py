@@ -89,6 +89,9 @@ def ask(snapshot: Snapshot, client: str, name: str, now: float, ecs: str | None 
 async def main(once: bool) -> None:
     configure("console", "warning")
     var = Path(os.environ.get("GTM_DEMO_VAR", "var"))  # where the demo keeps its state
+    # The demo's admin key pair: every node of the demo trusts what it signed (the control log
+    # of an earlier run included), as every node of a fleet does.
+    _, public_key = scenario.signing_keys(var / "demo-keys")
     settings = Settings(
         # The CLI's default database when run from the checkout (GTM_DEMO_VAR unset): every
         # `gtm ...` command the demo suggests reads what the demo wrote, without options.
@@ -97,6 +100,7 @@ async def main(once: bool) -> None:
         node_id="demo-node",
         audit_flush_interval_s=0.2,
         probes=False,  # the walkthrough sets health and capacity itself
+        document_keys=(public_key,),
     )
     runtime = Runtime(settings)
     await runtime.start()
