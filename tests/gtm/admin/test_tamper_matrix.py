@@ -29,7 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import lifecycle, principals
 from gtm.admin.permissions import Role
-from gtm.audit.record import record_of
+from gtm.audit.event_chain import HASHED as EVENT_HASHED
+from gtm.audit.record import HASHED_COLUMNS, record_of
 from gtm.audit.schema import metadata
 from gtm.audit.verify import verify
 from gtm.control.anchor import ControlAnchor, sink_checkpoints, verify_control_log
@@ -60,66 +61,19 @@ def _all(outcome: str, *names: str) -> dict[str, str]:
 
 
 EXPECT: dict[str, Expect] = {
+    # The chains' own tables of what their hashes cover, plus the link columns: a column added
+    # to a table and not to its chain's list has no entry, and fails the test below.
     "decisions": Expect(
         NAMED,
         "keyed, hash-chained per node, checkpointed outside the database",
-        {
-            "id": UNCHANGED,  # a surrogate key: no evidence in it
-            **_all(
-                NAMED,
-                "node",
-                "node_seq",
-                "first_at_us",
-                "last_at_us",
-                "count",
-                "channel",
-                "query_type",
-                "response",
-                "client_network",
-                "ecs_prefix",
-                "country",
-                "continent",
-                "name",
-                "service",
-                "residency_classes",
-                "tenant",
-                "matched_rules",
-                "snapshot_version",
-                "topology_version",
-                "policy_version",
-                "geoip_build",
-                "candidates",
-                "region",
-                "answer",
-                "outcome",
-                "ttl",
-                "prev_hash",
-                "row_hash",
-            ),
-        },
+        {"id": UNCHANGED, **_all(NAMED, *HASHED_COLUMNS, "prev_hash", "row_hash")},
     ),
     "region_events": Expect(
         NAMED,
         "the keyed event chain, checkpointed outside the database",
         {
-            "id": UNCHANGED,
-            **_all(
-                NAMED,
-                "at_us",
-                "node",
-                "region",
-                "kind",
-                "state",
-                "previous",
-                "detail",
-                "actor",
-                "reason",
-                "seq",
-                "prev_hash",
-                "row_hash",
-                "key_id",
-                "signature",
-            ),
+            "id": UNCHANGED,  # a surrogate key: no evidence in it
+            **_all(NAMED, *EVENT_HASHED, "prev_hash", "row_hash", "key_id", "signature"),
         },
     ),
     "event_chain": Expect(UNCHANGED, "the appenders' lock; heads are checkpointed by writers"),
