@@ -8,10 +8,14 @@
 ``shared_state``  the shared database's side of it: observations, overrides, region events,
                   published documents
 ``state_sync``    one node kept in step with the fleet through that database
-``operator``      operator controls over regions (drain, weight, force), each with who and why
+``operator``      operator controls over regions (drain, weight, force), each with who and why,
+                  as signed control-log entries (gtm.control)
+``observation_seal``  health observations signed by their node; the fleet's membership
+``signed_documents``  what a node verifies before a published version comes into force
+``local_documents``   the version a node accepted, kept on its own disk and verified again
 
 It feeds the decision core new snapshot inputs and never answers a query: it may import
-``gtm.decision``, ``gtm.audit`` (tables and the event chain) and the regional tier's report
-format, never ``gtm.geodns``, ``gtm.front``, ``gtm.cli`` or the process wiring above it. A new
-probe type goes in ``probing``; a new operator control in ``operator`` and ``region_state``.
+``gtm.decision``, ``gtm.control`` (the signed control log), ``gtm.audit`` (tables and the event
+chain) and the regional tier's report format, never ``gtm.geodns``, ``gtm.front``, ``gtm.cli``
+or the process wiring above it. A new probe type goes in ``probing``; a new operator control in ``operator`` and ``region_state``.
 """
