@@ -17,5 +17,6 @@
 It feeds the decision core new snapshot inputs and never answers a query: it may import
 ``gtm.decision``, ``gtm.control`` (the signed control log), ``gtm.audit`` (tables and the event
 chain) and the regional tier's report format, never ``gtm.geodns``, ``gtm.front``, ``gtm.cli``
-or the process wiring above it. A new probe type goes in ``probing``; a new operator control in ``operator`` and ``region_state``.
+or the process wiring above it. A new probe type goes in ``probing``; a new operator control in
+``operator`` and ``region_state``.
 """
