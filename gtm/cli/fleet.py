@@ -12,6 +12,7 @@ import time
 from typing import Annotated, Any
 
 import typer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import migrate
@@ -21,6 +22,7 @@ from gtm.cli.common import DbOpt, cli_settings, fail, run_async
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import operator, shared_state
+from gtm.fleet.observation_seal import NodeKey, ObservationGate, membership
 from gtm.fleet.region_state import RegionBook, RegionEvent
 from gtm.runtime import documents_from_published, load_documents
 from gtm.settings import Settings
@@ -136,8 +138,16 @@ def region_status(
             tuple(r.id for r in topology.regions),
             quorum=settings.health_quorum,
             max_age_s=settings.health_observation_max_age_s,
-            members=frozenset(settings.health_members),
         )
+        # Recounted as the nodes count: only members' observations that verify with their key
+        # (this command is no member: a throwaway key of its own, which no row carries).
+        members = membership(
+            topology.fleet.members,
+            settings.health_members,
+            operator.OPERATOR_NODE,
+            NodeKey(Ed25519PrivateKey.generate()),
+        )
+        book.set_gate(ObservationGate(members, max_future_s=settings.health_max_future_s))
         book.replace_peers(observations)
         book.set_overrides(overrides)
         composed = book.compose(now)
