@@ -22,9 +22,11 @@ from gtm.cli.common import DbOpt, cli_settings, fail, run_async
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import operator, shared_state
+from gtm.fleet.local_documents import read_in_force
 from gtm.fleet.observation_seal import NodeKey, ObservationGate, membership
 from gtm.fleet.region_state import RegionBook, RegionEvent
-from gtm.runtime import documents_from_published, load_documents
+from gtm.fleet.signed_documents import load_public_keys
+from gtm.runtime import load_documents, parse_documents
 from gtm.settings import Settings
 
 region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
@@ -42,12 +44,16 @@ ForOpt = Annotated[
 
 
 async def _topology(engine: AsyncEngine, settings: Settings) -> Topology:
-    """The topology in force: the newest published one, else the configured file."""
-    newest = await shared_state.newest_document_id(engine)
-    if newest is not None:
-        published = await shared_state.read_published(engine, newest)
-        if published is not None:
-            return documents_from_published(published).topology
+    """The topology in force: the newest published one that verifies with GTM_DOCUMENT_KEYS
+    (a row written into the database is not it), else the configured file."""
+    keys = load_public_keys(settings.document_keys)
+    found = await read_in_force(engine, keys, settings.policy_approvals)
+    for note in found.notes:
+        typer.echo(f"note: {note}", err=True)
+    if found.accepted is not None:
+        accepted = found.accepted
+        source = f"version {accepted.manifest.version[:12]}"
+        return parse_documents(accepted.topology, accepted.policies, source).topology
     return load_documents(settings.config, settings.policies).topology
 
 
