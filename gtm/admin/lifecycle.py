@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
-from sqlalchemy import delete, insert, select, update
+import orjson
+from sqlalchemy import Text, cast, delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import events, versions
@@ -46,7 +46,7 @@ from gtm.control.state import (
     Refusal,
 )
 from gtm.fleet import shared_state
-from gtm.fleet.signed_documents import Manifest, Untrusted
+from gtm.fleet.signed_documents import Manifest, Untrusted, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,7 +422,7 @@ async def activate(
         raise refused
     version = await versions.get_version(conn, proposal.version)
     in_log = before.in_force.sequence if before.in_force is not None else 0
-    sequence = 1 + max(in_log, await _signed_sequence(conn, control))
+    sequence = 1 + max(in_log, await _signed_sequence(conn, control, min_approvals))
     # The head's lock (taken by the append) serialises concurrent activations: the second
     # finds the proposal active already and the fold refuses it. Exactly once, whoever asks.
     state = await _append(
@@ -481,25 +481,27 @@ async def activate(
     return _view(state, state.proposals[proposal_id])
 
 
-async def _signed_sequence(conn: AsyncConnection, control: ControlLog) -> int:
-    """The highest activation sequence among published rows whose manifest a trusted key
-    signed (0: none). Nodes refuse a sequence at or below the one they hold, and a store that
-    was upgraded from before the control log holds activations the log never saw."""
+async def _signed_sequence(conn: AsyncConnection, control: ControlLog, min_approvals: int) -> int:
+    """The highest activation sequence among published rows that verify in full (signature,
+    content, four-eyes: what a node would accept; 0: none). Nodes refuse a sequence at or
+    below the one they hold, and a store upgraded from before the control log holds
+    activations the log never saw."""
+    # Policies as text: a value the JSON column cannot decode is refused here, row by row.
+    columns = (documents.c.topology, cast(documents.c.policies, Text), documents.c.manifest)
     rows = await conn.execute(
-        select(documents.c.manifest, documents.c.signature)
+        select(*columns, documents.c.signature)
         .where(documents.c.sequence.is_not(None))
         .order_by(documents.c.sequence.desc())
         .limit(50)
     )
-    for text, signature in rows:
+    for topology, policies, text, signature in rows:
         try:
-            manifest = Manifest.parse(text)
-            key = control.keys.get(manifest.key)
-            if key is None:
-                continue
-            key.verify(bytes.fromhex(signature), text.encode())
-        except (Untrusted, InvalidSignature, ValueError, TypeError, AttributeError):
-            continue
+            manifest = verify(
+                topology, orjson.loads(policies), text, signature, control.keys, None,
+                min_approvals,
+            )  # fmt: skip
+        except (Untrusted, TypeError, ValueError, AttributeError):
+            continue  # a row written by hand, or malformed: no floor of anyone's
         return manifest.sequence
     return 0
 
