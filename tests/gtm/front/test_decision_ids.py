@@ -169,15 +169,22 @@ async def test_exchanges_ending_out_of_order_share_a_row_both_ids_find(
             front.runtime.writer.flush_interval = 60.0  # one window for both exchanges
             await front.runtime.writer.flush()
 
+            sent, release = asyncio.Event(), asyncio.Event()
+
             async def slow_body() -> AsyncIterator[bytes]:
                 yield b"first half, "
-                await asyncio.sleep(0.4)
+                sent.set()  # asked for more: its head and first half are on the wire
+                await release.wait()  # the second half only once the quick one has ended
                 yield b"second half"
 
             slow = asyncio.create_task(http.post("/v1/chat", content=slow_body(), headers=HEADERS))
-            await asyncio.sleep(0.15)
+            await sent.wait()
+            # A few milliseconds so the two decision times differ (ids carry milliseconds):
+            # not readiness, which the event above gives.
+            await asyncio.sleep(0.01)
             quick = await http.post("/v1/chat", content=b"q", headers=HEADERS)
             assert not slow.done()
+            release.set()
             first = await slow
             assert first.status_code == quick.status_code == 200
             ids = [first.headers["x-gtm-decision-id"], quick.headers["x-gtm-decision-id"]]
