@@ -175,7 +175,12 @@ class StateSync:
     async def _flush_events(self) -> None:
         if not self.pending:
             return
+        # Taken before the await: a second sync running meanwhile (a caller's sync_once beside
+        # the loop's) neither appends the same events again nor pops what it did not take.
         batch = list(self.pending)
-        await shared_state.append_events(self.engine, batch)
-        for _ in batch:
-            self.pending.popleft()
+        self.pending.clear()
+        try:
+            await shared_state.append_events(self.engine, batch)
+        except BaseException:
+            self.pending.extendleft(reversed(batch))  # back in front, in order, for the next try
+            raise
