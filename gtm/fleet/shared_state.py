@@ -34,7 +34,7 @@ from gtm.audit.schema import (
 )
 from gtm.decision.snapshot import HealthState
 from gtm.fleet.observation_seal import MAX_DETAIL, REFUSALS, micros
-from gtm.fleet.region_state import Force, Observation, Override, RegionEvent
+from gtm.fleet.region_state import Observation, Override, RegionEvent
 
 
 def _us(t: float) -> int:
@@ -209,25 +209,6 @@ async def read_events(
     ]
 
 
-async def read_overrides(engine: AsyncEngine) -> list[Override]:
-    async with engine.connect() as conn:
-        rows = (await conn.execute(select(region_overrides))).mappings().all()
-    return [
-        Override(
-            r["region"],
-            bool(r["drain"]),
-            r["weight"],
-            Force(r["force"]) if r["force"] else None,
-            _s(r["force_until_us"]),
-            _s(r["expires_at_us"]),
-            r["actor"],
-            r["reason"],
-            r["set_at_us"] / 1e6,
-        )
-        for r in rows
-    ]
-
-
 async def put_override(engine: AsyncEngine, override: Override, node: str) -> None:
     """Replace a region's cached override row and record who did it and why, in one transaction
     (the override itself is the control log's entry: gtm.fleet.operator)."""
@@ -270,14 +251,6 @@ async def put_override_in(conn: AsyncConnection, override: Override, node: str) 
             override.reason,
         ),
     )
-
-
-async def clear_override(
-    engine: AsyncEngine, region: str, actor: str, reason: str, node: str, now: float
-) -> bool:
-    """Remove a region's cached override row; False when it had none."""
-    async with engine.begin() as conn:
-        return await clear_override_in(conn, region, actor, reason, node, now)
 
 
 async def clear_override_in(
