@@ -63,6 +63,7 @@ class StateSync:
         self.control = control if control is not None else ControlLog({})
         self._clock = clock
         self.pending: deque[RegionEvent] = deque(maxlen=MAX_PENDING_EVENTS)
+        self._in_flight = 0  # events taken off ``pending`` by an append not yet committed
         self.dropped_events = 0
         self.document_id: int | None = None
         self.last_ok: float | None = None
@@ -90,6 +91,11 @@ class StateSync:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2.0):
                 await self._flush_events()
+
+    @property
+    def unsent(self) -> int:
+        """Events not yet in the database: queued, or in an append still under way."""
+        return len(self.pending) + self._in_flight
 
     def queue(self, events: tuple[RegionEvent, ...] | list[RegionEvent]) -> None:
         for event in events:
@@ -179,8 +185,11 @@ class StateSync:
         # the loop's) neither appends the same events again nor pops what it did not take.
         batch = list(self.pending)
         self.pending.clear()
+        self._in_flight += len(batch)
         try:
             await shared_state.append_events(self.engine, batch)
         except BaseException:
             self.pending.extendleft(reversed(batch))  # back in front, in order, for the next try
             raise
+        finally:
+            self._in_flight -= len(batch)

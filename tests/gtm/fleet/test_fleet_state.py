@@ -182,7 +182,7 @@ async def test_a_majority_of_the_membership_decides(
     await say_until(HealthState.DOWN, ("node-c", "node-d", "node-e"), HealthState.DOWN)
     # They see it up again: up again.
     await say_until(HealthState.UP, ("node-c", "node-d", "node-e"), HealthState.UP)
-    await until(lambda: not a.sync.pending and not b.sync.pending, 2)
+    await until(lambda: not a.sync.unsent and not b.sync.unsent, 10)
     async with a.engine.connect() as conn:
         rows = (
             await conn.execute(
@@ -355,10 +355,10 @@ async def test_a_node_that_loses_the_database_keeps_answering_and_catches_up(
         # Its own probes still decide: a region failing now is routed around.
         await fake["eu-west"].stop()
         await until(lambda: state(node, "eu-west") is HealthState.DOWN, 3)
-        assert node.sync.pending, "the state change waits in memory for the database"
+        assert node.sync.unsent, "the state change waits in memory for the database"
         await proxy.start()
         await until(lambda: node.sync.age_s < 1, 8)
-        await until(lambda: not node.sync.pending, 3)
+        await until(lambda: not node.sync.unsent, 10)
     finally:
         await node.stop()
         await proxy.stop()
