@@ -88,7 +88,26 @@ def denial(
 
 def listed(text: str, qtype: int, zone: ZoneData) -> set[int]:
     """The types a NODATA's NSEC lists at ``text``: what is there, never the type asked."""
-    present = set(zone.types_at(text)) - {qtype}
+    return _present(text, zone) - {qtype}
+
+
+def own_types(text: str, zone: ZoneData, exists: bool) -> set[int]:
+    """The types of the NSEC that is at ``text`` under compact denial, the one a query of type
+    NSEC is answered with: the name's types, RRSIG and NSEC (the NSEC and its signature are
+    there); for a name that does not exist, RRSIG, NSEC and NXNAME (RFC 9824 §3.1: the name
+    is said to exist and to hold that NSEC alone)."""
+    if not exists:
+        return {RRSIG, NSEC, NXNAME}
+    return _present(text, zone) | {RRSIG, NSEC}
+
+
+def nsec_rdata(name: bytes, types: set[int]) -> bytes:
+    """The data of the compact NSEC at ``name`` (lower case, uncompressed wire form)."""
+    return following(name) + type_bitmap(types)
+
+
+def _present(text: str, zone: ZoneData) -> set[int]:
+    present = set(zone.types_at(text))
     if text == zone.apex:
         present.add(DNSKEY)
     else:

@@ -56,7 +56,18 @@ from gtm.audit.record import AuditRecord
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.snapshot import Snapshot
 from gtm.geodns.budget import Generations
-from gtm.geodns.denial import BLACK_LIE, DNSKEY, NXNAME, RRSIG, denial, deny_message, nsec_rrset
+from gtm.geodns.denial import (
+    BLACK_LIE,
+    DNSKEY,
+    NSEC,
+    NXNAME,
+    RRSIG,
+    denial,
+    deny_message,
+    nsec_rdata,
+    nsec_rrset,
+    own_types,
+)
 from gtm.geodns.dnssec_keys import ZoneKey, ZoneKeys, load_keys
 from gtm.geodns.render import name_wire, rcode_name
 from gtm.geodns.splice import (
@@ -74,13 +85,16 @@ from gtm.geodns.splice import (
     to_wire,
 )
 from gtm.geodns.wire import Query
-from gtm.geodns.zone import Answer, ZoneData, answer, zone_data
+from gtm.geodns.zone import Answer, ZoneData, answer, qtype_name, zone_data
 from gtm.settings import Settings
 
 IPAddress = IPv4Address | IPv6Address
 
 INCEPTION_SKEW_S = 3600  # signatures valid from an hour ago: resolvers' clocks are skewed
 _RELABELLED = 4096  # relabelled records kept (Signer._relabel)
+# Types answered from the signer's own data whatever the DO bit: without DO they are RRsets like
+# any other, given when asked for (RFC 4035 §3.1); only the ones not asked for wait for DO.
+_ASKED_BY_TYPE = frozenset({DNSKEY, NSEC, RRSIG})
 
 
 class Signer:
@@ -137,7 +151,7 @@ class Signer:
         docstring); ``limit``: the UDP size, None over TCP."""
         edns = query.edns
         do = edns is not None and edns.do
-        if not do and query.qtype != DNSKEY:
+        if not do and query.qtype not in _ASKED_BY_TYPE:
             return answer(query, client, snapshot, now, limit)
         result = answer(query, client, snapshot, now, None)
         zone = zone_data(snapshot.topology)
@@ -145,11 +159,71 @@ class Signer:
             if limit is None or len(result.wire) <= limit:
                 return result
             return answer(query, client, snapshot, now, limit)  # an error too big: never
+        if query.qtype in (NSEC, RRSIG):
+            own = self._own_records(result, query, zone, do, limit, now)
+            if own is not None:
+                return own
+            if limit is not None and len(result.wire) > limit:
+                return answer(query, client, snapshot, now, limit)
+            return result  # NXDOMAIN without DO
         signed = self._finish_wire(result, query, zone, do, limit, now)
         if signed is None:  # a shape the wire path does not take: the general one
             self.general_path += 1
             signed = self._finish_message(result, query, zone, do, limit, now)
         return signed
+
+    # -- queries for the records compact denial puts at every name -------------------------
+
+    def _own_records(
+        self, result: Answer, query: Query, zone: ZoneData, do: bool, limit: int | None, now: float
+    ) -> Answer | None:
+        """The answer to a query of type NSEC or RRSIG at a name of the zone, made from the
+        unsigned response's header, question and OPT; None for a name that does not exist
+        asked without DO (NXDOMAIN, as for any other type).
+
+        Under compact denial every name the zone admits to has an NSEC at itself (for a name
+        that does not exist, the one that says NXNAME), so a query for that type is a positive
+        answer: the NSEC, signed with DO (what Knot answers from a signed zone's chain, and
+        what validates: a NODATA for type NSEC can only be proved by an NSEC whose bitmap
+        leaves NSEC out, a contradiction every validator rejects, RFC 4035 §5.4). A query for
+        RRSIG gets the RRSIG over that NSEC alone: one RRset, as RFC 8482 answers ANY and Knot
+        answers RRSIG, the same for every client (no decision to sign for), and positive: a
+        NODATA for RRSIG cannot be proved either (every NSEC lists RRSIG). Validators do not
+        validate an RRSIG answer (there are no signatures over signatures); see
+        tests/gtm/geodns/test_validators.py for what each resolver makes of it.
+        """
+        if result.rcode != 0 and not do:
+            return None
+        parts = split(result.wire)
+        if parts is None:
+            return None  # nothing render writes (the tests check general_path stays 0)
+        qname, question_end, _, _, _, opt = parts
+        wire = result.wire
+        qid, flags = HEADER.unpack_from(wire)[:2]
+        question = wire[12:question_end]
+        exists = result.rcode == 0
+        apex = name_wire(zone.apex)
+        ttl = RR.unpack_from(zone.negative_soa, len(apex))[2]  # RFC 9077: the SOA's minimum
+        rdata = nsec_rdata(qname, own_types(query.qname_text, zone, exists))
+        signer = self._signer_name(zone.apex)
+        nsec = [make_record(TO_QUESTION, qname, NSEC, ttl, rdata)]
+        if query.qtype == NSEC:
+            records = self._signed(nsec, apex, signer, now) if do else [nsec[0][0]]
+        else:
+            sigs = self.signatures(qname, NSEC, ttl, [rdata], signer, now)
+            records = [TO_QUESTION + RR.pack(RRSIG, 1, ttl, len(sig)) + sig for sig in sigs]
+        flags &= ~0xF  # NOERROR, for a name that does not exist too (the black lie)
+        out = assemble(qid, flags, question, records, [], [], opt)
+        label = "NOERROR" if exists else "NOERROR" + BLACK_LIE
+        if limit is not None and len(out) > limit:
+            out = assemble(qid, flags | 0x0200, question, [], [], [], opt)
+            label += "+TC"
+        record = result.record
+        if record.outcome == "nodata":  # the zone's own record, not a denial
+            record = dataclasses.replace(record, outcome="zone", answer=(qtype_name(query.qtype),))
+        if record.response != label:
+            record = self._relabel(record, label)
+        return Answer(out, 0, record, result.decision)
 
     # -- the wire path: records spliced in, nothing re-rendered ---------------------------
 

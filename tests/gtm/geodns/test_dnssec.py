@@ -739,3 +739,48 @@ async def test_unbound_refuses_answers_it_cannot_validate(
     # val-log-level 2 says why.
     log = (tmp_path / "unbound0" / "log").read_text()
     assert "validation failure" in log and "gtm.example" in log, log
+
+
+async def test_nsec_and_rrsig_asked_are_answered_with_the_names_own_nsec(
+    start_node: StartNode, key: ZoneKey
+) -> None:
+    """Issue 32: under compact denial every name has an NSEC at itself (a name that does not
+    exist, the NXNAME one), so NSEC asked is that NSEC, signed, and RRSIG asked is the RRSIG
+    over it; never a NODATA whose NSEC lists the type asked (no validator accepts that)."""
+    node = await start_node(dnssec_key_file=key.path)
+    A, AAAA, CNAME = dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.CNAME
+    static = zone_data(node.runtime.store.current.topology).static.types.get("gtm.example.", set())
+    apex_types = {dns.rdatatype.SOA, dns.rdatatype.NS, dns.rdatatype.DNSKEY, RRSIG, NSEC, *static}
+    cases = [
+        ("chat.gtm.example.", {A, AAAA, RRSIG, NSEC}),
+        ("Chat.GTM.example.", {A, AAAA, RRSIG, NSEC}),
+        ("gtm.example.", apex_types),
+        ("api.gtm.example.", {CNAME, RRSIG, NSEC}),  # a CNAME owner: not followed
+        ("eu.gtm.example.", {RRSIG, NSEC}),  # an empty non-terminal
+        ("nope.gtm.example.", {RRSIG, NSEC, NXNAME}),  # the black lie's NSEC
+        ("x.y.nope.gtm.example.", {RRSIG, NSEC, NXNAME}),
+    ]
+    for name, types in cases:
+        owner = dns.name.from_text(name)
+        following = dns.name.Name((b"\x00", *owner.canonicalize().labels))
+        for r in await both(node, q(name, "NSEC", payload=512)):
+            assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, r)
+            assert not r.authority and validate(r, key) == 1
+            (nsec,) = [x for x in r.answer if x.rdtype == NSEC]
+            (rdata,) = list(nsec)
+            listed = {int(t) for w, bitmap in rdata.windows for t in _types(w, bitmap)}
+            assert nsec.name == owner and rdata.next == following and listed == types, name
+            assert nsec.ttl == 60  # the negative TTL, as every NSEC here (RFC 9077)
+        for r in await both(node, q(name, "RRSIG", payload=512)):
+            assert r.rcode() == dns.rcode.NOERROR and not r.authority, (name, r)
+            (sigs,) = r.answer
+            assert sigs.rdtype == RRSIG and {s.type_covered for s in sigs} == {NSEC}
+            assert {s.key_tag for s in sigs} == {key.tag}
+    # Without DO: the NSEC of a name that exists is data like any other, asked for by type
+    # (RFC 4035 §3.1); a name that does not exist is NXDOMAIN, as for every other type.
+    plain = await udp(node, q("chat.gtm.example.", "NSEC", do=False))
+    assert [x.rdtype for x in plain.answer] == [NSEC] and plain.rcode() == dns.rcode.NOERROR
+    missing = await udp(node, q("nope.gtm.example.", "NSEC", do=False))
+    assert missing.rcode() == dns.rcode.NXDOMAIN and not missing.answer
+    assert node.dns is not None and node.dns.responder.signer is not None
+    assert node.dns.responder.signer.general_path == 0

@@ -1,0 +1,215 @@
+"""Every query type a resolver may ask, validated by three validating resolvers that nobody here
+wrote: unbound, PowerDNS Recursor and delv, each anchored on the zone's DS, in front of a signed
+``gtm serve`` on loopback (issue 32).
+
+The matrix is query type x resolver; each cell asks the type at the names where it means
+something different (a service name, the apex, a CNAME owner, an empty non-terminal, a name
+that does not exist) and expects SECURE: NOERROR with AD from unbound and PowerDNS Recursor,
+"fully validated" from delv, for positive answers and for the compact denials alike. The cells
+that cannot be SECURE with any server say why in ``NOT_SECURE``, and were checked to end the
+same way against Knot serving the same zone signed by a zone signer (tests/support/dns_peers).
+
+Before issue 32, NSEC asked at any name got a NODATA whose NSEC listed NSEC (unbound: "nodata
+proof failed", SERVFAIL; delv: "no valid RRSIG"), and RRSIG a NODATA whose NSEC listed RRSIG
+(unbound SERVFAIL, delv "insecurity proof failed"): under compact denial both exist at every
+name, and are answered (gtm.geodns.dnssec, Signer._own_records).
+"""
+
+from __future__ import annotations
+
+import enum
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import dns.flags
+import dns.message
+import dns.query
+import dns.rcode
+import dns.rdatatype
+import pytest
+
+from gtm.geodns.dnssec_keys import ZoneKey, generate
+from tests.support import dns_peers
+from tests.support.dns_peers import APEX
+
+from .test_dig import serve_env
+
+
+class Seen(enum.Enum):
+    SECURE = "validated (AD, or delv: fully validated)"
+    UNCHECKED = "NOERROR without AD: passed on, not validated"
+    SERVFAIL = "SERVFAIL"
+    REJECTED = "an error other than SERVFAIL, or delv's failure"
+
+
+# Names by the query types asked there (a type's cell asks them all).
+APEX_ONLY = [APEX]
+EVERY_KIND = [
+    APEX,
+    "chat.gtm.example.",  # a service name (geo answers)
+    "api.gtm.example.",  # a CNAME owner (into the service)
+    "eu.gtm.example.",  # an empty non-terminal (above chat.eu)
+    "nope.gtm.example.",  # a name that does not exist: a black lie
+    "x.y.nope.gtm.example.",
+]
+MATRIX: dict[str, list[str]] = {
+    "A": ["chat.gtm.example.", "api.gtm.example.", "eu.gtm.example.", "nope.gtm.example."],
+    "AAAA": ["chat.eu.gtm.example.", "mail.gtm.example.", "ns1.gtm.example."],
+    "SOA": APEX_ONLY,
+    "NS": APEX_ONLY,
+    "TXT": [APEX, "chat.gtm.example."],
+    "MX": [APEX, "mail.gtm.example."],
+    "CAA": APEX_ONLY,
+    "SRV": ["_submission._tcp.gtm.example.", "_tcp.gtm.example."],
+    "CNAME": ["api.gtm.example.", "docs.gtm.example.", "chat.gtm.example."],
+    "DNSKEY": [APEX, "chat.gtm.example."],
+    "DS": ["chat.gtm.example.", "eu.gtm.example.", "nope.gtm.example."],  # below the apex
+    "DS@apex": APEX_ONLY,  # the parent's question, asked of the child (see NOT_SECURE)
+    "CDS": APEX_ONLY,  # not served (no automated DS updates): a denial
+    "CDNSKEY": APEX_ONLY,
+    "NSEC": EVERY_KIND,
+    "RRSIG": EVERY_KIND,
+    "ANY": [APEX, "chat.gtm.example.", "api.gtm.example.", "nope.gtm.example."],
+    "HINFO": [APEX, "nope.gtm.example."],  # a type nothing here has
+    "TYPE65534": ["chat.gtm.example."],  # an unknown type
+    "NXNAME": [APEX, "nope.gtm.example."],  # RFC 9824's meta type, asked
+}
+RESOLVERS = ("unbound", "pdns_recursor", "delv")
+
+# The cells that are not SECURE, with what is seen and why; None: not asked (and why).
+NO_PARENT = (
+    "the DS RRset of the apex lives in the parent zone (RFC 4035 §3.1.4.1); anchored at the "
+    "zone itself there is no parent to ask, and every resolver fails asking for one, against "
+    "Knot too. The child's own answer (NODATA, the apex NSEC listing SOA and not DS) is "
+    "validated by dnspython in test_dnssec"
+)
+NOT_SECURE: dict[tuple[str, str], tuple[Seen | None, str]] = {
+    ("unbound", "RRSIG"): (
+        Seen.UNCHECKED,
+        "unbound never validates a positive RRSIG answer (there are no signatures over "
+        "signatures): passed on without AD, as Knot's is",
+    ),
+    ("pdns_recursor", "RRSIG"): (
+        Seen.SERVFAIL,
+        "PowerDNS Recursor answers an RRSIG query SERVFAIL itself when validating, before "
+        "asking the server, for Knot's zone too",
+    ),
+    ("delv", "RRSIG"): (
+        None,
+        "delv takes the RRSIG answer and never ends the fetch (12 s, then 'shut down hung "
+        "fetch'), with Knot's answer too: nothing a server can change",
+    ),
+    ("unbound", "DS@apex"): (Seen.SERVFAIL, NO_PARENT),
+    ("pdns_recursor", "DS@apex"): (Seen.SERVFAIL, NO_PARENT),
+    ("delv", "DS@apex"): (Seen.REJECTED, NO_PARENT),
+    ("unbound", "NXNAME"): (
+        Seen.REJECTED,
+        "a meta type: unbound answers FORMERR itself (RFC 9824 §3.5 asks servers for FORMERR)",
+    ),
+    ("pdns_recursor", "NXNAME"): (
+        Seen.SERVFAIL,
+        "a meta type: PowerDNS Recursor answers every meta type SERVFAIL itself",
+    ),
+    ("delv", "NXNAME"): (
+        Seen.REJECTED,
+        "a meta type: delv asks and fails on the server's error (RFC 9824 §3.5)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A signed GTM and the three resolvers' ways in."""
+
+    key: ZoneKey
+    auth: int
+    ports: dict[str, int]
+    delv_anchor: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A signed GTM, then unbound and PowerDNS Recursor forwarding the zone to it, for the
+    module; delv needs no process (it asks GTM itself and validates on its own)."""
+    work = tmp_path_factory.mktemp("validators")
+    key = generate(work / "zone.key")
+    with ExitStack() as running:
+        auth = running.enter_context(dns_peers.gtm_serve(work, key, serve_env(work)))
+        ports = {}
+        for kind, argv in (
+            ("unbound", dns_peers.unbound),
+            ("pdns_recursor", dns_peers.pdns_recursor),
+        ):
+            folder = work / kind
+            folder.mkdir()
+            ports[kind] = running.enter_context(
+                dns_peers.running(
+                    argv(folder, auth, key),
+                    folder / "log",
+                    dns_peers.resolver_port(folder),
+                    lambda port: dns_peers.answers_soa(port, recursion=True),
+                    f"{kind} answering",
+                )
+            )
+        yield Stack(key, auth, ports, dns_peers.delv_anchor(work, key))
+
+
+def qtype_of(label: str) -> str:
+    return {"DS@apex": "DS", "NXNAME": "TYPE128"}.get(label, label)
+
+
+def through_resolver(port: int, name: str, rdtype: str) -> tuple[Seen, str]:
+    query = dns.message.make_query(name, rdtype, want_dnssec=True, payload=1232)
+    reply = dns.query.udp(query, "127.0.0.1", port=port, timeout=10)
+    if reply.flags & dns.flags.TC:
+        reply = dns.query.tcp(query, "127.0.0.1", port=port, timeout=10)
+    rcode = reply.rcode()
+    if rcode == dns.rcode.NOERROR:
+        seen = Seen.SECURE if reply.flags & dns.flags.AD else Seen.UNCHECKED
+    else:
+        seen = Seen.SERVFAIL if rcode == dns.rcode.SERVFAIL else Seen.REJECTED
+    return seen, reply.to_text()
+
+
+def through_delv(stack: Stack, name: str, rdtype: str) -> tuple[Seen, str]:
+    done = subprocess.run(
+        [
+            dns_peers.require("delv"),
+            "@127.0.0.1",
+            "-p",
+            str(stack.auth),
+            "-a",
+            str(stack.delv_anchor),
+            f"+root={APEX}",
+            name,
+            rdtype,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = done.stdout + done.stderr
+    # "; fully validated" for data, "; negative response, fully validated" for a denial.
+    seen = Seen.SECURE if "fully validated" in out else Seen.REJECTED
+    return seen, out
+
+
+@pytest.mark.parametrize("label", sorted(MATRIX))
+@pytest.mark.parametrize("resolver", RESOLVERS)
+def test_every_query_type_validates(stack: Stack, resolver: str, label: str) -> None:
+    expected, why = NOT_SECURE.get((resolver, label), (Seen.SECURE, ""))
+    if expected is None:
+        pytest.skip(why)
+    rdtype = qtype_of(label)
+    wrong = []
+    for name in MATRIX[label]:
+        if resolver == "delv":
+            seen, text = through_delv(stack, name, rdtype)
+        else:
+            seen, text = through_resolver(stack.ports[resolver], name, rdtype)
+        if seen != expected:
+            wrong.append(f"{name} {rdtype}: {seen.name}, expected {expected.name}\n{text}")
+    assert not wrong, "\n".join(wrong)
