@@ -170,6 +170,7 @@ def demo_topology() -> Topology:
 def knot(work: Path, zone_file_text: str) -> Iterator[int]:
     """knotd serving ``zone_file_text`` (signed already: Knot signs nothing itself)."""
     knotd = _require("knotd")
+    work.mkdir(exist_ok=True)
     zone_file = work / "gtm.example.zone"
     zone_file.write_text(zone_file_text)
     port = free_tcp_udp_port()
