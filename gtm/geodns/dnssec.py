@@ -5,10 +5,11 @@ name are whatever the decision gives this client).
 When the zone is signed (``GTM_DNSSEC_KEY_FILE``, :mod:`gtm.geodns.dnssec_keys`), a query with
 the DO bit gets, on top of :func:`gtm.geodns.zone.answer`'s response:
 
-* an RRSIG over every RRset of the answer and authority sections (SOA of negative answers, NS at
-  the apex, DNSKEY), made with the active key; the DNSKEY RRset is signed by every key, published
-  ones included (a rollover in progress). Glue and other additional records are not signed
-  (RFC 4035 §2.2: only authoritative data is).
+* an RRSIG over every RRset of the answer, authority and additional sections (SOA of negative
+  answers, NS at the apex, DNSKEY, the addresses of in-zone nameservers and MX/SRV targets),
+  made with the active key; the DNSKEY RRset is signed by every key, published ones included (a
+  rollover in progress). Short of UDP room, the additional section's RRSIGs go first (RFC 4035
+  §3.1.1).
 * compact denial of existence (RFC 9824, "black lies"): a name that does not exist is answered
   NOERROR with an NSEC at the name whose next name is ``\\000.name`` and whose types are RRSIG,
   NSEC and NXNAME; a name without the type asked (NODATA, the fail-closed NODATA of a policy
@@ -261,12 +262,20 @@ class Signer:
             signer = self._signer_name(zone.apex)
             an = self._signed(answer_records, apex, signer, now)
             ns = self._signed(authority, apex, signer, now)
+            # The additional section's addresses (in-zone glue, MX and SRV targets) are the
+            # zone's data: signed too (RFC 4035 §3.1.1 MUST), as Knot and BIND send them.
+            ar = self._signed(additional, apex, signer, now)
         else:
             an = [r[0] for r in answer_records]
             ns = [r[0] for r in authority]
-        ar = [r[0] for r in additional]
+            ar = [r[0] for r in additional]
         flags = (flags & ~0xF) | rcode
         out = assemble(qid, flags, question, an, ns, ar, opt)
+        if limit is not None and len(out) > limit and len(ar) > len(additional):
+            # RFC 4035 §3.1.1: short of room, the additional RRsets may stay without their
+            # RRSIGs (a resolver asks for them when it needs them validated).
+            ar = [r[0] for r in additional]
+            out = assemble(qid, flags, question, an, ns, ar, opt)
         if (
             limit is not None
             and len(out) > limit
@@ -316,8 +325,8 @@ class Signer:
             else:
                 group[2].append(r[5])
         for (name, rtype), (owner, ttl, rdatas) in rrsets.items():
-            if rtype == RRSIG or (rtype == NS and name != apex):
-                continue  # a delegation's NS is not the zone's data (none here yet)
+            if rtype == RRSIG or (rtype == NS and name != apex) or not _under(name, apex):
+                continue  # a delegation's NS, or a name outside: not the zone's data
             for sig in self.signatures(name, rtype, ttl, rdatas, signer, now):
                 out.append(owner + RR.pack(RRSIG, 1, ttl, len(sig)) + sig)
         return out
@@ -404,12 +413,14 @@ class Signer:
             )
         if do:
             label_suffix = deny_message(msg, query, zone)
-            for section in (msg.answer, msg.authority):
+            for section in (msg.answer, msg.authority, msg.additional):
                 signed: list[dns.rrset.RRset] = []
                 for rrset in section:
                     signed.append(rrset)
-                    if rrset.rdtype == RRSIG or (
-                        rrset.rdtype == dns.rdatatype.NS and rrset.name != apex
+                    if (
+                        rrset.rdtype == RRSIG
+                        or (rrset.rdtype == dns.rdatatype.NS and rrset.name != apex)
+                        or not rrset.name.is_subdomain(apex)
                     ):
                         continue
                     sigs = self.signatures(
@@ -432,6 +443,13 @@ class Signer:
         if (
             limit is not None
             and len(wire) > limit
+            and any(r.rdtype == RRSIG for r in msg.additional)
+        ):
+            msg.additional = [r for r in msg.additional if r.rdtype != RRSIG]
+            wire = msg.to_wire(max_size=65535)
+        if (
+            limit is not None
+            and len(wire) > limit
             and msg.additional
             and not any(r.rdtype == dns.rdatatype.NS for r in msg.answer)
         ):
@@ -447,6 +465,16 @@ class Signer:
         if record.response != label:
             record = dataclasses.replace(record, response=label)
         return Answer(wire, rcode, record, result.decision)
+
+
+def _under(name: bytes, apex: bytes) -> bool:
+    """Whether ``name`` is ``apex`` or below it (both lower case, uncompressed wire form)."""
+    pos, size = 0, len(name)
+    while pos < size:
+        if name[pos:] == apex:
+            return True
+        pos += name[pos] + 1
+    return False
 
 
 def make_signer(settings: Settings) -> Signer | None:
