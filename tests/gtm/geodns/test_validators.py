@@ -47,6 +47,11 @@ class Seen(enum.Enum):
     REJECTED = "an error other than SERVFAIL, or delv's failure"
 
 
+# Not validated, whichever way: the DS of the apex asked with no parent zone in the test fails
+# as SERVFAIL offline, and may come back NXDOMAIN (unvalidated) where the real root is reachable.
+NOT_VALIDATED = frozenset({Seen.UNCHECKED, Seen.SERVFAIL, Seen.REJECTED})
+
+
 # Names by the query types asked there (a type's cell asks them all).
 APEX_ONLY = [APEX]
 EVERY_KIND = [
@@ -88,7 +93,7 @@ NO_PARENT = (
     "Knot too. The child's own answer (NODATA, the apex NSEC listing SOA and not DS) is "
     "validated by dnspython in test_dnssec"
 )
-NOT_SECURE: dict[tuple[str, str], tuple[Seen | None, str]] = {
+NOT_SECURE: dict[tuple[str, str], tuple[Seen | frozenset[Seen] | None, str]] = {
     ("unbound", "RRSIG"): (
         Seen.UNCHECKED,
         "unbound never validates a positive RRSIG answer (there are no signatures over "
@@ -104,9 +109,9 @@ NOT_SECURE: dict[tuple[str, str], tuple[Seen | None, str]] = {
         "delv takes the RRSIG answer and never ends the fetch (12 s, then 'shut down hung "
         "fetch'), with Knot's answer too: nothing a server can change",
     ),
-    ("unbound", "DS@apex"): (Seen.SERVFAIL, NO_PARENT),
-    ("pdns_recursor", "DS@apex"): (Seen.SERVFAIL, NO_PARENT),
-    ("delv", "DS@apex"): (Seen.REJECTED, NO_PARENT),
+    ("unbound", "DS@apex"): (NOT_VALIDATED, NO_PARENT),
+    ("pdns_recursor", "DS@apex"): (NOT_VALIDATED, NO_PARENT),
+    ("delv", "DS@apex"): (NOT_VALIDATED, NO_PARENT),
     ("unbound", "NXNAME"): (
         Seen.REJECTED,
         "a meta type: unbound answers FORMERR itself (RFC 9824 §3.5 asks servers for FORMERR)",
@@ -195,6 +200,10 @@ def peer_stack(
         yield resolvers_for(running, work / "resolvers", auth, zone_key)
 
 
+def matches(seen: Seen, expected: Seen | frozenset[Seen] | None) -> bool:
+    return seen in expected if isinstance(expected, frozenset) else seen == expected
+
+
 def qtype_of(label: str) -> str:
     return {"DS@apex": "DS", "NXNAME": "TYPE128"}.get(label, label)
 
@@ -248,8 +257,8 @@ def test_every_query_type_validates(stack: Stack, resolver: str, label: str) -> 
             seen, text = through_delv(stack, name, rdtype)
         else:
             seen, text = through_resolver(stack.ports[resolver], name, rdtype)
-        if seen != expected:
-            wrong.append(f"{name} {rdtype}: {seen.name}, expected {expected.name}\n{text}")
+        if not matches(seen, expected):
+            wrong.append(f"{name} {rdtype}: {seen.name}, expected {expected}\n{text}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -275,4 +284,4 @@ def test_cells_not_secure_are_not_secure_with_knot_either(
             seen, text = through_delv(peer_stack, name, rdtype)
         else:
             seen, text = through_resolver(peer_stack.ports[resolver], name, rdtype)
-        assert seen == expected, (name, rdtype, why, text)
+        assert matches(seen, expected), (name, rdtype, why, text)
