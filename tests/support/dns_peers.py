@@ -21,7 +21,6 @@ import dns.dnssec
 import dns.exception
 import dns.flags
 import dns.message
-import dns.name
 import dns.query
 import dns.rcode
 import dns.zone
@@ -169,7 +168,7 @@ def demo_topology() -> Topology:
 @contextmanager
 def knot(work: Path, zone_file_text: str) -> Iterator[int]:
     """knotd serving ``zone_file_text`` (signed already: Knot signs nothing itself)."""
-    knotd = _require("knotd")
+    knotd = require("knotd")
     work.mkdir(exist_ok=True)
     zone_file = work / "gtm.example.zone"
     zone_file.write_text(zone_file_text)
@@ -200,18 +199,20 @@ log:
 
 def unbound(work: Path, auth: int, key: ZoneKey) -> list[str]:
     anchor = f"{APEX} IN DS {key.ds(APEX).to_text()}"
-    return resolvers.unbound_argv(_require("unbound"), work, _port(work), auth, trust_anchor=anchor)
+    return resolvers.unbound_argv(
+        require("unbound"), work, resolver_port(work), auth, trust_anchor=anchor
+    )
 
 
 def pdns_recursor(work: Path, auth: int, key: ZoneKey) -> list[str]:
     (work / "recursor.conf").write_text("")
     (work / "anchor.lua").write_text(f"addTA('{APEX}', '{key.ds(APEX).to_text()}')\n")
     return [
-        _require("pdns_recursor"),
+        require("pdns_recursor"),
         f"--config-dir={work}",
         f"--socket-dir={work}",
         "--local-address=127.0.0.1",
-        f"--local-port={_port(work)}",
+        f"--local-port={resolver_port(work)}",
         f"--forward-zones=gtm.example=127.0.0.1:{auth}",
         "--dont-query=",  # its default keeps it from asking loopback addresses
         "--dnssec=validate",
@@ -235,20 +236,15 @@ def delv_anchor(work: Path, key: ZoneKey) -> Path:
     return path
 
 
-def _port(work: Path) -> int:
-    """The port chosen for the resolver in ``work`` (chosen once, kept in the folder)."""
+def resolver_port(work: Path) -> int:
+    """The port chosen for the resolver whose folder is ``work`` (chosen once, kept there)."""
     stored = work / "port"
     if not stored.exists():
         stored.write_text(str(free_tcp_udp_port()))
     return int(stored.read_text())
 
 
-def resolver_port(work: Path) -> int:
-    """The port of the resolver whose folder is ``work``."""
-    return _port(work)
-
-
-def _require(tool: str) -> str:
+def require(tool: str) -> str:
     """The tool's path; the test fails (CI, ``GTM_TEST_REQUIRE_TOOLS=1``) or skips without it."""
     path = shutil.which(tool)
     if path is None:
@@ -257,6 +253,3 @@ def _require(tool: str) -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
-
-
-require = _require
