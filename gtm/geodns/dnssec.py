@@ -94,7 +94,7 @@ IPAddress = IPv4Address | IPv6Address
 INCEPTION_SKEW_S = 3600  # signatures valid from an hour ago: resolvers' clocks are skewed
 _RELABELLED = 4096  # relabelled records kept (Signer._relabel)
 # Types answered from the signer's own data whatever the DO bit: without DO they are RRsets like
-# any other, given when asked for (RFC 4035 §3.1); only the ones not asked for wait for DO.
+# any other, given when asked for (RFC 4035 §3); only the ones not asked for wait for DO.
 _ASKED_BY_TYPE = frozenset({DNSKEY, NSEC, RRSIG})
 
 

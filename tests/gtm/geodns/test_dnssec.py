@@ -791,7 +791,7 @@ async def test_nsec_and_rrsig_asked_are_answered_with_the_names_own_nsec(
             assert sigs.rdtype == RRSIG and {s.type_covered for s in sigs} == {NSEC}
             assert {s.key_tag for s in sigs} == {key.tag}
     # Without DO: the NSEC of a name that exists is data like any other, asked for by type
-    # (RFC 4035 §3.1); a name that does not exist is NXDOMAIN, as for every other type.
+    # (RFC 4035 §3); a name that does not exist is NXDOMAIN, as for every other type.
     plain = await udp(node, q("chat.gtm.example.", "NSEC", do=False))
     assert [x.rdtype for x in plain.answer] == [NSEC] and plain.rcode() == dns.rcode.NOERROR
     missing = await udp(node, q("nope.gtm.example.", "NSEC", do=False))
