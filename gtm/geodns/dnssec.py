@@ -5,35 +5,36 @@ name are whatever the decision gives this client).
 When the zone is signed (``GTM_DNSSEC_KEY_FILE``, :mod:`gtm.geodns.dnssec_keys`), a query with
 the DO bit gets, on top of :func:`gtm.geodns.zone.answer`'s response:
 
-* an RRSIG over every RRset of the answer and authority sections (SOA of negative answers, NS at
-  the apex, DNSKEY), made with the active key; the DNSKEY RRset is signed by every key, published
-  ones included (a rollover in progress). Glue and other additional records are not signed
-  (RFC 4035 §2.2: only authoritative data is).
+* an RRSIG over every RRset of the answer, authority and additional sections (SOA of negative
+  answers, NS at the apex, DNSKEY, the addresses of in-zone nameservers and MX/SRV targets),
+  made with the active key; the DNSKEY RRset is signed by every key, published ones included (a
+  rollover in progress). Short of UDP room, the additional section's RRSIGs go first (RFC 4035
+  §3.1.1).
 * compact denial of existence (RFC 9824, "black lies"): a name that does not exist is answered
   NOERROR with an NSEC at the name whose next name is ``\\000.name`` and whose types are RRSIG,
   NSEC and NXNAME; a name without the type asked (NODATA, the fail-closed NODATA of a policy
   included) gets an NSEC at the name listing the types it has (``ZoneData.types_at``), never the
   type asked. An NSEC that covers only the name itself says nothing about any other name, so
   nothing can be walked or synthesised from it, and one signature per answer is enough (RFC 4470
-  white lies need two NSECs, NSEC3 two or three).
+  white lies need two NSECs, NSEC3 two or three). The NSEC is made in :mod:`gtm.geodns.denial`.
 
 DNSKEY queries at the apex are answered with the keys whatever the DO bit. Queries without DO
 get the unsigned answer, as from any server: signatures are for the validators that ask.
 
 Cost. Signing runs only when the responder's rendered-answer cache misses (signed answers are
-cached with the answer, like unsigned ones: the caches key on the DO bit). The unsigned response's
-records are kept as they are and the RRSIGs (and the NSEC) spliced in after each section's
-records, with the UDP limit applied again; dnspython parses and renders the whole message only
-for shapes that splicing cannot take (a compressed name it cannot reuse), none of which
-:mod:`gtm.geodns.render` writes today. Signatures are cached per RRset content (owner, type,
-TTL, rdata), so a miss whose RRsets were signed before costs some 20 microseconds more than
-unsigned, and only a new RRset (a new name's NSEC, a new answer set) costs an ECDSA signature:
-framed here (:func:`frame_and_sign`) for types whose data is its own canonical form, the same
-bytes as :func:`dns.dnssec.sign` at a fraction of its cost, by :func:`dns.dnssec.sign` for the
-others (names in the data: SOA, NS, CNAME, MX, SRV). Signatures hold from an hour in the
-past (clocks are skewed) to ``validity`` ahead, and are made again once a quarter of that has
-passed; answers rendered with them are dropped by the responder after at most
-:attr:`Signer.max_answer_age` (:meth:`Signer.bound_window`), so no cached answer carries a
+cached with the answer, like unsigned ones: the caches key on the DO bit). The unsigned
+response's records are kept as they are and the RRSIGs (and the NSEC) spliced in after each
+section's records, with the UDP limit applied again; dnspython parses and renders the whole
+message only for shapes that splicing cannot take (a compressed name it cannot reuse), none of
+which :mod:`gtm.geodns.render` writes today. Signatures are cached per RRset content (owner,
+type, TTL, rdata), so a miss whose RRsets were signed before costs some 20 microseconds more
+than unsigned, and only a new RRset (a new name's NSEC, a new answer set) costs an ECDSA
+signature: framed by :func:`gtm.geodns.splice.frame_and_sign` for types whose data is its own
+canonical form, the same bytes as :func:`dns.dnssec.sign` at a fraction of its cost, by
+:func:`dns.dnssec.sign` for the others (names in the data: SOA, NS, CNAME, MX, SRV). Signatures
+hold from an hour in the past (clocks are skewed) to ``validity`` ahead, and are made again once
+a quarter of that has passed; answers rendered with them are dropped by the responder after at
+most :attr:`Signer.max_answer_age` (:meth:`Signer.bound_window`), so no cached answer carries a
 signature close to its expiry.
 """
 
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 from ipaddress import IPv4Address, IPv6Address
 
 import dns.dnssec
@@ -49,35 +49,53 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
-import dns.rdata
 import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from gtm.audit.record import AuditRecord
 from gtm.decision.answer_window import AnswerWindow
 from gtm.decision.snapshot import Snapshot
-from gtm.decision.topology import in_zone
 from gtm.geodns.budget import Generations
-from gtm.geodns.dnssec_keys import ALGORITHM, ZoneKey, ZoneKeys, load_keys
+from gtm.geodns.denial import (
+    BLACK_LIE,
+    DNSKEY,
+    NSEC,
+    NXNAME,
+    RRSIG,
+    denial,
+    deny_message,
+    nsec_rdata,
+    nsec_rrset,
+    own_types,
+)
+from gtm.geodns.dnssec_keys import ZoneKey, ZoneKeys, load_keys
 from gtm.geodns.render import name_wire, rcode_name
-from gtm.geodns.wire import Query, name_to_text
-from gtm.geodns.zone import Answer, ZoneData, answer, zone_data
+from gtm.geodns.splice import (
+    CANONICAL,
+    HEADER,
+    NS,
+    RR,
+    TO_QUESTION,
+    Record,
+    assemble,
+    frame_and_sign,
+    from_wire,
+    make_record,
+    split,
+    to_wire,
+)
+from gtm.geodns.wire import Query
+from gtm.geodns.zone import Answer, ZoneData, answer, qtype_name, zone_data
 from gtm.settings import Settings
 
 IPAddress = IPv4Address | IPv6Address
 
-DNSKEY = int(dns.rdatatype.DNSKEY)
-NSEC = int(dns.rdatatype.NSEC)
-RRSIG = int(dns.rdatatype.RRSIG)
-NXNAME = 128  # RFC 9824: the NSEC of a name that does not exist says so with this type
-_NEVER_BELOW_APEX = frozenset({int(dns.rdatatype.NS), int(dns.rdatatype.SOA), DNSKEY, 43})  # DS
 INCEPTION_SKEW_S = 3600  # signatures valid from an hour ago: resolvers' clocks are skewed
-BLACK_LIE = "+NXNAME"  # the audit's response label of a name denied NOERROR (RFC 9824)
 _RELABELLED = 4096  # relabelled records kept (Signer._relabel)
+# Types answered from the signer's own data whatever the DO bit: without DO they are RRsets like
+# any other, given when asked for (RFC 4035 §3); only the ones not asked for wait for DO.
+_ASKED_BY_TYPE = frozenset({DNSKEY, NSEC, RRSIG})
 
 
 class Signer:
@@ -103,7 +121,7 @@ class Signer:
         self._sigs: Generations[tuple[object, ...], tuple[tuple[bytes, ...], float]] = Generations(
             cache_entries
         )
-        self._dnskeys = tuple(_wire(k.dnskey) for k in keys.all)
+        self._dnskeys = tuple(to_wire(k.dnskey) for k in keys.all)
         # The zone's apex as the signer's name, its wire form, and the text it was made from:
         # made once, not per response (a random-name flood signs a denial for every query,
         # and parsing the name and hashing it in the cache key were a sixth of that).
@@ -134,7 +152,7 @@ class Signer:
         docstring); ``limit``: the UDP size, None over TCP."""
         edns = query.edns
         do = edns is not None and edns.do
-        if not do and query.qtype != DNSKEY:
+        if not do and query.qtype not in _ASKED_BY_TYPE:
             return answer(query, client, snapshot, now, limit)
         result = answer(query, client, snapshot, now, None)
         zone = zone_data(snapshot.topology)
@@ -142,11 +160,71 @@ class Signer:
             if limit is None or len(result.wire) <= limit:
                 return result
             return answer(query, client, snapshot, now, limit)  # an error too big: never
+        if query.qtype in (NSEC, RRSIG):
+            own = self._own_records(result, query, zone, do, limit, now)
+            if own is not None:
+                return own
+            if limit is not None and len(result.wire) > limit:
+                return answer(query, client, snapshot, now, limit)
+            return result  # NXDOMAIN without DO
         signed = self._finish_wire(result, query, zone, do, limit, now)
         if signed is None:  # a shape the wire path does not take: the general one
             self.general_path += 1
             signed = self._finish_message(result, query, zone, do, limit, now)
         return signed
+
+    # -- queries for the records compact denial puts at every name -------------------------
+
+    def _own_records(
+        self, result: Answer, query: Query, zone: ZoneData, do: bool, limit: int | None, now: float
+    ) -> Answer | None:
+        """The answer to a query of type NSEC or RRSIG at a name of the zone, made from the
+        unsigned response's header, question and OPT; None for a name that does not exist
+        asked without DO (NXDOMAIN, as for any other type).
+
+        Under compact denial every name the zone admits to has an NSEC at itself (for a name
+        that does not exist, the one that says NXNAME), so a query for that type is a positive
+        answer: the NSEC, signed with DO (what Knot answers from a signed zone's chain, and
+        what validates: a NODATA for type NSEC can only be proved by an NSEC whose bitmap
+        leaves NSEC out, a contradiction every validator rejects, RFC 4035 §5.4). A query for
+        RRSIG gets the RRSIG over that NSEC alone: one RRset, as RFC 8482 answers ANY and Knot
+        answers RRSIG, the same for every client (no decision to sign for), and positive: a
+        NODATA for RRSIG cannot be proved either (every NSEC lists RRSIG). Validators do not
+        validate an RRSIG answer (there are no signatures over signatures); see
+        tests/gtm/geodns/test_validators.py for what each resolver makes of it.
+        """
+        if result.rcode != 0 and not do:
+            return None
+        parts = split(result.wire)
+        if parts is None:
+            return None  # nothing render writes (the tests check general_path stays 0)
+        qname, question_end, _, _, _, opt = parts
+        wire = result.wire
+        qid, flags = HEADER.unpack_from(wire)[:2]
+        question = wire[12:question_end]
+        exists = result.rcode == 0
+        apex = name_wire(zone.apex)
+        ttl = RR.unpack_from(zone.negative_soa, len(apex))[2]  # RFC 9077: the SOA's minimum
+        rdata = nsec_rdata(qname, own_types(query.qname_text, zone, exists))
+        signer = self._signer_name(zone.apex)
+        nsec = [make_record(TO_QUESTION, qname, NSEC, ttl, rdata)]
+        if query.qtype == NSEC:
+            records = self._signed(nsec, apex, signer, now) if do else [nsec[0][0]]
+        else:
+            sigs = self.signatures(qname, NSEC, ttl, [rdata], signer, now)
+            records = [TO_QUESTION + RR.pack(RRSIG, 1, ttl, len(sig)) + sig for sig in sigs]
+        flags &= ~0xF  # NOERROR, for a name that does not exist too (the black lie)
+        out = assemble(qid, flags, question, records, [], [], opt)
+        label = "NOERROR" if exists else "NOERROR" + BLACK_LIE
+        if limit is not None and len(out) > limit:
+            out = assemble(qid, flags | 0x0200, question, [], [], [], opt)
+            label += "+TC"
+        record = result.record
+        if record.outcome == "nodata":  # the zone's own record, not a denial
+            record = dataclasses.replace(record, outcome="zone", answer=(qtype_name(query.qtype),))
+        if record.response != label:
+            record = self._relabel(record, label)
+        return Answer(out, 0, record, result.decision)
 
     # -- the wire path: records spliced in, nothing re-rendered ---------------------------
 
@@ -158,11 +236,11 @@ class Signer:
         name is the question (a pointer to it) or written out and no record data holds a
         compressed name, as everything :mod:`gtm.geodns.render` writes is; None otherwise."""
         wire = result.wire
-        split = _split(wire)
-        if split is None:
+        parts = split(wire)
+        if parts is None:
             return None
-        qname, question_end, answer_records, authority, additional, opt = split
-        qid, flags = _HEADER.unpack_from(wire)[:2]
+        qname, question_end, answer_records, authority, additional, opt = parts
+        qid, flags = HEADER.unpack_from(wire)[:2]
         rcode = flags & 0xF
         question = wire[12:question_end]
         apex = name_wire(zone.apex)
@@ -170,40 +248,48 @@ class Signer:
         suffix = ""
         if query.qtype == DNSKEY and qname == apex and rcode == 0 and not answer_records:
             answer_records = [
-                _record(_TO_QUESTION, qname, DNSKEY, zone.ttl, rdata) for rdata in self._dnskeys
+                make_record(TO_QUESTION, qname, DNSKEY, zone.ttl, rdata) for rdata in self._dnskeys
             ]
             authority = []
             record = dataclasses.replace(
                 record, outcome="zone", answer=tuple(f"DNSKEY {k.tag}" for k in self.keys.all)
             )
         if do:
-            denial = _denial(qname, query.qtype, rcode, answer_records, authority, zone)
-            if denial is not None:
-                nsec, rcode, suffix = denial
+            denied = denial(qname, query.qtype, rcode, answer_records, authority, zone)
+            if denied is not None:
+                nsec, rcode, suffix = denied
                 authority = [*authority, nsec]
             signer = self._signer_name(zone.apex)
             an = self._signed(answer_records, apex, signer, now)
             ns = self._signed(authority, apex, signer, now)
+            # The additional section's addresses (in-zone glue, MX and SRV targets) are the
+            # zone's data: signed too (RFC 4035 §3.1.1 MUST), as Knot and BIND send them.
+            ar = self._signed(additional, apex, signer, now)
         else:
             an = [r[0] for r in answer_records]
             ns = [r[0] for r in authority]
-        ar = [r[0] for r in additional]
+            ar = [r[0] for r in additional]
         flags = (flags & ~0xF) | rcode
-        out = _assemble(qid, flags, question, an, ns, ar, opt)
+        out = assemble(qid, flags, question, an, ns, ar, opt)
+        if limit is not None and len(out) > limit and len(ar) > len(additional):
+            # RFC 4035 §3.1.1: short of room, the additional RRsets may stay without their
+            # RRSIGs (a resolver asks for them when it needs them validated).
+            ar = [r[0] for r in additional]
+            out = assemble(qid, flags, question, an, ns, ar, opt)
         if (
             limit is not None
             and len(out) > limit
             and ar
-            and not any(r[3] == _NS for r in answer_records)
+            and not any(r[3] == NS for r in answer_records)
         ):
             # Addresses of MX and SRV targets are extra help: left out first, TC clear (RFC
             # 2181 §9), as unsigned answers do. An NS answer's glue is not (render.response).
             ar = []
-            out = _assemble(qid, flags, question, an, ns, ar, opt)
+            out = assemble(qid, flags, question, an, ns, ar, opt)
         if limit is not None and len(out) > limit:
             # Cut to the question and OPT with TC set, as unsigned answers are: the resolver
             # asks again over TCP and gets the whole signed answer.
-            out = _assemble(qid, flags | 0x0200, question, [], [], [], opt)
+            out = assemble(qid, flags | 0x0200, question, [], [], [], opt)
             suffix = "+TC"  # nothing but the question went out (the audit column: 16)
         label = rcode_name(rcode) + suffix
         if record.response != label:
@@ -214,7 +300,7 @@ class Signer:
         memo = self._apex
         if memo is None or memo[2] != apex:
             name = dns.name.from_text(apex)
-            memo = self._apex = (name, _wire(name.canonicalize()), apex)
+            memo = self._apex = (name, to_wire(name.canonicalize()), apex)
         return memo[0]
 
     def _relabel(self, record: AuditRecord, label: str) -> AuditRecord:
@@ -227,7 +313,7 @@ class Signer:
         return out
 
     def _signed(
-        self, records: list[_Record], apex: bytes, signer: dns.name.Name, now: float
+        self, records: list[Record], apex: bytes, signer: dns.name.Name, now: float
     ) -> list[bytes]:
         """A section's records, then the RRSIGs over each of its RRsets."""
         out = [r[0] for r in records]
@@ -239,10 +325,10 @@ class Signer:
             else:
                 group[2].append(r[5])
         for (name, rtype), (owner, ttl, rdatas) in rrsets.items():
-            if rtype == RRSIG or (rtype == _NS and name != apex):
-                continue  # a delegation's NS is not the zone's data (none here yet)
+            if rtype == RRSIG or (rtype == NS and name != apex) or not _under(name, apex):
+                continue  # a delegation's NS, or a name outside: not the zone's data
             for sig in self.signatures(name, rtype, ttl, rdatas, signer, now):
-                out.append(owner + _RR.pack(RRSIG, 1, ttl, len(sig)) + sig)
+                out.append(owner + RR.pack(RRSIG, 1, ttl, len(sig)) + sig)
         return out
 
     def signatures(
@@ -259,7 +345,7 @@ class Signer:
         dnspython: by the active key, and by every key for the DNSKEY RRset."""
         memo = self._apex
         signer_wire = (
-            memo[1] if memo is not None and memo[0] is signer else _wire(signer.canonicalize())
+            memo[1] if memo is not None and memo[0] is signer else to_wire(signer.canonicalize())
         )
         key = (name, rtype, ttl, signer_wire, frozenset(rdatas))
         cached = self._sigs.get(key)
@@ -267,7 +353,7 @@ class Signer:
             return cached[0]
         keys: tuple[ZoneKey, ...] = self.keys.all if rtype == DNSKEY else (self.keys.active,)
         inception, expiration = int(now - INCEPTION_SKEW_S), int(now + self.validity_s)
-        if rtype in _CANONICAL:
+        if rtype in CANONICAL:
             # The common case (addresses, TXT, keys, the NSEC of every negative answer): the
             # data as on the wire is its canonical form, framed here at a third of the cost.
             sigs = tuple(
@@ -279,9 +365,9 @@ class Signer:
             rrset = dns.rrset.RRset(owner, dns.rdataclass.IN, dns.rdatatype.RdataType.make(rtype))
             rrset.update_ttl(ttl)
             for rdata in rdatas:
-                rrset.add(_rdata(rtype, rdata))
+                rrset.add(from_wire(rtype, rdata))
             sigs = tuple(
-                _wire(
+                to_wire(
                     dns.dnssec.sign(
                         rrset,
                         k.private,
@@ -326,20 +412,22 @@ class Signer:
                 record, outcome="zone", answer=tuple(f"DNSKEY {k.tag}" for k in self.keys.all)
             )
         if do:
-            label_suffix = _deny_message(msg, query, zone)
-            for section in (msg.answer, msg.authority):
+            label_suffix = deny_message(msg, query, zone)
+            for section in (msg.answer, msg.authority, msg.additional):
                 signed: list[dns.rrset.RRset] = []
                 for rrset in section:
                     signed.append(rrset)
-                    if rrset.rdtype == RRSIG or (
-                        rrset.rdtype == dns.rdatatype.NS and rrset.name != apex
+                    if (
+                        rrset.rdtype == RRSIG
+                        or (rrset.rdtype == dns.rdatatype.NS and rrset.name != apex)
+                        or not rrset.name.is_subdomain(apex)
                     ):
                         continue
                     sigs = self.signatures(
-                        _wire(rrset.name.canonicalize()),
+                        to_wire(rrset.name.canonicalize()),
                         rrset.rdtype,
                         rrset.ttl,
-                        [_wire(r) for r in rrset],
+                        [to_wire(r) for r in rrset],
                         apex,
                         now,
                     )
@@ -348,10 +436,17 @@ class Signer:
                     )
                     out.update_ttl(rrset.ttl)
                     for sig in sigs:
-                        out.add(_rdata(RRSIG, sig))
+                        out.add(from_wire(RRSIG, sig))
                     signed.append(out)
                 section[:] = signed
         wire = msg.to_wire(max_size=65535)
+        if (
+            limit is not None
+            and len(wire) > limit
+            and any(r.rdtype == RRSIG for r in msg.additional)
+        ):
+            msg.additional = [r for r in msg.additional if r.rdtype != RRSIG]
+            wire = msg.to_wire(max_size=65535)
         if (
             limit is not None
             and len(wire) > limit
@@ -372,282 +467,14 @@ class Signer:
         return Answer(wire, rcode, record, result.decision)
 
 
-# -- reading and writing records in wire form ----------------------------------------------
-
-_HEADER = struct.Struct("!HHHHHH")
-_RR = struct.Struct("!HHIH")
-_TO_QUESTION = b"\xc0\x0c"  # a compression pointer to the question name
-_NS, _SOA, _CNAME, _OPT, _ANY = 2, 6, 5, 41, 255
-# Record types whose data holds no domain name (their bytes mean the same in any message), and
-# where the names are in those that do: checked to be uncompressed before the bytes are reused.
-_NO_NAMES = frozenset({1, 13, 16, 28, 43, 44, 48, 50, 51, 52, 53, 64, 65, 99, 256, 257})
-_NAMES_AT = {2: 0, 5: 0, 12: 0, 39: 0, 15: 2, 33: 6, 47: 0}
-
-# Types whose data is its own canonical form (RFC 4034 §6.2 lower-cases names in the data of
-# the others; RFC 6840 §5.1 took NSEC off that list): their RRSIGs are framed by frame_and_sign.
-_CANONICAL = _NO_NAMES | {NSEC}
-_ECDSA = ec.ECDSA(hashes.SHA256(), deterministic_signing=True)  # RFC 6979, as dnspython signs
-_RRSIG_FIXED = struct.Struct("!HBBIIIH")  # type covered .. key tag (RFC 4034 §3.1)
-_RR_FIXED = struct.Struct("!HHI")
-
-
-def _labels(name: bytes) -> int:
-    """The RRSIG's label count of an owner in wire form: its labels, a leading "*" left out
-    (RFC 4034 §3.1.3)."""
-    count = pos = 0
-    while name[pos]:
-        count += 1
-        pos += name[pos] + 1
-    return count - 1 if name[:2] == b"\x01*" else count
-
-
-def frame_and_sign(
-    key: ZoneKey,
-    name: bytes,
-    rtype: int,
-    ttl: int,
-    rdatas: list[bytes],
-    signer: bytes,
-    inception: int,
-    expiration: int,
-) -> bytes:
-    """The RRSIG rdata over an RRset whose data is canonical as given (RFC 4034 §3.1.8.1: the
-    RRSIG's fields and signer, then each record in canonical form and order, signed with
-    ECDSA P-256 SHA-256 by ``cryptography``, the signature as r and s, RFC 6605 §4). ``name``
-    and ``signer``: lower case, uncompressed. The same bytes as :func:`dns.dnssec.sign`
-    (deterministic ECDSA); the tests compare them."""
-    head = (
-        _RRSIG_FIXED.pack(
-            rtype,
-            ALGORITHM,
-            _labels(name),
-            ttl,
-            expiration & 0xFFFFFFFF,
-            inception & 0xFFFFFFFF,
-            key.tag,
-        )
-        + signer
-    )
-    fixed = name + _RR_FIXED.pack(rtype, 1, ttl)
-    signed = head + b"".join(fixed + len(r).to_bytes(2, "big") + r for r in sorted(set(rdatas)))
-    r, s = decode_dss_signature(key.private.sign(signed, _ECDSA))
-    return head + r.to_bytes(32, "big") + s.to_bytes(32, "big")
-
-
-# One record: (whole record, owner as written, owner lower case uncompressed, type, TTL, data).
-_Record = tuple[bytes, bytes, bytes, int, int, bytes]
-
-
-def _name_end(wire: bytes, pos: int) -> int | None:
-    """Where the uncompressed name at ``pos`` ends; None for a compressed or broken one."""
-    size = len(wire)
+def _under(name: bytes, apex: bytes) -> bool:
+    """Whether ``name`` is ``apex`` or below it (both lower case, uncompressed wire form)."""
+    pos, size = 0, len(name)
     while pos < size:
-        n = wire[pos]
-        if n == 0:
-            return pos + 1
-        if n & 0xC0:
-            return None
-        pos += n + 1
-    return None
-
-
-def _plain_names(rtype: int, rdata: bytes) -> bool:
-    """Whether the names in this record's data are uncompressed (trivially, for types without
-    names); False for a type not known here."""
-    if rtype in _NO_NAMES:
-        return True
-    at = _NAMES_AT.get(rtype)
-    if at is not None:
-        return _name_end(rdata, at) is not None
-    if rtype == _SOA:
-        first = _name_end(rdata, 0)
-        second = _name_end(rdata, first) if first is not None else None
-        return second is not None and second + 20 == len(rdata)
+        if name[pos:] == apex:
+            return True
+        pos += name[pos] + 1
     return False
-
-
-def _split(
-    wire: bytes,
-) -> tuple[bytes, int, list[_Record], list[_Record], list[_Record], bytes] | None:
-    """(question name lower case, end of the question, answer, authority, additional records,
-    the OPT record) of a response the wire path can take, else None."""
-    try:
-        qdcount, ancount, nscount, arcount = _HEADER.unpack_from(wire)[2:]
-        qend = _name_end(wire, 12)
-        if qdcount != 1 or qend is None:
-            return None
-        qname = wire[12:qend].lower()  # length octets are below 64: never changed by lower()
-        pos = qend + 4
-        sections: list[list[_Record]] = [[], [], []]
-        opt = b""
-        for index, count in enumerate((ancount, nscount, arcount)):
-            for _ in range(count):
-                start = pos
-                if wire[pos : pos + 2] == _TO_QUESTION:
-                    owner_end, name = pos + 2, qname
-                else:
-                    end = _name_end(wire, pos)
-                    if end is None:
-                        return None
-                    owner_end, name = end, wire[pos:end].lower()
-                rtype, rclass, ttl, rdlength = _RR.unpack_from(wire, owner_end)
-                pos = owner_end + 10 + rdlength
-                if pos > len(wire):
-                    return None
-                if rtype == _OPT:
-                    opt = wire[start:pos]
-                    continue
-                rdata = wire[owner_end + 10 : pos]
-                if rclass != 1 or not _plain_names(rtype, rdata):
-                    return None
-                sections[index].append(
-                    (wire[start:pos], wire[start:owner_end], name, rtype, ttl, rdata)
-                )
-        if pos != len(wire):
-            return None
-    except (struct.error, IndexError):
-        return None
-    return qname, qend + 4, sections[0], sections[1], sections[2], opt
-
-
-def _record(owner: bytes, name: bytes, rtype: int, ttl: int, rdata: bytes) -> _Record:
-    return (owner + _RR.pack(rtype, 1, ttl, len(rdata)) + rdata, owner, name, rtype, ttl, rdata)
-
-
-def _assemble(
-    qid: int,
-    flags: int,
-    question: bytes,
-    an: list[bytes],
-    ns: list[bytes],
-    ar: list[bytes],
-    opt: bytes,
-) -> bytes:
-    counts = _HEADER.pack(qid, flags, 1, len(an), len(ns), len(ar) + (1 if opt else 0))
-    return counts + question + b"".join(an) + b"".join(ns) + b"".join(ar) + opt
-
-
-def type_bitmap(types: set[int]) -> bytes:
-    """An NSEC type bitmap (RFC 4034 §4.1.2): per 256-type window, its number, length and
-    bits, trailing zero octets left out."""
-    windows: dict[int, bytearray] = {}
-    for t in types:
-        window, bit = divmod(t, 256)
-        windows.setdefault(window, bytearray(32))[bit // 8] |= 0x80 >> (bit % 8)
-    out = b""
-    for window in sorted(windows):
-        bits = bytes(windows[window]).rstrip(b"\x00")
-        out += bytes([window, len(bits)]) + bits
-    return out
-
-
-def _following(name: bytes) -> bytes:
-    """``\\000.name``: the next name of a compact NSEC (the name itself when there is no room
-    for another label)."""
-    return b"\x01\x00" + name if len(name) + 2 <= 255 else name
-
-
-def _denial(
-    qname: bytes,
-    qtype: int,
-    rcode: int,
-    answer_records: list[_Record],
-    authority: list[_Record],
-    zone: ZoneData,
-) -> tuple[_Record, int, str] | None:
-    """The NSEC of a negative answer (NXDOMAIN made NOERROR, RFC 9824), the response code and
-    the audit label's suffix; None for a positive answer or a referral."""
-    name = qname
-    # Follow a CNAME chain in the answer: the denial is about where it ends.
-    for _ in range(len(answer_records)):
-        target = next(
-            (r[5] for r in answer_records if r[2] == name and r[3] == _CNAME and qtype != _CNAME),
-            None,
-        )
-        if target is None:
-            break
-        name = target.lower()
-    if any(r[2] == name and qtype in (r[3], _ANY) for r in answer_records):
-        return None  # a positive answer
-    soa = next((r for r in authority if r[3] == _SOA), None)
-    text = name_to_text(name)
-    if soa is None or not in_zone(text, zone.apex):
-        return None  # a referral or a CNAME out of the zone: nothing to deny here
-    if rcode == 3:
-        types = {RRSIG, NSEC, NXNAME}
-        rcode, suffix = 0, BLACK_LIE
-    else:
-        types = _listed(text, qtype, zone) | {RRSIG, NSEC}
-        suffix = ""
-    rdata = _following(name) + type_bitmap(types)
-    owner = _TO_QUESTION if name == qname else name
-    return _record(owner, name, NSEC, soa[4], rdata), rcode, suffix  # RFC 9077: the SOA's TTL
-
-
-def _listed(text: str, qtype: int, zone: ZoneData) -> set[int]:
-    """The types a NODATA's NSEC lists at ``text``: what is there, never the type asked."""
-    present = set(zone.types_at(text)) - {qtype}
-    if text == zone.apex:
-        present.add(DNSKEY)
-    else:
-        present -= _NEVER_BELOW_APEX
-    return present
-
-
-def _deny_message(msg: dns.message.Message, query: Query, zone: ZoneData) -> str:
-    """:func:`_denial` on a parsed message (the general path)."""
-    name = msg.question[0].name
-    qtype = query.qtype
-    for _ in range(len(msg.answer)):
-        cname = next(
-            (
-                r
-                for r in msg.answer
-                if r.name == name and r.rdtype == dns.rdatatype.CNAME and qtype != r.rdtype
-            ),
-            None,
-        )
-        if cname is None:
-            break
-        name = cname[0].target
-    if any(r.name == name and (qtype in (r.rdtype, _ANY)) for r in msg.answer):
-        return ""
-    soa = next((r for r in msg.authority if r.rdtype == dns.rdatatype.SOA), None)
-    text = name.to_text().lower()
-    if soa is None or not in_zone(text, zone.apex):
-        return ""
-    if msg.rcode() == dns.rcode.NXDOMAIN:
-        msg.set_rcode(dns.rcode.NOERROR)
-        types, suffix = {RRSIG, NSEC, NXNAME}, BLACK_LIE
-    else:
-        types, suffix = _listed(text, qtype, zone) | {RRSIG, NSEC}, ""
-    msg.authority.append(nsec_rrset(name, soa.ttl, types))
-    return suffix
-
-
-def nsec_rrset(name: dns.name.Name, ttl: int, types: set[int]) -> dns.rrset.RRset:
-    """The NSEC at ``name`` whose next name is ``\\000.name`` (RFC 9824 §3): it covers no name
-    but ``name`` itself. The next name is lower case: an NSEC's rdata is signed as given
-    (RFC 6840 §5.1), and the same record must not differ with the question's letter case."""
-    lower = _wire(name.canonicalize())
-    rdata = _following(lower) + type_bitmap(types)
-    rrset = dns.rrset.RRset(name, dns.rdataclass.IN, dns.rdatatype.NSEC)
-    rrset.update_ttl(ttl)
-    rrset.add(_rdata(NSEC, rdata))
-    return rrset
-
-
-def _wire(thing: dns.rdata.Rdata | dns.name.Name) -> bytes:
-    """Uncompressed wire form, letter case kept."""
-    out = thing.to_wire()
-    assert out is not None
-    return out
-
-
-def _rdata(rtype: int, data: bytes) -> dns.rdata.Rdata:
-    return dns.rdata.from_wire(
-        dns.rdataclass.IN, dns.rdatatype.RdataType.make(rtype), data, 0, len(data)
-    )
 
 
 def make_signer(settings: Settings) -> Signer | None:
@@ -666,5 +493,4 @@ __all__ = [
     "frame_and_sign",
     "make_signer",
     "nsec_rrset",
-    "type_bitmap",
 ]

@@ -77,6 +77,8 @@ def meta_rcode(qtype: int) -> Rcode | None:
     return rcode
 
 
+_BESIDE_CNAME = frozenset({46, 47})  # RRSIG, NSEC
+
 _FAILURE_RCODE = {
     DnsFailure.REFUSED: Rcode.REFUSED,
     DnsFailure.SERVFAIL: Rcode.SERVFAIL,
@@ -439,6 +441,11 @@ def answer(
         qtype = query.qtype
         if qtype in (Qtype.CNAME, Qtype.ANY):  # the CNAME itself, not followed (RFC 1034)
             return finish(Rcode.NOERROR, [chain.first], given=chain.given[:1])
+        if qtype in _BESIDE_CNAME:
+            # NSEC and RRSIG may sit at a CNAME owner (RFC 4035 §2.5): asked for, they are
+            # the owner's own, never the target's, as BIND and Knot answer (a signed zone's
+            # are given by gtm.geodns.dnssec; unsigned, there are none).
+            return finish(Rcode.NOERROR, [], [zone.negative_soa], outcome="nodata")
         answers = list(chain.records)
         final = chain.final
         if final is None:  # it leaves the zone: the resolver follows it

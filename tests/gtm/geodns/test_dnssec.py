@@ -72,17 +72,22 @@ def q(name: str, rdtype: str = "A", *, do: bool = True, ecs: str | None = None, 
 
 
 def validate(r: dns.message.Message, *keys: ZoneKey) -> int:
-    """Every RRset of the answer and authority sections verified against ``keys``; the
-    additional section (glue) unsigned. The number of RRsets verified."""
+    """Every RRset of the answer and authority sections verified against ``keys``, and those of
+    the additional section (glue, MX/SRV target addresses) that came with their RRSIGs (RFC
+    4035 §3.1.1: they may be left out for room). The number of answer and authority RRsets
+    verified."""
     n = 0
-    for section in (r.answer, r.authority):
+    for section in (r.answer, r.authority, r.additional):
         for rrset in section:
             if rrset.rdtype == RRSIG:
                 continue
+            if section is r.additional and not any(
+                x.rdtype == RRSIG and x.name == rrset.name for x in r.additional
+            ):
+                continue
             sig = r.find_rrset(section, rrset.name, rrset.rdclass, RRSIG, rrset.rdtype)
             dns.dnssec.validate(rrset, sig, dnskeys(*keys))
-            n += 1
-    assert not any(rrset.rdtype == RRSIG for rrset in r.additional)
+            n += section is not r.additional
     return n
 
 
@@ -268,7 +273,16 @@ async def test_every_positive_answer_is_signed_and_validates(
                 got = {i.address for x in r.answer if x.rdtype != RRSIG for i in x}
                 assert got == expected
     ns = await udp(node, q("gtm.example.", "NS"))
-    assert {x.rdtype for x in ns.additional} == {dns.rdatatype.A, dns.rdatatype.AAAA}  # glue
+    # The glue is the zone's data, signed too (RFC 4035 §3.1.1), and validates.
+    glue = [x for x in ns.additional if x.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)]
+    assert len(glue) == 4 and {x.rdtype for x in ns.additional} == {
+        dns.rdatatype.A,
+        dns.rdatatype.AAAA,
+        RRSIG,
+    }
+    for rrset in glue:
+        sig = ns.find_rrset(ns.additional, rrset.name, 1, RRSIG, rrset.rdtype)
+        dns.dnssec.validate(rrset, sig, dnskeys(key))
     dnskey = await udp(node, q("gtm.example.", "DNSKEY"))
     assert list(dnskey.find_rrset(dnskey.answer, APEX, 1, dns.rdatatype.DNSKEY)) == [key.dnskey]
     assert node.dns is not None and node.dns.responder.signer is not None
@@ -739,3 +753,48 @@ async def test_unbound_refuses_answers_it_cannot_validate(
     # val-log-level 2 says why.
     log = (tmp_path / "unbound0" / "log").read_text()
     assert "validation failure" in log and "gtm.example" in log, log
+
+
+async def test_nsec_and_rrsig_asked_are_answered_with_the_names_own_nsec(
+    start_node: StartNode, key: ZoneKey
+) -> None:
+    """Issue 32: under compact denial every name has an NSEC at itself (a name that does not
+    exist, the NXNAME one), so NSEC asked is that NSEC, signed, and RRSIG asked is the RRSIG
+    over it; never a NODATA whose NSEC lists the type asked (no validator accepts that)."""
+    node = await start_node(dnssec_key_file=key.path)
+    A, AAAA, CNAME = dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.CNAME
+    static = zone_data(node.runtime.store.current.topology).static.types.get("gtm.example.", set())
+    apex_types = {dns.rdatatype.SOA, dns.rdatatype.NS, dns.rdatatype.DNSKEY, RRSIG, NSEC, *static}
+    cases = [
+        ("chat.gtm.example.", {A, AAAA, RRSIG, NSEC}),
+        ("Chat.GTM.example.", {A, AAAA, RRSIG, NSEC}),
+        ("gtm.example.", apex_types),
+        ("api.gtm.example.", {CNAME, RRSIG, NSEC}),  # a CNAME owner: not followed
+        ("eu.gtm.example.", {RRSIG, NSEC}),  # an empty non-terminal
+        ("nope.gtm.example.", {RRSIG, NSEC, NXNAME}),  # the black lie's NSEC
+        ("x.y.nope.gtm.example.", {RRSIG, NSEC, NXNAME}),
+    ]
+    for name, types in cases:
+        owner = dns.name.from_text(name)
+        following = dns.name.Name((b"\x00", *owner.canonicalize().labels))
+        for r in await both(node, q(name, "NSEC", payload=512)):
+            assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, r)
+            assert not r.authority and validate(r, key) == 1
+            (nsec,) = [x for x in r.answer if x.rdtype == NSEC]
+            (rdata,) = list(nsec)
+            listed = {int(t) for w, bitmap in rdata.windows for t in _types(w, bitmap)}
+            assert nsec.name == owner and rdata.next == following and listed == types, name
+            assert nsec.ttl == 60  # the negative TTL, as every NSEC here (RFC 9077)
+        for r in await both(node, q(name, "RRSIG", payload=512)):
+            assert r.rcode() == dns.rcode.NOERROR and not r.authority, (name, r)
+            (sigs,) = r.answer
+            assert sigs.rdtype == RRSIG and {s.type_covered for s in sigs} == {NSEC}
+            assert {s.key_tag for s in sigs} == {key.tag}
+    # Without DO: the NSEC of a name that exists is data like any other, asked for by type
+    # (RFC 4035 §3); a name that does not exist is NXDOMAIN, as for every other type.
+    plain = await udp(node, q("chat.gtm.example.", "NSEC", do=False))
+    assert [x.rdtype for x in plain.answer] == [NSEC] and plain.rcode() == dns.rcode.NOERROR
+    missing = await udp(node, q("nope.gtm.example.", "NSEC", do=False))
+    assert missing.rcode() == dns.rcode.NXDOMAIN and not missing.answer
+    assert node.dns is not None and node.dns.responder.signer is not None
+    assert node.dns.responder.signer.general_path == 0
