@@ -132,9 +132,7 @@ class OpenAILike:
                     done = b"data: [DONE]\r\n\r\n"
                     await send({"type": "http.response.body", "body": done, "more_body": True})
                     raise Interrupted("a /v1/models call interrupted the stream")
-                await send(
-                    {"type": "http.response.body", "body": _chunk(model), "more_body": True}
-                )
+                await send({"type": "http.response.body", "body": _chunk(model), "more_body": True})
                 await asyncio.sleep(self.tick_s)
             end = _chunk(model, "length") + b"data: [DONE]\r\n\r\n"
             await send({"type": "http.response.body", "body": end, "more_body": True})

@@ -35,7 +35,7 @@ if find_spec("llama_cpp") is None or find_spec("gguf") is None:
         allow_module_level=True,
     )
 
-from tests.regional_lb.llamacpp import ALIAS, llama_server, write_model  # noqa: E402
+from tests.regional_lb.llamacpp import ALIAS, llama_server, write_model
 
 pytestmark = pytest.mark.llamacpp
 

@@ -56,7 +56,10 @@ async def test_probes_never_cut_a_running_stream() -> None:
                 reading = asyncio.create_task(_lines(c))
                 probes = server.probes
                 # Several probe rounds while the stream runs (or its early end, before).
-                await eventually(lambda: server.probes >= probes + 5 or reading.done(), 10)
+                await eventually(
+                    lambda n=probes, r=reading: server.probes >= n + 5 or r.done(),
+                    10,
+                )
                 server.finish.set()
                 lines = await reading
                 assert lines[-1] == "data: [DONE]", lines[-2:]
@@ -164,10 +167,18 @@ async def test_an_instance_without_a_model_list_is_asked_before_it_takes_work() 
 
 
 async def test_upstream_errors_keep_their_status_and_words() -> None:
+    # llama-cpp-python's shapes: its error handler's, and FastAPI's for a bad key.
+    llama_500 = {
+        "error": {
+            "message": "llama_decode returned -3",
+            "type": "internal_server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     server = OpenAILike(
         errors=[
-            # llama-cpp-python's shapes: its error handler's, and FastAPI's for a bad key.
-            (500, b'{"error": {"message": "llama_decode returned -3", "type": "internal_server_error", "param": null, "code": null}}'),  # noqa: E501
+            (500, json.dumps(llama_500).encode()),
             (401, b'{"detail": "Invalid API key"}'),
             (400, b"prompt is too long"),
         ]
