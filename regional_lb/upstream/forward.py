@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
@@ -157,6 +158,9 @@ def completion_tokens(content: bytes) -> int | None:
 
 
 _DONE = b"data: [DONE]"
+# The end of an OpenAI stream at the start of a line; the space after the colon is optional
+# in SSE, and some servers leave it out.
+_DONE_LINE = re.compile(rb"(?:^|(?<=[\r\n]))data: ?\[DONE\]")
 _EVENT_ENDS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
 
@@ -165,12 +169,10 @@ def done_end(carry: bytes, chunk: bytes) -> int | None:
     this chunk), or None when the chunk does not finish one; ``carry``: the bytes before the
     chunk, so a marker split between two chunks is found."""
     window = carry + chunk
-    i = window.find(_DONE)
-    while i > 0 and window[i - 1 : i] not in (b"\n", b"\r"):  # only at the start of a line
-        i = window.find(_DONE, i + 1)
-    if i < 0:
+    match = _DONE_LINE.search(window)
+    if match is None:
         return None
-    end = i + len(_DONE)
+    end = match.end()
     for sep in _EVENT_ENDS:
         if window.startswith(sep, end):
             end += len(sep)

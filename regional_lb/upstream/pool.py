@@ -259,10 +259,12 @@ class Pool:
 
     def model_state(self, name: str) -> Literal["known", "pending", "unknown"]:
         """``known``: configured, or some instance serves it; ``pending``: not yet, but an
-        instance in service has not listed its models yet (it may); else ``unknown``."""
+        instance has not listed its models yet (it may); else ``unknown``."""
         if name in self.config.models or any(i.can_serve(name) for i in self.instances):
             return "known"
-        if any(not i.servable and i.id not in self.listed for i in self.serving()):
+        # Out of service or not, an instance that has not listed may serve it: a 503 (come
+        # back), not a 404 that would tell the client the model does not exist.
+        if any(not i.servable and i.id not in self.listed for i in self.instances):
             return "pending"
         return "unknown"
 

@@ -97,6 +97,7 @@ def test_done_is_found_across_chunk_boundaries_and_ends_the_event() -> None:
     assert done_end(b"", b"data: [DONE]\r\n\r\ndata: late\n\n") == 16
     assert done_end(b"\n\ndata: [DO", b"NE]\n\n") == 5  # split between two chunks
     assert done_end(b"", b'data: {"text": "data: [DONE]"}\n\n') is None  # inside a token
+    assert done_end(b"", b"data:[DONE]\n\n") == 13  # the space is optional in SSE
 
 
 async def test_a_probe_behind_a_long_generation_is_busy_not_down() -> None:
