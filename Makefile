@@ -29,7 +29,7 @@ $(LLAMA_STAMP): $(STAMP)
 	touch $@
 
 test-llamacpp: $(LLAMA_STAMP)
-	$(BIN)/pytest -m llamacpp -q --durations=5
+	GTM_TEST_REQUIRE_LLAMACPP=1 $(BIN)/pytest -m llamacpp -q --durations=5
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow -q
