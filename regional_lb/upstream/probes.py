@@ -106,7 +106,8 @@ class Background:
         self.secret, self.next_report = secret, next_report
         self.signals: dict[str, LoadSignal] = {}
         self.model_probed_at: dict[str, float] = {}  # instance id -> last model check
-        self.listing_failed: set[str] = set()  # instances whose last model listing failed
+        self.listing_refused: set[str] = set()  # instances whose last listing was a 401/403
+        self.listing_tried: dict[str, float] = {}  # instance id -> last listing attempt
         self.failing: dict[tuple[str, str], str] = {}  # (instance, probe) -> last reason
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -199,21 +200,24 @@ class Background:
         return ProbeResult("up")
 
     async def list_models(self, inst: InstanceState) -> ProbeResult | None:
-        """Read the instance's model list when it is due: before the instance takes work
-        (it has none yet), after a failed read, then every ``models_interval_s``. Returns a
-        down result only when the server refuses our credential (401/403): every request
-        would be refused too. Other failures keep the last list, and are logged and counted."""
+        """Read the instance's model list when it is due: every probe until it has been read
+        once (the instance takes no work without it) and while the server refuses our
+        credential (401/403: every request would be refused too, so the instance is down),
+        otherwise every ``models_interval_s``. Other failures keep the last list, are logged
+        and counted, and wait for the next interval: a server that answers one request at a
+        time would otherwise collect an abandoned listing every probe."""
         pool = self.pool
         up = pool.upstreams.get(inst.id)
-        last = pool.listed.get(inst.id)
         now = pool.clock()
         due = (
-            last is None
-            or inst.id in self.listing_failed
-            or now - last >= pool.config.health.models_interval_s
+            inst.id not in pool.listed
+            or inst.id in self.listing_refused
+            or now - self.listing_tried.get(inst.id, -math.inf)
+            >= pool.config.health.models_interval_s
         )
         if up is None or not due or not pool.begin_listing(inst.id):
             return None
+        self.listing_tried[inst.id] = now
         reason: str | None = None
         try:
             r = await self.client.get(
@@ -236,12 +240,10 @@ class Background:
         finally:
             pool.end_listing(inst.id)
         self.note(inst, "models", reason)
-        if reason is None:
-            self.listing_failed.discard(inst.id)
-            return None
-        self.listing_failed.add(inst.id)
         if reason in ("http_401", "http_403"):
+            self.listing_refused.add(inst.id)
             return ProbeResult("down", f"models_{reason}")
+        self.listing_refused.discard(inst.id)
         return None
 
     def note(self, inst: InstanceState, probe: str, reason: str | None) -> None:
