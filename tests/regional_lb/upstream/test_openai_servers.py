@@ -247,3 +247,22 @@ async def test_health_changes_and_failed_scrapes_say_why() -> None:
         assert changes and changes[0]["reason"] == "http_404" and changes[0]["healthy"] is False
         failed = [e for e in logs if e["event"] == "instance metrics failed"]
         assert [e["reason"] for e in failed] == ["http_404"]  # said once
+
+
+async def test_a_404_health_is_no_readiness_route_unless_health_url_names_it() -> None:
+    # The same server without /health: up on kind openai's default probe (the 404 shows a
+    # server with no readiness route), down when the operator named that URL (a typo).
+    server = OpenAILike()
+    async with running(server) as u:
+        health = {"probe_interval_s": 0.05}
+        async with balancer(like_config(u, health=health)) as (_, pool):
+            inst = pool.instances[0]
+            await eventually(lambda: inst.probe_ok_at is not None and "i0" in pool.listed, 10)
+            assert inst.healthy
+        cfg = like_config(u, health=health)
+        named = cfg.instances[0].model_copy(update={"health_url": f"{u}/health"})
+        cfg = cfg.model_copy(update={"instances": [named]})
+        async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url) as c:
+            await eventually(lambda: not pool.instances[0].healthy, 10)
+            metrics = (await c.get("/metrics")).text
+            assert 'instance="i0",reason="http_404"} 1.0' in metrics
