@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all check check-terraform bench clean
+.PHONY: demo test test-slow test-all test-llamacpp check check-terraform bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,18 @@ demo: $(STAMP)
 
 ## test: the suite CI runs (slow suites excluded; PostgreSQL tests need GTM_TEST_POSTGRES_URL or pg_ctl)
 test: $(STAMP)
-	$(BIN)/pytest -m "not slow" -q --durations=15
+	$(BIN)/pytest -m "not slow and not llamacpp" -q --durations=15
+
+## test-llamacpp: the regional balancer in front of a real llama-cpp-python server. Installs the
+## llamacpp extra first: llama-cpp-python compiles llama.cpp from source (about ten minutes on
+## two cores, once: pip keeps the built wheel in its cache, so later installs take seconds).
+LLAMA_STAMP := $(VENV)/.llamacpp-installed
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=OFF}" $(BIN)/pip install --quiet -e '.[llamacpp]'
+	touch $@
+
+test-llamacpp: $(LLAMA_STAMP)
+	GTM_TEST_REQUIRE_LLAMACPP=1 $(BIN)/pytest -m llamacpp -q --durations=5
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow -q

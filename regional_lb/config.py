@@ -67,7 +67,9 @@ class InstanceConfig(_Strict):
     url: str = Field(pattern=r"^https?://")
     gpu: str = "A100"
     speed: float | None = Field(default=None, gt=0, description="prior; learned online")
-    models: list[str] = Field(default_factory=list, description="servable models (empty: any)")
+    models: list[str] = Field(
+        default_factory=list, description="servable models (empty: the ones the instance lists)"
+    )
     max_concurrency: int | None = Field(default=None, gt=0)
     memory_gb: float | None = Field(default=None, gt=0)
     metrics: bool = True  # scrape the server's metrics for real load
@@ -200,6 +202,9 @@ class HealthConfig(_Strict):
     # opt-in, and at most once per model_probe_interval_s per instance.
     probe_model: bool = False
     model_probe_interval_s: float = Field(default=30.0, gt=0)
+    # The model list (/v1/models) is not a readiness probe: it is fetched before an instance
+    # without configured models takes work, then on this slower schedule.
+    models_interval_s: float = Field(default=60.0, gt=0)
     # Rise/fall: consecutive probes that must agree before the state flips. One probe lost to
     # a busy host or a dropped packet does not take an instance out of service.
     unhealthy_after: int = Field(default=2, ge=1)

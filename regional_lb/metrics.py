@@ -126,6 +126,21 @@ class BalancerMetrics:
             ["instance", "kind"],
             registry=r,
         )
+        # Reasons are a bounded set: ok, timeout, timeout_busy, connect, transport,
+        # invalid_body and http_<status>.
+        self.health_changes = Counter(
+            "regional_lb_health_changes",
+            "Instance health changes by the state entered and the probe's reason",
+            ["instance", "healthy", "reason"],
+            registry=r,
+        )
+        self.probe_failures = Counter(
+            "regional_lb_probe_failures",
+            "Failed readiness probes (readiness), model listings (models) and metrics scrapes "
+            "(metrics), by reason",
+            ["instance", "probe", "reason"],
+            registry=r,
+        )
         self.report_push = Counter(
             "regional_lb_report_push", "Capacity report pushes", ["result"], registry=r
         )

@@ -101,7 +101,11 @@ class InstanceState:
     speed: SpeedLearner = field(default_factory=SpeedLearner)
     max_concurrency: int = 64
     memory_gb: float = 80.0
-    servable: frozenset[str] = frozenset()  # models it can load (empty: any)
+    servable: frozenset[str] = frozenset()  # models it can load (empty: any, when open)
+    # Whether an empty ``servable`` means any model (the simulators' instances). A real
+    # instance is closed: it serves what its configuration names or its own model list says,
+    # so a mistyped model never becomes one (regional_lb.upstream.pool).
+    open_models: bool = True
     loaded: dict[str, float] = field(default_factory=dict)  # model -> last use, for LRU
     healthy: bool = True
     probes_against: int = 0  # consecutive probes disagreeing with ``healthy`` (rise/fall)
@@ -274,7 +278,11 @@ class InstanceState:
         return now < self.ejected_until
 
     def can_serve(self, model: str) -> bool:
-        return model in self.loaded or not self.servable or model in self.servable
+        return (
+            model in self.loaded
+            or model in self.servable
+            or (self.open_models and not self.servable)
+        )
 
 
 def speed_anchor(fleet: Sequence[InstanceState]) -> float:

@@ -51,6 +51,7 @@ from regional_lb.upstream.forward import (
     completion_tokens,
     relay,
     relayed_headers,
+    upstream_error,
     upstream_headers,
 )
 from regional_lb.upstream.h1client import ConnectFailed, H1Client, HopError, HopResponse, HopTimeout
@@ -289,7 +290,10 @@ class Balancer:
             shape = parsed.shape
             if served != shape.model:
                 shape = replace(shape, model=served)
-            if not pool.known_model(served):
+            state = pool.model_state(served)
+            if state == "pending":
+                raise NoInstanceError(f"no instance has listed its models yet ({served!r})")
+            if state == "unknown":
                 raise RequestError(
                     404, f"The model `{served}` does not exist.", "model_not_found", "model"
                 )
@@ -377,6 +381,9 @@ class Balancer:
                         caller.key_used,
                         tracing.traceparent(hop),
                     )
+                # A model listing that could disturb work there finishes first (a dict
+                # lookup when none runs: regional_lb.upstream.profiles).
+                await self.pool.listing_done(lease.instance.id)
                 sent = time.perf_counter()
                 try:
                     resp = await self.upstream.post(
@@ -463,22 +470,28 @@ class Balancer:
             resp.close()
         answered = time.perf_counter()
         status = resp.status
-        if status >= 500:
-            lease.end("upstream_error")
-            self._failure(lease.instance, f"http_{status}")
+        named = (b"x-regional-instance", lease.instance.id.encode())
+        if status >= 400:
+            # The instance's status and words, in the OpenAI shape; only a server error is
+            # the instance's failure (a 4xx is about the request, or our credential).
+            if status >= 500:
+                lease.end("upstream_error")
+                self._failure(lease.instance, f"http_{status}")
+            else:
+                lease.end("client_error")
             watch.done = True
-            await respond_error(
-                send, 502, f"instance answered {status}", "server_error", "upstream_error"
+            await respond(
+                send, status, upstream_error(status, body), extra=[*relayed_headers(resp), named]
             )
             return
-        lease.end("client_error" if status >= 400 else "ok", completion_tokens(body))
+        lease.end("ok", completion_tokens(body))
         watch.done = True
         await respond(
             send,
             status,
             body,
             resp.header(b"content-type") or b"application/json",
-            [*relayed_headers(resp), (b"x-regional-instance", lease.instance.id.encode())],
+            [*relayed_headers(resp), named],
         )
         self.metrics.overhead_seconds.observe(before_hop + time.perf_counter() - answered)
 

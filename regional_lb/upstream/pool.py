@@ -8,6 +8,7 @@ cancellation. Ending twice is harmless, so every exit path may call it.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import random
@@ -68,6 +69,8 @@ def instance_from_config(ic: InstanceConfig, joined_at: float) -> InstanceState:
         memory_gb=ic.memory_gb or (gpu.memory_gb if gpu else 80.0),
         servable=frozenset(ic.models),
         loaded=dict.fromkeys(ic.models, 0.0),
+        # Without configured models it serves what its own list says, once it has said.
+        open_models=False,
         joined_at=joined_at,
         scrape=ic.metrics,
     )
@@ -146,6 +149,11 @@ class Pool:
     # and the model cards its /v1/models listed (served back with their own fields).
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     model_cards: dict[str, dict[str, dict[str, object]]] = field(default_factory=dict)
+    # Instance id -> when its model list was last read (pool clock).
+    listed: dict[str, float] = field(default_factory=dict)
+    # Instance id -> set when a model listing that may disturb work there ends; requests
+    # routed there meanwhile wait for it (regional_lb.upstream.profiles).
+    _listing: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -200,6 +208,8 @@ class Pool:
         self.instances.remove(inst)
         self.upstreams.pop(instance_id, None)
         self.model_cards.pop(instance_id, None)
+        self.listed.pop(instance_id, None)
+        self.end_listing(instance_id)
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -247,10 +257,45 @@ class Pool:
                 return v.name
         return spec.versions[-1].name
 
+    def model_state(self, name: str) -> Literal["known", "pending", "unknown"]:
+        """``known``: configured, or some instance serves it; ``pending``: not yet, but an
+        instance has not listed its models yet (it may); else ``unknown``."""
+        if name in self.config.models or any(i.can_serve(name) for i in self.instances):
+            return "known"
+        # Out of service or not, an instance that has not listed may serve it: a 503 (come
+        # back), not a 404 that would tell the client the model does not exist.
+        if any(not i.servable and i.id not in self.listed for i in self.instances):
+            return "pending"
+        return "unknown"
+
     def known_model(self, name: str) -> bool:
-        if name in self.config.models:
-            return True
-        return any(name in i.loaded or not i.servable or name in i.servable for i in self.instances)
+        return self.model_state(name) == "known"
+
+    # -- model listings that may disturb work --------------------------------------------------
+
+    def begin_listing(self, instance_id: str) -> bool:
+        """Whether the instance's model list may be read now: always where listing is
+        harmless; where it may disturb work, only while none of our requests runs there, and
+        then requests routed there wait until :meth:`end_listing`."""
+        up = self.upstreams.get(instance_id)
+        if up is None or not up.listing_disturbs:
+            return up is not None
+        if self.by_id(instance_id).in_flight or instance_id in self._listing:
+            return False
+        self._listing[instance_id] = asyncio.Event()
+        return True
+
+    def end_listing(self, instance_id: str) -> None:
+        gate = self._listing.pop(instance_id, None)
+        if gate is not None:
+            gate.set()
+
+    async def listing_done(self, instance_id: str) -> None:
+        """Wait (a listing lasts milliseconds, bounded by the probe timeout) until no model
+        listing runs on the instance."""
+        gate = self._listing.get(instance_id)
+        if gate is not None:
+            await gate.wait()
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -290,7 +335,10 @@ class Pool:
     def route(self, shape: RequestShape, cost: float, affinity: int | None = None) -> Lease:
         """Pick an instance and lease it. ``affinity``: a session's or prompt prefix's key
         (:mod:`regional_lb.balancing.affinity`), honoured under the load bound."""
-        if not self.known_model(shape.model):
+        state = self.model_state(shape.model)
+        if state == "pending":
+            raise NoInstanceError(f"no instance has listed its models yet ({shape.model!r})")
+        if state == "unknown":
             raise RequestError(
                 404,
                 f"The model `{shape.model}` does not exist.",

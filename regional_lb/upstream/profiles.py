@@ -7,10 +7,24 @@ credential the balancer presents to it.
 | sglang | ``GET /health`` (``/health_generate`` would run the model) | ``/metrics`` |
 | tgi | ``GET /health`` | ``/metrics`` |
 | triton | ``GET /v2/health/ready`` | ``/metrics`` on its own port, 8002 by default |
-| openai | ``GET /v1/models`` (a generic OpenAI-compatible server) | none |
+| openai | ``GET /health`` where the server has it, else liveness (see below) | none |
 
 An instance's ``health_url`` / ``metrics_url`` override these (Triton's OpenAI frontend runs on
 another port than its KServe endpoints, so a Triton instance often names both).
+
+Readiness is never the model list. llama-cpp-python's server ends every running stream when
+``/v1/models`` is called (its ``interrupt_requests``, on by default) and otherwise queues the
+call behind the running generation; a probe there cut one stream in six. A generic
+``openai`` server is probed at ``/health`` (llama.cpp's ``llama-server``: 503 while it loads
+the model, 200 when ready); a 404 there means the server has no readiness route (Ollama,
+LM Studio, llama-cpp-python), and the answer itself shows the process is serving HTTP, which
+is all such a server can say without touching the model. A configured ``health_url`` must
+answer 2xx: a 404 there is a mistake in the configuration, not a server without the route.
+
+The model list is fetched on its own, slower schedule (``health.models_interval_s``) and before
+an instance without configured models takes work. On a kind whose listing can disturb work
+(``openai``: the server is unknown), it is fetched only while none of this balancer's requests
+runs there, and requests routed meanwhile wait for it (:class:`regional_lb.upstream.pool.Pool`).
 """
 
 from __future__ import annotations
@@ -26,6 +40,11 @@ class ServerProfile:
     readiness_path: str
     metrics_path: str | None = "/metrics"
     metrics_port: int | None = None  # None: the instance's own port
+    # A 404 at the default readiness path: the server has no such route, and answering shows
+    # it is alive (a generic OpenAI-compatible server).
+    readiness_optional: bool = False
+    # Listing the models may interrupt or queue behind running work (llama-cpp-python).
+    listing_disturbs: bool = False
 
 
 PROFILES: dict[str, ServerProfile] = {
@@ -33,7 +52,9 @@ PROFILES: dict[str, ServerProfile] = {
     "sglang": ServerProfile("/health"),
     "tgi": ServerProfile("/health"),
     "triton": ServerProfile("/v2/health/ready", metrics_port=8002),
-    "openai": ServerProfile("/v1/models", metrics_path=None),
+    "openai": ServerProfile(
+        "/health", metrics_path=None, readiness_optional=True, listing_disturbs=True
+    ),
 }
 
 
@@ -46,6 +67,11 @@ class Upstream:
     models_url: str
     metrics_url: str | None
     task: str  # generate | embed
+    # A 404 at health_url means "no readiness route" (the kind's default path only).
+    readiness_optional: bool = False
+    listing_disturbs: bool = False
+    # The models the configuration names (empty: the instance's own list decides).
+    models: frozenset[str] = frozenset()
     # The header the balancer authenticates with, already formatted; empty when none.
     auth: tuple[tuple[str, str], ...] = ()
     replace_client_auth: bool = True
@@ -93,6 +119,9 @@ def upstream_for(ic: InstanceConfig, config: BalancerConfig) -> Upstream:
         models_url=base + "/v1/models",
         metrics_url=metrics if ic.metrics else None,
         task=ic.task,
+        readiness_optional=prof.readiness_optional and ic.health_url is None,
+        listing_disturbs=prof.listing_disturbs,
+        models=frozenset(ic.models),
         auth=auth_headers(spec),
         replace_client_auth=spec is None or spec.client_authorization == "replace",
     )

@@ -127,8 +127,11 @@ async def test_outlier_ejection_after_consecutive_5xx() -> None:
         async with balancer(cfg) as (url, pool), httpx.AsyncClient(base_url=url) as c:
             bad.fail_next = 100
             await c.post("/admin/drain/i1")  # force traffic to i0 until it is ejected
-            codes = [(await c.post(CHAT, json=chat(max_tokens=2))).status_code for _ in range(3)]
-            assert codes == [502, 502, 502]
+            answers = [await c.post(CHAT, json=chat(max_tokens=2)) for _ in range(3)]
+            # The instance's own status and words reach the client, the instance named aside.
+            assert [r.status_code for r in answers] == [500, 500, 500]
+            assert answers[0].json()["error"]["message"] == "simulated failure"
+            assert answers[0].headers["x-regional-instance"] == "i0"
             assert pool.by_id("i0").ejected(pool.clock())
             await c.delete("/admin/drain/i1")
             r = await c.post(CHAT, json=chat(max_tokens=2))

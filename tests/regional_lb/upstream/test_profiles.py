@@ -129,7 +129,9 @@ def test_profiles_default_paths_and_triton_metrics_port() -> None:
     assert t.health_url == "http://10.0.0.2:8000/v2/health/ready"
     assert t.metrics_url == "http://10.0.0.2:8002/metrics"
     assert g.health_url == "http://10.0.0.3:8080/health"
-    assert o.health_url == "http://10.0.0.4:9000/v1/models" and o.metrics_url is None
+    # Readiness is never the model list (llama-cpp-python ends running streams on it).
+    assert o.health_url == "http://10.0.0.4:9000/health" and o.metrics_url is None
+    assert o.readiness_optional and o.listing_disturbs
     triton = (
         'nv_inference_pending_request_count{model="m",version="1"} 7\n'
         'nv_trt_llm_request_metrics{request_type="active"} 3\n'
