@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from gtm.admin.console.api import Reply
 from gtm.admin.console.web import Posted, SignedIn, View
 
 router = APIRouter(prefix="/console")
@@ -63,8 +64,14 @@ def diff_lines(diff: str) -> list[tuple[str, str]]:
     return out
 
 
-@router.get("/policies")
-async def policies(view: SignedIn) -> Response:
+async def _policies_page(
+    view: View,
+    draft: Mapping[str, Any] | None = None,
+    refusal: Reply | None = None,
+    reason: str = "",
+) -> Response:
+    """The policies page; with ``draft``, its form holds what was typed (a refused draft loses
+    nothing) and the refusal is shown above it."""
     active = await view.api.get("/v1/versions/active")
     proposals = await view.api.get("/v1/proposals")
     if not proposals.ok:
@@ -73,21 +80,40 @@ async def policies(view: SignedIn) -> Response:
     if view.may("create_proposal"):
         reply = await view.api.get("/v1/documents/current")
         current = reply.body if reply.ok else None
+        if draft is not None and current is not None:
+            current = dict(current) | dict(draft)
     return view.render(
         "policies.html",
+        status=refusal.status if refusal is not None else 200,
         active=active.body if active.ok else None,
         proposals=sorted(proposals.body, key=lambda p: -p["id"]),
         current=current,
+        refusal=refusal,
+        reason=reason,
     )
+
+
+@router.get("/policies")
+async def policies(view: SignedIn) -> Response:
+    return await _policies_page(view)
+
+
+@router.get("/policies/new")
+async def new_form(view: SignedIn) -> Response:
+    """The form has no page of its own: the policies page holds it (a bookmark, a reload after
+    a refused draft, or a link typed by hand land there)."""
+    return view.redirect("/console/policies#new")
 
 
 @router.post("/policies/new")
 async def create(posted: Posted) -> Response:
     view, form = posted
-    body = documents_of(form) | {"reason": form.get("reason", "")}
-    reply = await view.api.post("/v1/proposals", body)
+    draft = documents_of(form)
+    reply = await view.api.post("/v1/proposals", draft | {"reason": form.get("reason", "")})
     if not reply.ok:
-        return view.refused(reply)
+        if reply.status in (401, 403):
+            return view.refused(reply)
+        return await _policies_page(view, draft, reply, form.get("reason", ""))
     return view.redirect(f"/console/policies/{reply.body['id']}")
 
 

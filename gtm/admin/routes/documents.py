@@ -315,8 +315,9 @@ async def submit_proposal(
 ) -> ProposalOut:
     async def step(conn: AsyncConnection) -> Proposal:
         return await lifecycle.submit(
-            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control
-        )
+            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control,
+            files=ctx.files,
+        )  # fmt: skip
 
     return _out(await _keeping_refusal(ctx, step, Refused))
 
