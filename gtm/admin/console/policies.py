@@ -117,8 +117,26 @@ async def create(posted: Posted) -> Response:
     return view.redirect(f"/console/policies/{reply.body['id']}")
 
 
+# The traffic an activation's leak check replays: the impact page's default day.
+LEAK_WINDOW_S = 86400.0
+
+
+def leak_key(leaks: list[Mapping[str, Any]]) -> str:
+    """What an acknowledgement names: each (class, from, to) that would leave, not the counts,
+    which grow while the page is open; a new kind of leak asks again."""
+    return "; ".join(
+        sorted(
+            f"{x['residency_class']} {x['from_jurisdiction']}→{x['to_jurisdiction']}" for x in leaks
+        )
+    )
+
+
 async def _proposal_page(
-    view: View, proposal_id: int, impact: Any = None, status: int = 200
+    view: View,
+    proposal_id: int,
+    impact: Any = None,
+    status: int = 200,
+    confirm: Mapping[str, Any] | None = None,
 ) -> Response:
     proposal = await view.api.get(f"/v1/proposals/{proposal_id}")
     if not proposal.ok:
@@ -152,6 +170,7 @@ async def _proposal_page(
         approved_by_me=approved_by_me,
         impact=impact,
         charts=charts,
+        confirm=confirm,
     )
 
 
@@ -176,7 +195,18 @@ async def act(proposal_id: int, action: str, posted: Posted) -> Response:
             at = parse_at(form.get("at", ""))
         except ValueError:
             return view.render("error.html", status=422, message="not a date and time")
-        reply = await view.api.post(f"{path}/activate", {"at": at})
+        # Answers that would leave their jurisdiction are named, and acknowledged, first.
+        check = await view.api.post(f"{path}/impact", {"since_s": LEAK_WINDOW_S})
+        if not check.ok:
+            return view.refused(check)
+        leaks = check.body.get("leaks") or []
+        acknowledged = form.get("acknowledge") == leak_key(leaks) and form.get("understood") == "on"
+        if leaks and not acknowledged:
+            confirm = {"leaks": leaks, "key": leak_key(leaks), "at": form.get("at", "")}
+            confirm["total"] = sum(int(x["answers"]) for x in leaks)
+            return await _proposal_page(view, proposal_id, confirm=confirm, status=409)
+        ack = leak_key(leaks) if leaks else ""
+        reply = await view.api.post(f"{path}/activate", {"at": at, "acknowledge": ack})
     elif action == "impact":
         try:
             hours = float(form.get("since_h", "24"))

@@ -10,6 +10,8 @@ import re
 import time
 from ipaddress import ip_address
 
+import httpx
+
 from gtm.admin.permissions import Role
 from gtm.audit.record import record_of
 from gtm.decision.routing import Channel, DecisionRequest, decide
@@ -188,7 +190,7 @@ async def test_impact_rollout_and_evidence_read_as_words(start_admin: AdminFacto
             version_id = re.search(r'name="version" value="([0-9a-f]+)"', version)
             assert version_id
             await post_form(client, page_url, page_url + "/approve", {"version": version_id[1]})
-            await post_form(client, page_url, page_url + "/activate", {"at": ""})
+            await activate_acknowledging_the_leak(client, page_url)
             active = await client.get(page_url)
             rollout = active.text.split('id="rollout"', 1)[1].split("</p>", 1)[0]
             assert re.search(r"\d+ of \d+ nodes? acknowledged", rollout), rollout
@@ -196,6 +198,31 @@ async def test_impact_rollout_and_evidence_read_as_words(start_admin: AdminFacto
             evidence = await client.get("/console/events")
         assert "built-in method" not in evidence.text
         assert re.search(r"checkpoints, \d+ keys", evidence.text)
+
+
+async def activate_acknowledging_the_leak(client: httpx.AsyncClient, page_url: str) -> None:
+    """Activate in the console: asked first, with the leak named; then acknowledged."""
+    asked = await post_form(client, page_url, page_url + "/activate", {"at": ""})
+    assert asked.status_code == 409  # nothing activated yet
+    confirm = asked.text.split('id="confirm-leak"', 1)[1].split("</section>", 1)[0]
+    assert "would leave <strong>EU</strong> for <strong>US</strong>" in confirm
+    assert "class <code>eu-personal</code>" in confirm
+    key = re.search(r'name="acknowledge" value="([^"]+)"', confirm)
+    assert key and key[1] == "eu-personal EU→US"
+    # The acknowledgement without its box ticked is no acknowledgement.
+    unticked = await client.post(
+        page_url + "/activate", data={"csrf": csrf_of(asked.text), "acknowledge": key[1]}
+    )
+    assert unticked.status_code == 409
+    assert "active" not in (await client.get(page_url)).text.split('id="proposal-state">', 1)[1][:8]
+    done = await client.post(
+        page_url + "/activate",
+        data={"csrf": csrf_of(asked.text), "acknowledge": key[1], "understood": "on", "at": ""},
+    )
+    assert done.status_code == 303, done.text
+    # The acknowledgement is evidence: in the event log, with who gave it.
+    timeline = (await client.get("/console/events")).text
+    assert "answers leaving their jurisdiction acknowledged: eu-personal EU→US" in timeline
 
 
 async def test_favicon_is_served_and_a_refused_page_view_is_titled_as_a_view(
