@@ -26,12 +26,15 @@ from gtm.control.log import ControlLog
 from gtm.demo.local_fleet import MODEL, Fleet
 from gtm.fleet import operator
 
-# Who the demo signs in as: one person per job, so four-eyes can be seen working.
+# Who the demo signs in as. The author holds the approver role too, so the refusal to approve
+# their own proposal is four-eyes at work, not a missing role; a separate approver approves,
+# and an admin opens Access.
 PEOPLE: dict[str, tuple[Role, ...]] = {
     "demo-operator": (Role.OPERATOR, Role.VIEWER),
-    "demo-author": (Role.POLICY_AUTHOR, Role.VIEWER),
+    "demo-author": (Role.POLICY_AUTHOR, Role.POLICY_APPROVER, Role.VIEWER),
     "demo-approver": (Role.POLICY_APPROVER, Role.VIEWER),
     "demo-auditor": (Role.AUDITOR, Role.VIEWER),
+    "demo-admin": (Role.ADMIN, Role.VIEWER),
 }
 
 # Client networks as the bundled 2018 GeoLite2 places them, and how often each asks.
@@ -85,7 +88,9 @@ async def issue_tokens(
                 conn, person, created_by="demo", now=now, expires_at=now + 86400,
                 node="demo", control=control,
             )  # fmt: skip
-            out[name] = (roles, token.text)
+            # The roles it holds (a store from an earlier demo keeps that run's people).
+            held = tuple(r for r in Role if r in person.roles)
+            out[name] = (held, token.text)
     return out
 
 
@@ -229,9 +234,27 @@ async def propose(admin_url: str, author_token: str) -> int | None:
         return proposal_id
 
 
+async def approve_own(admin_url: str, author_token: str, proposal_id: int) -> str:
+    """The author, who holds the approver role too, approves their own proposal: what the API
+    answers (four-eyes refuses it, whatever the roles)."""
+    headers = {"authorization": f"Bearer {author_token}"}
+    async with httpx.AsyncClient(base_url=admin_url, headers=headers, timeout=30) as api:
+        proposal = await api.get(f"/v1/proposals/{proposal_id}")
+        if proposal.status_code != 200:
+            return f"HTTP {proposal.status_code}"
+        reply = await api.post(
+            f"/v1/proposals/{proposal_id}/approve", json={"version": proposal.json()["version"]}
+        )
+    if reply.status_code == 200:
+        return "approved (four-eyes did not hold!)"
+    message = reply.json().get("message", "") if reply.content else ""
+    return f"refused, HTTP {reply.status_code}: {message}"
+
+
 __all__ = [
     "CLIENTS",
     "PEOPLE",
+    "approve_own",
     "client_traffic",
     "fill",
     "issue_tokens",
