@@ -19,6 +19,7 @@ from sqlalchemy import select
 from gtm.admin import versions
 from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
+from gtm.admin.permissions import READS
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
@@ -287,6 +288,7 @@ async def compliance(
         sink=_sink(ctx),
         own_documents=[] if ctx.files is None else [ctx.files],
         control=await _verified_control(ctx),
+        reads=READS,
     )
     if format == "html":
         return HTMLResponse(render(report))

@@ -241,3 +241,15 @@ async def test_favicon_is_served_and_a_refused_page_view_is_titled_as_a_view(
         assert "Refused: nothing was changed" not in access.text
         assert "Not shown: your roles do not include this page" in access.text
         assert csrf_of(access.text)  # still a signed-in page, with its sign-out form
+
+
+async def test_the_compliance_report_opens_inside_the_console(start_admin: AdminFactory) -> None:
+    async with start_admin() as admin:
+        auditor = await admin.token("audrey", Role.AUDITOR)
+        async with sign_in(admin.url, auditor) as client:
+            report = await client.get("/console/reports/compliance")
+        assert report.status_code == 200
+        nav = report.text.split('<header class="console-nav">', 1)[1].split("</header>", 1)[0]
+        assert 'href="/console/events"' in nav and 'href="/console/decisions"' in nav
+        assert "audrey" in nav
+        assert "Residency class by serving jurisdiction" in report.text
