@@ -314,7 +314,7 @@ async def show_console(
         f"http://127.0.0.1:{http_port}/metrics)"
     )
     for name, (roles, token) in tokens.items():
-        print(f"  {name:<14} {', '.join(roles):<32} {token}")
+        print(f"  {name:<14} {', '.join(roles):<38} {token}")
     print(f"  (the same tokens are in {var / 'demo-tokens'}, mode 0600; valid for 24 h)")
     admin_url = f"http://127.0.0.1:{admin_port}"
     proposal = await scenario.propose(admin_url, tokens["demo-author"][1])
