@@ -58,12 +58,19 @@ LABELS = {
     "newly_answered": "newly answered",
     "left_jurisdiction": "would leave their jurisdiction",
     "(none)": "no residency class",
+    # Decision outcomes (gtm.decision.model.Outcome) and the DNS path's own.
+    "answer": "answered",
+    "fail_static": "failed static (every allowed region)",
+    "fail_closed": "failed closed (refused)",
+    "denied": "denied (class allowed nowhere)",
+    "no_service": "no such service",
+    "zone": "answered from the zone's own data",
 }
 
 
 def _label(key: object) -> str:
     text = str(key)
-    return LABELS.get(text, text.replace("_", " "))
+    return LABELS.get(text, text.replace("_", " ").replace("-", " "))
 
 
 def _move(key: object) -> str:

@@ -64,6 +64,9 @@ async def test_decisions_newest_first_found_with_or_without_the_trailing_dot(
         async with sign_in(admin.url, token) as client:
             page = (await client.get("/console/decisions", params={"name": EU_NAME})).text
         assert "newest first" in page
+        # Outcomes in words, their values kept for the search.
+        assert '<option value="fail_closed" >failed closed (refused)</option>' in page
+        assert "<td>answered</td>" in page and "<td>answer</td>" not in page
         newer, older_at = page.find("203.0.113.0/24"), page.find("198.51.100.0/24")
         assert 0 <= newer < older_at, "the newer row is not listed first"
 
