@@ -10,7 +10,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import dns.asyncquery
@@ -144,6 +144,53 @@ async def fill(base_url: str, stop: asyncio.Event, workers: int = 48) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Inference traffic kept up through each region's balancer while the demo serves: streams in
+# flight per region, so the map's utilisation sits between idle and the watermark and differs
+# by region, instead of 0% everywhere but a filled region.
+STEADY: dict[str, int] = {
+    "us-east": 6,
+    "us-west": 3,
+    "eu-west": 5,
+    "eu-central": 4,
+    "ap-south": 2,
+    "ap-northeast": 3,
+}
+
+
+async def steady_load(balancers: Mapping[str, str], stop: asyncio.Event) -> None:
+    """Completions through every balancer until ``stop``, :data:`STEADY` streams per region
+    (a region the demo has killed just refuses them until it is back)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "summarise the news"}],
+        "max_tokens": 400,
+    }
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            try:
+                await client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                # The balancer is down (the scenario killed it): wait rather than spin.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    clients = [httpx.AsyncClient(base_url=url, timeout=60) for url in balancers.values()]
+    try:
+        tasks = [
+            asyncio.create_task(worker(client))
+            for region, client in zip(balancers, clients, strict=True)
+            for _ in range(STEADY.get(region, 4))
+        ]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
 Say = Callable[[str], None]
 
 
@@ -263,5 +310,6 @@ __all__ = [
     "restore",
     "scenario",
     "signing_keys",
+    "steady_load",
     "write_tokens",
 ]

@@ -272,14 +272,16 @@ async def serve_live(
         )
         if not once:
             print(
-                "\nServing until Ctrl-C. Client traffic flows on the map; every 20 s the "
-                "scenario moves on\n(ap-south fails and returns, us-east fills and spills)."
+                "\nServing until Ctrl-C. Client traffic flows on the map and completions stream "
+                "through every balancer;\nevery 20 s the scenario moves on (ap-south fails and "
+                "returns, us-east fills and spills)."
             )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             watched = [
                 asyncio.create_task(scenario.client_traffic(dns_port, stop)),
+                asyncio.create_task(scenario.steady_load(fleet.balancers, stop)),
                 asyncio.create_task(
                     scenario.scenario(
                         fleet,
