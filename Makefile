@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all test-llamacpp check check-terraform bench clean
+.PHONY: demo test test-slow test-all test-llamacpp check check-terraform bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,8 +59,17 @@ check-terraform: $(CHECKOV_VENV)/.installed
 	terraform fmt -check -recursive terraform
 	$(CHECKOV_VENV)/bin/checkov --directory terraform --framework terraform --compact --quiet --skip-download
 
+## docs: the documentation site (mkdocs.yml, docs/) built into site/; --strict fails on a broken
+## link or a page left out of the nav. Its own extra, installed on first use.
+$(VENV)/.docs-installed: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/python bench/decide.py
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) site .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,10 @@
 """Take the README's console screenshots from a running ``make demo`` (run by hand).
 
 Usage: ``python tools/console_screenshots.py http://127.0.0.1:8081 var/demo-tokens docs/img``
-(the console URL and tokens file the demo printed). Signs in as demo-operator for the fleet map
-and as demo-approver for the waiting proposal with its impact; needs Debian's chromium.
+(the console URL and tokens file the demo printed). Signs in as demo-operator for the fleet map,
+as demo-approver for the waiting proposal with its impact and the acknowledgement its activation
+asks for (it approves the proposal: take them from a demo you can throw away), and as
+demo-auditor for the compliance report's class x jurisdiction table; needs Debian's chromium.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ async def main(url: str, tokens: dict[str, str], out: Path) -> None:
         await page.get_by_role("button", name="Show impact").click()
         await page.wait_for_selector("#impact")
         await page.screenshot(path=str(out / "console-approval.png"), full_page=True)
+        # Approve it, then activate: the console names the leak and asks for an acknowledgement.
+        await page.get_by_role("button", name="Approve version").click()
+        await page.get_by_role("button", name="Activate", exact=True).click()
+        confirm = page.locator("#confirm-leak")
+        await confirm.wait_for()
+        await confirm.screenshot(path=str(out / "console-leak-acknowledgement.png"))
+
+        page = await (await browser.new_context(viewport=viewport)).new_page()  # type: ignore[arg-type]
+        await sign_in(page, url, tokens["demo-auditor"])
+        await page.goto(f"{url}/console/reports/compliance")
+        table = page.locator("#class-jurisdiction")
+        await table.wait_for()
+        await table.screenshot(path=str(out / "console-compliance-table.png"))
         await browser.close()
 
 

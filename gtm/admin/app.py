@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -128,7 +128,9 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return _error(exc.status, exc.code, exc.message, problems)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        if console.is_console(request):  # a person's browser: a page, not the API's JSON
+            return console.invalid_page(exc.errors())
         problems = [
             {
                 "source": "request",

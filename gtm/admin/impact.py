@@ -53,6 +53,9 @@ class Impact:
     by_service: dict[str, Counter[str]] = field(default_factory=dict)
     by_class: dict[str, Counter[str]] = field(default_factory=dict)
     by_move: Counter[str] = field(default_factory=Counter)  # "eu-west -> us-east": answers
+    # (residency class, jurisdiction(s) it was answered in, jurisdiction(s) it would be): the
+    # answers that would leave, named as an approver must acknowledge them.
+    leaks: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     examples: list[Change] = field(default_factory=list)
 
 
@@ -113,6 +116,9 @@ def analyse(
         impact.newly_answered += n if refused_before and not refused_after else 0
         impact.left_jurisdiction += n if left else 0
         impact.by_move[f"{old} -> {new}"] += n
+        if left:
+            for cls in inp.residency_classes or ("(none)",):
+                impact.leaks[(cls, "/".join(sorted(was_home)), "/".join(sorted(will_home)))] += n
         kinds = Counter(
             {
                 "moved": n if moved else 0,

@@ -46,7 +46,7 @@ from gtm.control.state import (
     Refusal,
 )
 from gtm.fleet import shared_state
-from gtm.fleet.signed_documents import Manifest, Untrusted, verify
+from gtm.fleet.signed_documents import Manifest, Untrusted, content_digest, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +310,20 @@ async def submit(
     now: float,
     node: str,
     control: ControlLog,
+    files: tuple[str, Mapping[str, str]] | None = None,
 ) -> Proposal:
+    """Draft to proposed; refused when the draft is what is in force (the active version, or
+    with none the nodes' own ``files``): there would be nothing to approve."""
+    state = await control.state(conn)
+    proposal = _rec(state, proposal_id)
+    in_force = state.in_force.version if state.in_force is not None else None
+    in_force = in_force or (content_digest(*files) if files is not None else None)
+    mine = proposal.author_id == principal.id and proposal.state == DRAFT
+    if mine and in_force is not None and proposal.version == in_force:
+        raise Conflict(
+            f"proposal #{proposal_id} changes nothing: its documents are the ones in force "
+            f"(version {in_force[:12]}); edit the draft before submitting it"
+        )
     return await _author_step(
         conn, proposal_id, principal, "submit", (DRAFT,), PROPOSED,
         now=now, node=node, control=control,

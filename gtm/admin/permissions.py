@@ -79,8 +79,19 @@ OPERATIONS: dict[str, frozenset[Role]] = {
 }
 
 
+# The operations that change nothing: every GET, and the two POSTs that only compute (an impact
+# replay, a decision replay). A refusal of one is a page view refused, not an attempted change,
+# and the compliance report does not list it among the operators' actions. Checked against the
+# routes' methods in tests/gtm/admin/test_permissions.py.
+READS: frozenset[str] = frozenset(
+    {"get_proposal_impact", "replay_decision"}
+    | {op for op in OPERATIONS if op.startswith(("get_", "list_", "search_", "export_"))}
+    | {"whoami", "compliance_report"}
+)
+
+
 def allowed(operation: str, roles: frozenset[Role]) -> bool:
     return bool(OPERATIONS[operation] & roles)
 
 
-__all__ = ["OPERATIONS", "Role", "allowed"]
+__all__ = ["OPERATIONS", "READS", "Role", "allowed"]

@@ -216,6 +216,17 @@ def enclosing_networks(text: str) -> list[str]:
     return [str(network.supernet(new_prefix=p)) for p in range(network.prefixlen, -1, -1)]
 
 
+def name_forms(text: str) -> list[str]:
+    """The spellings a row may hold ``text`` under: DNS rows keep the query's absolute name
+    (``chat.eu.gtm.example.``), HTTP rows the host (``chat.eu.gtm.example``); a search for
+    either finds both, in the case typed and in lower case (DNS names are case-blind and
+    rows are written as the resolver sent them, almost always lower)."""
+    bare = text.strip().rstrip(".")
+    if not bare:
+        return [text]
+    return sorted({bare, bare + ".", bare.lower(), bare.lower() + "."})
+
+
 def _where(query: Any, f: Filters) -> Any:
     c = decisions.c
     if f.since_us is not None:
@@ -224,9 +235,10 @@ def _where(query: Any, f: Filters) -> Any:
         query = query.where(c.first_at_us < f.until_us)
     if f.client_network is not None:
         query = query.where(c.client_network.in_(enclosing_networks(f.client_network)))
+    if f.name is not None:
+        query = query.where(c.name.in_(name_forms(f.name)))
     for column, value in (
         (c.service, f.service),
-        (c.name, f.name),
         (c.region, f.region),
         (c.outcome, f.outcome),
         (c.node, f.node),
@@ -242,11 +254,23 @@ def _where(query: Any, f: Filters) -> Any:
 
 
 async def search(
-    engine: AsyncEngine, filters: Filters, after_id: int = 0, limit: int = 100
+    engine: AsyncEngine,
+    filters: Filters,
+    after_id: int = 0,
+    limit: int = 100,
+    *,
+    newest_first: bool = False,
 ) -> tuple[list[dict[str, Any]], int | None]:
-    """One page of matching rows in id order, and the cursor of the next page (None: last)."""
-    query = _where(select(decisions), filters).where(decisions.c.id > after_id)
-    query = query.order_by(decisions.c.id).limit(limit + 1)
+    """One page of matching rows in id order (oldest first, or newest first), and the cursor
+    of the next page (None: last): the rows after ``after_id`` in that order (0: the start)."""
+    query = _where(select(decisions), filters)
+    if newest_first:
+        if after_id:
+            query = query.where(decisions.c.id < after_id)
+        query = query.order_by(decisions.c.id.desc())
+    else:
+        query = query.where(decisions.c.id > after_id).order_by(decisions.c.id)
+    query = query.limit(limit + 1)
     async with engine.connect() as conn:
         rows = [_as_dict(r) for r in await conn.execute(query)]
     more = len(rows) > limit

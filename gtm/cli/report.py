@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import typer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gtm.admin.permissions import READS
 from gtm.audit.database import make_async_engine
 from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_with_sink
 from gtm.control.log import ControlLog, LogRefused
@@ -87,6 +88,7 @@ def compliance(
                 sink=sink,
                 own_documents=[own],
                 control=await _verified_control(engine, settings),
+                reads=READS,
             )
         finally:
             await engine.dispose()

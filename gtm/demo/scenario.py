@@ -10,7 +10,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import dns.asyncquery
@@ -26,12 +26,15 @@ from gtm.control.log import ControlLog
 from gtm.demo.local_fleet import MODEL, Fleet
 from gtm.fleet import operator
 
-# Who the demo signs in as: one person per job, so four-eyes can be seen working.
+# Who the demo signs in as. The author holds the approver role too, so the refusal to approve
+# their own proposal is four-eyes at work, not a missing role; a separate approver approves,
+# and an admin opens Access.
 PEOPLE: dict[str, tuple[Role, ...]] = {
     "demo-operator": (Role.OPERATOR, Role.VIEWER),
-    "demo-author": (Role.POLICY_AUTHOR, Role.VIEWER),
+    "demo-author": (Role.POLICY_AUTHOR, Role.POLICY_APPROVER, Role.VIEWER),
     "demo-approver": (Role.POLICY_APPROVER, Role.VIEWER),
     "demo-auditor": (Role.AUDITOR, Role.VIEWER),
+    "demo-admin": (Role.ADMIN, Role.VIEWER),
 }
 
 # Client networks as the bundled 2018 GeoLite2 places them, and how often each asks.
@@ -85,7 +88,9 @@ async def issue_tokens(
                 conn, person, created_by="demo", now=now, expires_at=now + 86400,
                 node="demo", control=control,
             )  # fmt: skip
-            out[name] = (roles, token.text)
+            # The roles it holds (a store from an earlier demo keeps that run's people).
+            held = tuple(r for r in Role if r in person.roles)
+            out[name] = (held, token.text)
     return out
 
 
@@ -137,6 +142,53 @@ async def fill(base_url: str, stop: asyncio.Event, workers: int = 48) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# Inference traffic kept up through each region's balancer while the demo serves: streams in
+# flight per region, so the map's utilisation sits between idle and the watermark and differs
+# by region, instead of 0% everywhere but a filled region.
+STEADY: dict[str, int] = {
+    "us-east": 6,
+    "us-west": 3,
+    "eu-west": 5,
+    "eu-central": 4,
+    "ap-south": 2,
+    "ap-northeast": 3,
+}
+
+
+async def steady_load(balancers: Mapping[str, str], stop: asyncio.Event) -> None:
+    """Completions through every balancer until ``stop``, :data:`STEADY` streams per region
+    (a region the demo has killed just refuses them until it is back)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "summarise the news"}],
+        "max_tokens": 400,
+    }
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            try:
+                await client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                # The balancer is down (the scenario killed it): wait rather than spin.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    clients = [httpx.AsyncClient(base_url=url, timeout=60) for url in balancers.values()]
+    try:
+        tasks = [
+            asyncio.create_task(worker(client))
+            for region, client in zip(balancers, clients, strict=True)
+            for _ in range(STEADY.get(region, 4))
+        ]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 Say = Callable[[str], None]
@@ -229,9 +281,27 @@ async def propose(admin_url: str, author_token: str) -> int | None:
         return proposal_id
 
 
+async def approve_own(admin_url: str, author_token: str, proposal_id: int) -> str:
+    """The author, who holds the approver role too, approves their own proposal: what the API
+    answers (four-eyes refuses it, whatever the roles)."""
+    headers = {"authorization": f"Bearer {author_token}"}
+    async with httpx.AsyncClient(base_url=admin_url, headers=headers, timeout=30) as api:
+        proposal = await api.get(f"/v1/proposals/{proposal_id}")
+        if proposal.status_code != 200:
+            return f"HTTP {proposal.status_code}"
+        reply = await api.post(
+            f"/v1/proposals/{proposal_id}/approve", json={"version": proposal.json()["version"]}
+        )
+    if reply.status_code == 200:
+        return "approved (four-eyes did not hold!)"
+    message = reply.json().get("message", "") if reply.content else ""
+    return f"refused, HTTP {reply.status_code}: {message}"
+
+
 __all__ = [
     "CLIENTS",
     "PEOPLE",
+    "approve_own",
     "client_traffic",
     "fill",
     "issue_tokens",
@@ -240,5 +310,6 @@ __all__ = [
     "restore",
     "scenario",
     "signing_keys",
+    "steady_load",
     "write_tokens",
 ]

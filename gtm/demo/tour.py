@@ -263,18 +263,25 @@ async def serve_live(
             f' -d \'{{"model":"llama-3-8b","messages":[{{"role":"user",'
             f'"content":"hi"}}]}}\' http://127.0.0.1:{http_port}/v1/chat/completions\n'
             f"     .venv/bin/gtm audit tail{database}\n"
-            f"     .venv/bin/gtm region status{database}"
+            f"     .venv/bin/gtm region status{database}\n"
+            f"The admin CLI (proposals, drains) reads its server and token from the environment:\n"
+            f"     export GTM_ADMIN_URL=http://127.0.0.1:{admin_port}\n"
+            f"     export GTM_ADMIN_TOKEN=$(awk '$1 == \"demo-operator\" {{print $2}}' "
+            f"{var / 'demo-tokens'})\n"
+            f'     .venv/bin/gtm region drain eu-west --why "trying a drain" --for 10m'
         )
         if not once:
             print(
-                "\nServing until Ctrl-C. Client traffic flows on the map; every 20 s the "
-                "scenario moves on\n(ap-south fails and returns, us-east fills and spills)."
+                "\nServing until Ctrl-C. Client traffic flows on the map and completions stream "
+                "through every balancer;\nevery 20 s the scenario moves on (ap-south fails and "
+                "returns, us-east fills and spills)."
             )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             watched = [
                 asyncio.create_task(scenario.client_traffic(dns_port, stop)),
+                asyncio.create_task(scenario.steady_load(fleet.balancers, stop)),
                 asyncio.create_task(
                     scenario.scenario(
                         fleet,
@@ -309,14 +316,24 @@ async def show_console(
         f"http://127.0.0.1:{http_port}/metrics)"
     )
     for name, (roles, token) in tokens.items():
-        print(f"  {name:<14} {', '.join(roles):<32} {token}")
+        print(f"  {name:<14} {', '.join(roles):<38} {token}")
     print(f"  (the same tokens are in {var / 'demo-tokens'}, mode 0600; valid for 24 h)")
-    proposal = await scenario.propose(f"http://127.0.0.1:{admin_port}", tokens["demo-author"][1])
+    admin_url = f"http://127.0.0.1:{admin_port}"
+    proposal = await scenario.propose(admin_url, tokens["demo-author"][1])
     if proposal is not None:
         print(
             f"demo-author proposed letting EU personal data into the US (proposal #{proposal}); "
             f"it waits for demo-approver, whose impact view shows what would leave the EU: "
             f"{url}policies/{proposal}"
+        )
+        own = await scenario.approve_own(admin_url, tokens["demo-author"][1], proposal)
+        print(
+            f"four-eyes: demo-author holds policy-approver too and tried to approve #{proposal}: "
+            f"{own}"
+        )
+        print(
+            "  (activating it, demo-approver is first shown the answers that would leave their "
+            "jurisdiction, and must acknowledge them)"
         )
     # A moment of traffic, so the first look at the map has flows on it.
     burst = asyncio.Event()

@@ -63,6 +63,11 @@ class Compliance:
     unverifiable: Counter[str] = field(default_factory=Counter)  # policy version -> answers
     policies: dict[str, PolicyInForce] = field(default_factory=dict)
     operator_actions: list[dict[str, Any]] = field(default_factory=list)
+    # Refused page views (a role without a read): in the event log, not operators' actions.
+    refused_reads: int = 0
+    # residency class -> jurisdiction of the region that answered -> answers (the regulator's
+    # first question); "(not answered)" for refusals, "(policy not available)" when unknown.
+    by_class_jurisdiction: dict[str, Counter[str]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     control_log: str = ""  # whether who-approved-what comes from a verified control log
 
@@ -71,6 +76,9 @@ class Compliance:
         for key in ("by_jurisdiction", "by_class", "by_service", "by_outcome", "by_region"):
             out[key] = dict(sorted(getattr(self, key).items(), key=lambda kv: -kv[1]))
         out["unverifiable"] = dict(self.unverifiable)
+        out["by_class_jurisdiction"] = {
+            cls: dict(c.most_common()) for cls, c in sorted(self.by_class_jurisdiction.items())
+        }
         return out
 
 
@@ -89,6 +97,10 @@ class Policies:
             return  # a version that does not parse cannot vouch for anything
         self.by_version.setdefault(policy.version, policy)
         self.documents.setdefault(policy.version, document_id)
+
+
+NOT_ANSWERED = "(not answered)"  # refused, failed closed, no service: no region served it
+NO_POLICY = "(policy not available)"  # the row's policy version is not stored anywhere
 
 
 def _jurisdiction(policy: PolicySet, region: str) -> str:
@@ -121,6 +133,12 @@ class Tally:
             r.by_region[region] += n
             if policy is not None:
                 r.by_jurisdiction[_jurisdiction(policy, region)] += n
+        if region is None:
+            served = NOT_ANSWERED
+        else:
+            served = NO_POLICY if policy is None else _jurisdiction(policy, region)
+        for cls in row["residency_classes"] or ["(unclassified)"]:
+            r.by_class_jurisdiction.setdefault(cls, Counter())[served] += n
         if policy is None:
             r.unverifiable[version] += n
             return
@@ -184,7 +202,12 @@ def _who_approved(report: Compliance, policies: Policies, control: ControlState 
         )
 
 
-async def _operator_actions(engine: AsyncEngine, report: Compliance) -> None:
+async def _operator_actions(
+    engine: AsyncEngine, report: Compliance, reads: frozenset[str] = frozenset()
+) -> None:
+    """Who did what to the fleet and its control plane. A refusal of an operation in ``reads``
+    (a page view by a role that may not see it) changed nothing and asked to change nothing:
+    counted, not listed."""
     query = (
         select(region_events)
         .where(region_events.c.actor.isnot(None))
@@ -194,6 +217,9 @@ async def _operator_actions(engine: AsyncEngine, report: Compliance) -> None:
     )
     async with engine.connect() as conn:
         for e in await conn.execute(query):
+            if e.kind == "denied" and (e.detail or "").split(":", 1)[0] in reads:
+                report.refused_reads += 1
+                continue
             report.operator_actions.append(
                 {
                     "at_us": e.at_us,
@@ -233,6 +259,7 @@ async def compliance_report(
     sink: CheckpointSink,
     own_documents: Iterable[tuple[str, Mapping[str, str]]] = (),
     control: ControlState | None = None,
+    reads: frozenset[str] = frozenset(),
 ) -> Compliance:
     verification = await verify(engine, sink)
     report = Compliance(from_us, to_us, verification.store)
@@ -255,7 +282,7 @@ async def compliance_report(
             tally.add(row)
         last_id = rows[-1]["id"]
     _who_approved(report, policies, control)
-    await _operator_actions(engine, report)
+    await _operator_actions(engine, report, reads)
     report.verification = _verification(verification)
     return report
 

@@ -20,6 +20,9 @@ border-bottom:1px solid #e3e3e3}td.n{text-align:right;font-variant-numeric:tabul
 .ok{color:#0a6b2d;font-weight:600}.bad{color:#a30000;font-weight:600}
 .verdict{font-size:1.1rem;padding:.6rem .8rem;border:2px solid currentColor;display:inline-block}
 svg text{font:12px system-ui,sans-serif;fill:#1b1b1b}
+.console-nav{display:flex;gap:1rem;align-items:baseline;flex-wrap:wrap;padding:.5rem 0;
+border-bottom:2px solid #1f4e79}.console-nav .brand{font-weight:700}
+.console-nav nav a{margin-right:.8rem}.console-nav .me{margin-left:auto;font-size:.9rem}
 """
 
 
@@ -55,9 +58,26 @@ def _bars(title: str, values: Mapping[str, int]) -> str:
     )
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+# What each outcome in the audit store means, for a reader who has not read the code.
+OUTCOMES = {
+    "answer": "answered with one region chosen by the decision",
+    "fail_static": "no allowed region was healthy; unrestricted traffic got every allowed region",
+    "fail_closed": "no allowed region was healthy; restricted traffic was refused",
+    "denied": "the request's residency class is allowed nowhere (HTTP 451)",
+    "no_service": "the name is not a configured service",
+    "zone": "answered from the DNS zone's own data (SOA, NS, static records, DNSKEY): "
+    "no region was chosen",
+    "nxdomain": "the name does not exist in the zone",
+    "nodata": "the name exists without the type asked, or a restricted name failed closed",
+    "refused": "asked outside the zone, or refused by policy (DNS REFUSED)",
+    "malformed": "a query that could not be read (FORMERR)",
+}
+
+
+def _table(headers: list[str], rows: list[list[Any]], empty: str) -> str:
+    """A table, or ``empty`` (a sentence saying what there is none of) when no row."""
     if not rows:
-        return "<p>None.</p>"
+        return f"<p>{escape(empty)}</p>"
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join(
         "<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
@@ -65,7 +85,37 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render(report: Compliance) -> str:
+def _class_by_jurisdiction(report: Compliance) -> str:
+    """Residency class (rows) x jurisdiction of the region that answered (columns)."""
+    table = report.by_class_jurisdiction
+    if not table:
+        return "<p>No answers in this window.</p>"
+    columns = sorted({j for c in table.values() for j in c}, key=lambda j: (j.startswith("("), j))
+    head = "".join(f"<th scope=col>{escape(j)}</th>" for j in columns)
+    body = "".join(
+        f"<tr><th scope=row>{escape(cls)}</th>"
+        + "".join(f"<td class=n>{table[cls].get(j, 0):,}</td>" for j in columns)
+        + "</tr>"
+        for cls in sorted(table)
+    )
+    return (
+        "<table id=class-jurisdiction><caption>Answers by residency class and the jurisdiction "
+        "of the region that served them</caption>"
+        f"<tr><th scope=col>residency class</th>{head}</tr>{body}</table>"
+        "<p>A jurisdiction is a named group of regions in the policy in force. "
+        "<em>(not answered)</em>: refused or failed closed, no region served it; "
+        "<em>(unclassified)</em>: traffic with no residency class; "
+        "<em>(policy not available)</em>: the row's policy version is stored nowhere.</p>"
+    )
+
+
+def _outcome_legend(report: Compliance) -> str:
+    rows = [[o, OUTCOMES.get(o, "-")] for o in sorted(report.by_outcome)]
+    return _table(["outcome", "meaning"], rows, "No answers in this window.")
+
+
+def render(report: Compliance, nav: str = "") -> str:
+    """The page; ``nav`` is markup put above it (the console's navigation, already escaped)."""
     v = report.verification
     breaks, gaps = v.get("breaks", []), v.get("gaps", [])
     clean = report.outside_allowed == 0 and not report.unverifiable
@@ -99,11 +149,13 @@ def render(report: Compliance) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>GTM compliance report</title>
 <meta name="viewport" content="width=device-width,initial-scale=1"><style>{_CSS}</style></head>
-<body><main>
+<body>{nav}<main>
 <h1>Compliance report</h1>
 <p>{_t(report.from_us)} to {_t(report.to_us)} &middot; audit store {escape(str(report.store))}</p>
 {verdict}
 {chain_state}
+<h2>Residency class by serving jurisdiction</h2>
+{_class_by_jurisdiction(report)}
 <h2>Answers by jurisdiction of the region answered</h2>
 {_bars("jurisdiction", report.by_jurisdiction)}
 <h2>Answers by residency class</h2>
@@ -112,6 +164,7 @@ def render(report: Compliance) -> str:
 {_bars("service", report.by_service)}
 <h2>Outcomes</h2>
 {_bars("outcome", report.by_outcome)}
+{_outcome_legend(report)}
 <h2>Answers outside the allowed regions</h2>
 {
         _table(
@@ -129,11 +182,20 @@ def render(report: Compliance) -> str:
                 ]
                 for e in report.outside_examples
             ],
+            "No answer went to a region outside the ones its policy allowed.",
         )
     }
 <h2>Policy versions in force</h2>
-{_table(["policy version", "answers", "first", "last", "approval"], policies)}
-<h2>Operator actions</h2>
+{_table(["policy version", "answers", "first", "last", "approval"], policies, "No answers.")}
+<h2>Operator and admin actions</h2>
+<p>Region controls (drains, weights, forced states), changes of principals, tokens, proposals
+and approvals, and refused attempts to change something (kind <em>denied</em>), with who asked
+and why. Region <em>-</em>: an action on the control plane, not on one region.{
+        ""
+        if not report.refused_reads
+        else f" {report.refused_reads:,} refused page views (a role without a read) changed "
+        "nothing and are not listed; the event log holds them."
+    }</p>
 {
         _table(
             ["time", "region", "kind", "state", "who", "why"],
@@ -148,6 +210,7 @@ def render(report: Compliance) -> str:
                 ]
                 for a in report.operator_actions
             ],
+            "No operator or admin action in this window.",
         )
     }
 <h2>Gaps (unclean stops)</h2>
@@ -155,6 +218,7 @@ def render(report: Compliance) -> str:
         _table(
             ["chain", "at", "detail"],
             [[g["chain"], _t(round(g["at"] * 1e6)), g["detail"]] for g in gaps],
+            "No gap: no node stopped uncleanly in this window.",
         )
     }
 <h2>Chain verification</h2>
@@ -166,9 +230,16 @@ def render(report: Compliance) -> str:
                 [name, f"{c['rows']:,}", f"{c['answers']:,}", c["anchored_through"], c["last_seq"]]
                 for name, c in v.get("chains", {}).items()
             ],
+            "No chain in the store.",
         )
     }
-{_table(["chain", "row", "problem"], [[b["node"], b["node_seq"], b["problem"]] for b in breaks])}
+{
+        _table(
+            ["chain", "row", "problem"],
+            [[b["node"], b["node_seq"], b["problem"]] for b in breaks],
+            "No break: every row links to the one before and matches the signed checkpoints.",
+        )
+    }
 </main></body></html>
 """
 

@@ -9,6 +9,6 @@ event log apply to the browser exactly as to ``curl``: hiding a button is a cour
 is the API's.
 """
 
-from gtm.admin.console.app import mount
+from gtm.admin.console.app import invalid_page, is_console, mount
 
-__all__ = ["mount"]
+__all__ = ["invalid_page", "is_console", "mount"]

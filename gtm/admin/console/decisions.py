@@ -56,7 +56,7 @@ async def search(request: Request, view: SignedIn) -> Response:
     next_after = None
     reply = None
     if error is None:
-        page_params = params | {"after": args.get("after") or None, "limit": 50}
+        page_params = params | {"after": args.get("after") or None, "limit": 50, "order": "newest"}
         reply = await view.api.get("/v1/decisions", page_params)
         if reply.ok:
             rows, next_after = reply.body["rows"], reply.body["next"]
@@ -94,11 +94,38 @@ async def export(request: Request, view: SignedIn) -> Response:
     )
 
 
+def replay_table(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[Any]:
+    """A replay as rows a person reads: (what, recorded, replayed, same?) for the outcome, the
+    region and each region's verdict, instead of the API's nested dicts."""
+    rows = [
+        ("Outcome", recorded.get("outcome"), replayed.get("outcome")),
+        ("Region", recorded.get("region") or "—", replayed.get("region") or "—"),
+    ]
+    before, after = recorded.get("verdicts") or {}, replayed.get("verdicts") or {}
+    for region in sorted(set(before) | set(after)):
+        rows.append((f"Verdict for {region}", before.get(region, "—"), after.get(region, "—")))
+    return [(what, old, new, old == new) for what, old, new in rows]
+
+
 async def _decision_page(view: View, decision_id: str, replayed: Any = None) -> Response:
     reply = await view.api.get(f"/v1/decisions/{decision_id}")
     if not reply.ok:
         return view.refused(reply)
-    return view.render("decision.html", decision_id=decision_id, rows=reply.body, replayed=replayed)
+    # The row names its documents by hash; the API says which stored version that is, and
+    # the proposals say which of them carried it, so the page links the two.
+    proposals_of: dict[str, list[Mapping[str, Any]]] = {}
+    if any(r.get("document_version") for r in reply.body):
+        listed = await view.api.get("/v1/proposals")
+        for p in listed.body if listed.ok else []:
+            proposals_of.setdefault(p["version"], []).append(p)
+    return view.render(
+        "decision.html",
+        decision_id=decision_id,
+        rows=reply.body,
+        replayed=replayed,
+        replay_table=replay_table,
+        proposals_of=proposals_of,
+    )
 
 
 @router.get("/decisions/{decision_id}")
@@ -115,4 +142,4 @@ async def replay(decision_id: str, posted: Posted) -> Response:
     return await _decision_page(view, decision_id, replayed=reply.body)
 
 
-__all__ = ["api_filters", "decision_link", "router"]
+__all__ = ["api_filters", "decision_link", "replay_table", "router"]

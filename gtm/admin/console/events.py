@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
 
 from gtm.admin.console.policies import parse_at
-from gtm.admin.console.web import SECURITY_HEADERS, SignedIn
+from gtm.admin.console.web import SECURITY_HEADERS, SignedIn, templates
 
 router = APIRouter(prefix="/console")
 
@@ -54,7 +54,11 @@ async def compliance(view: SignedIn, since: str = "", until: str = "") -> Respon
     reply = await view.api.raw("/v1/reports/compliance", params)
     if reply.status_code != 200:
         return view.render("error.html", status=reply.status_code, message=reply.text)
-    return HTMLResponse(reply.text, headers=REPORT_HEADERS)
+    # The console's sections above the report (links only: the report's page takes no form).
+    nav = templates.get_template("report_nav.html").render(me=view.principal, may=view.may)
+    response = HTMLResponse(reply.text.replace("<body>", "<body>" + nav, 1), headers=REPORT_HEADERS)
+    view.keep(response)
+    return response
 
 
 __all__ = ["router"]

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from gtm.admin.console.api import Reply
 from gtm.admin.console.web import Posted, SignedIn, View
 
 router = APIRouter(prefix="/console")
@@ -63,8 +64,14 @@ def diff_lines(diff: str) -> list[tuple[str, str]]:
     return out
 
 
-@router.get("/policies")
-async def policies(view: SignedIn) -> Response:
+async def _policies_page(
+    view: View,
+    draft: Mapping[str, Any] | None = None,
+    refusal: Reply | None = None,
+    reason: str = "",
+) -> Response:
+    """The policies page; with ``draft``, its form holds what was typed (a refused draft loses
+    nothing) and the refusal is shown above it."""
     active = await view.api.get("/v1/versions/active")
     proposals = await view.api.get("/v1/proposals")
     if not proposals.ok:
@@ -73,26 +80,63 @@ async def policies(view: SignedIn) -> Response:
     if view.may("create_proposal"):
         reply = await view.api.get("/v1/documents/current")
         current = reply.body if reply.ok else None
+        if draft is not None and current is not None:
+            current = dict(current) | dict(draft)
     return view.render(
         "policies.html",
+        status=refusal.status if refusal is not None else 200,
         active=active.body if active.ok else None,
         proposals=sorted(proposals.body, key=lambda p: -p["id"]),
         current=current,
+        refusal=refusal,
+        reason=reason,
     )
+
+
+@router.get("/policies")
+async def policies(view: SignedIn) -> Response:
+    return await _policies_page(view)
+
+
+@router.get("/policies/new")
+async def new_form(view: SignedIn) -> Response:
+    """The form has no page of its own: the policies page holds it (a bookmark, a reload after
+    a refused draft, or a link typed by hand land there)."""
+    return view.redirect("/console/policies#new")
 
 
 @router.post("/policies/new")
 async def create(posted: Posted) -> Response:
     view, form = posted
-    body = documents_of(form) | {"reason": form.get("reason", "")}
-    reply = await view.api.post("/v1/proposals", body)
+    draft = documents_of(form)
+    reply = await view.api.post("/v1/proposals", draft | {"reason": form.get("reason", "")})
     if not reply.ok:
-        return view.refused(reply)
+        if reply.status in (401, 403):
+            return view.refused(reply)
+        return await _policies_page(view, draft, reply, form.get("reason", ""))
     return view.redirect(f"/console/policies/{reply.body['id']}")
 
 
+# The traffic an activation's leak check replays: the impact page's default day.
+LEAK_WINDOW_S = 86400.0
+
+
+def leak_key(leaks: list[Mapping[str, Any]]) -> str:
+    """What an acknowledgement names: each (class, from, to) that would leave, not the counts,
+    which grow while the page is open; a new kind of leak asks again."""
+    return "; ".join(
+        sorted(
+            f"{x['residency_class']} {x['from_jurisdiction']}→{x['to_jurisdiction']}" for x in leaks
+        )
+    )
+
+
 async def _proposal_page(
-    view: View, proposal_id: int, impact: Any = None, status: int = 200
+    view: View,
+    proposal_id: int,
+    impact: Any = None,
+    status: int = 200,
+    confirm: Mapping[str, Any] | None = None,
 ) -> Response:
     proposal = await view.api.get(f"/v1/proposals/{proposal_id}")
     if not proposal.ok:
@@ -126,6 +170,7 @@ async def _proposal_page(
         approved_by_me=approved_by_me,
         impact=impact,
         charts=charts,
+        confirm=confirm,
     )
 
 
@@ -150,7 +195,18 @@ async def act(proposal_id: int, action: str, posted: Posted) -> Response:
             at = parse_at(form.get("at", ""))
         except ValueError:
             return view.render("error.html", status=422, message="not a date and time")
-        reply = await view.api.post(f"{path}/activate", {"at": at})
+        # Answers that would leave their jurisdiction are named, and acknowledged, first.
+        check = await view.api.post(f"{path}/impact", {"since_s": LEAK_WINDOW_S})
+        if not check.ok:
+            return view.refused(check)
+        leaks = check.body.get("leaks") or []
+        acknowledged = form.get("acknowledge") == leak_key(leaks) and form.get("understood") == "on"
+        if leaks and not acknowledged:
+            confirm = {"leaks": leaks, "key": leak_key(leaks), "at": form.get("at", "")}
+            confirm["total"] = sum(int(x["answers"]) for x in leaks)
+            return await _proposal_page(view, proposal_id, confirm=confirm, status=409)
+        ack = leak_key(leaks) if leaks else ""
+        reply = await view.api.post(f"{path}/activate", {"at": at, "acknowledge": ack})
     elif action == "impact":
         try:
             hours = float(form.get("since_h", "24"))

@@ -51,6 +51,33 @@ def _percent(x: float | None) -> str:
     return "—" if x is None else f"{x:.0%}"
 
 
+# The API's keys as a person reads them; a key not listed is shown with spaces for underscores.
+LABELS = {
+    "moved": "would move",
+    "newly_refused": "newly refused",
+    "newly_answered": "newly answered",
+    "left_jurisdiction": "would leave their jurisdiction",
+    "(none)": "no residency class",
+    # Decision outcomes (gtm.decision.model.Outcome) and the DNS path's own.
+    "answer": "answered",
+    "fail_static": "failed static (every allowed region)",
+    "fail_closed": "failed closed (refused)",
+    "denied": "denied (class allowed nowhere)",
+    "no_service": "no such service",
+    "zone": "answered from the zone's own data",
+}
+
+
+def _label(key: object) -> str:
+    text = str(key)
+    return LABELS.get(text, text.replace("_", " ").replace("-", " "))
+
+
+def _move(key: object) -> str:
+    """``eu-west -> us-east`` (the API's key for a move) as ``eu-west → us-east``."""
+    return str(key).replace(" -> ", " → ")
+
+
 templates = Environment(
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=select_autoescape(["html"], default=True),
@@ -59,6 +86,8 @@ templates = Environment(
 )
 templates.filters["when"] = _when
 templates.filters["percent"] = _percent
+templates.filters["label"] = _label
+templates.filters["move"] = _move
 templates.filters["urlpart"] = lambda s: quote(str(s), safe="")
 
 
@@ -113,7 +142,16 @@ class View:
         set_session_cookie(self.request, response, self.codec.seal(self.session))
 
     def refused(self, reply: Reply) -> Response:
-        return self.render("refused.html", status=reply.status, reply=reply)
+        """The API's refusal as a page. Its title says what was refused: a page view shows
+        nothing (there was nothing to change), a form changed nothing."""
+        if self.request.method in ("GET", "HEAD"):
+            title = {
+                403: "Not shown: your roles do not include this page",
+                404: "Not found",
+            }.get(reply.status, "This page could not be shown")
+        else:
+            title = "Refused: nothing was changed"
+        return self.render("refused.html", status=reply.status, reply=reply, title=title)
 
 
 def secure(request: Request) -> bool:

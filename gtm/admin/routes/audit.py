@@ -19,6 +19,7 @@ from sqlalchemy import select
 from gtm.admin import versions
 from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound
+from gtm.admin.permissions import READS
 from gtm.admin.principals import Principal
 from gtm.admin.replay import replay, versions_match
 from gtm.audit import query
@@ -93,10 +94,19 @@ async def search_decisions(
     ctx: Ctx,
     _: Annotated[Principal, Depends(require("search_decisions"))],
     where: Filtered,
-    after: Annotated[int, Query(ge=0, le=2**53)] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=2**53, description="the previous page's next (0: the first page)")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    order: Annotated[
+        Literal["oldest", "newest"], Query(description="oldest first (the default) or newest")
+    ] = "oldest",
 ) -> Page:
-    rows, cursor = await query.search(ctx.engine, where, after, limit)
+    """Matching rows a page at a time. ``name`` finds a name with or without its trailing dot
+    (DNS rows hold the absolute name, HTTP rows the host)."""
+    rows, cursor = await query.search(
+        ctx.engine, where, after, limit, newest_first=order == "newest"
+    )
     return Page(rows=rows, next=cursor)
 
 
@@ -150,8 +160,45 @@ async def get_decision(
     decision_id: str, ctx: Ctx, _: Annotated[Principal, Depends(require("get_decision"))]
 ) -> list[dict[str, Any]]:
     """The audit row(s) behind a response's decision id: inputs, every region's verdict and
-    reason, the versions in force."""
-    return await _rows(ctx, decision_id)
+    reason, the versions in force, and ``document_version``: the stored document version (the
+    id proposals name) whose topology and policy hash to the row's, or null when none does
+    (a node's own files before anything was activated)."""
+    rows = await _rows(ctx, decision_id)
+    async with ctx.engine.connect() as conn:
+        for row in rows:
+            row["document_version"] = await _document_version(
+                conn, row["topology_version"], row["policy_version"]
+            )
+    return rows
+
+
+# A stored version's (topology fingerprint, policy version), by version id: a version's content
+# never changes (its id is its digest, checked on every read), so what it hashes to is kept.
+_HASHES: dict[str, tuple[str, str] | None] = {}
+_HASHES_MAX = 4096
+
+
+async def _document_version(conn: Any, topology_version: str, policy_version: str) -> str | None:
+    """The newest stored version whose documents hash to a row's topology and policy versions."""
+    stored = (
+        await conn.execute(
+            select(document_versions.c.id).order_by(document_versions.c.created_at_us.desc())
+        )
+    ).scalars()
+    for version_id in stored:
+        if version_id not in _HASHES:
+            try:
+                version = await versions.get_version(conn, version_id)
+                docs = parse_documents(version.topology, version.policies, version_id[:12])
+                hashes: tuple[str, str] | None = (docs.topology.fingerprint(), docs.policy.version)
+            except (LifecycleError, ConfigError):
+                hashes = None
+            if len(_HASHES) >= _HASHES_MAX:
+                _HASHES.clear()
+            _HASHES[version_id] = hashes
+        if _HASHES[version_id] == (topology_version, policy_version):
+            return str(version_id)
+    return None
 
 
 async def _snapshot_for(ctx: Any, row: dict[str, Any]) -> Snapshot | None:
@@ -241,6 +288,7 @@ async def compliance(
         sink=_sink(ctx),
         own_documents=[] if ctx.files is None else [ctx.files],
         control=await _verified_control(ctx),
+        reads=READS,
     )
     if format == "html":
         return HTMLResponse(render(report))

@@ -6,14 +6,14 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gtm.admin import impact, lifecycle, versions
+from gtm.admin import events, impact, lifecycle, versions
 from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound, Refused
 from gtm.admin.lifecycle import Proposal
@@ -42,6 +42,29 @@ class ActivateIn(BaseModel):
     at: float | None = Field(
         default=None, ge=0, le=1e11, description="unix seconds; later than now: scheduled"
     )
+    acknowledge: str = Field(
+        default="",
+        max_length=2000,
+        description="the answers leaving their jurisdiction the activator was shown and "
+        "accepted (the console names them from the impact's leaks); recorded in the event log "
+        "with the activation",
+    )
+
+
+async def _acknowledged(
+    conn: AsyncConnection, proposal_id: int, who: Principal, body: ActivateIn | None, ctx: Any
+) -> None:
+    """The acknowledgement lands in the activation's transaction: evidence of who accepted
+    which leak, with the change it let through."""
+    if body is not None and body.acknowledge:
+        await events.record(
+            conn,
+            "proposal",
+            f"#{proposal_id}: answers leaving their jurisdiction acknowledged: {body.acknowledge}",
+            actor=who.name,
+            now=ctx.clock(),
+            node=ctx.node,
+        )
 
 
 class ApprovalIn(BaseModel):
@@ -102,6 +125,13 @@ class ChangeOut(BaseModel):
     left_jurisdiction: bool
 
 
+class LeakOut(BaseModel):
+    residency_class: str
+    from_jurisdiction: str
+    to_jurisdiction: str
+    answers: int
+
+
 class ImpactOut(BaseModel):
     proposal: int
     version: str
@@ -117,6 +147,10 @@ class ImpactOut(BaseModel):
     by_class: dict[str, dict[str, int]]
     by_move: dict[str, int]
     examples: list[ChangeOut]
+    leaks: list[LeakOut] = Field(
+        default_factory=list,
+        description="answers that would leave their jurisdiction, by class and jurisdictions",
+    )
     seconds: float
 
 
@@ -315,8 +349,9 @@ async def submit_proposal(
 ) -> ProposalOut:
     async def step(conn: AsyncConnection) -> Proposal:
         return await lifecycle.submit(
-            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control
-        )
+            conn, proposal_id, author, now=ctx.clock(), node=ctx.node, control=ctx.control,
+            files=ctx.files,
+        )  # fmt: skip
 
     return _out(await _keeping_refusal(ctx, step, Refused))
 
@@ -382,6 +417,7 @@ async def activate_proposal(
                 conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node,
                 control=ctx.control,
             )  # fmt: skip
+            await _acknowledged(conn, proposal_id, approver, body, ctx)
         return _out(scheduled)
     if ctx.signer is None:
         raise Conflict(
@@ -391,7 +427,7 @@ async def activate_proposal(
     signer = ctx.signer
 
     async def step(conn: AsyncConnection) -> Proposal:
-        return await lifecycle.activate(
+        activated = await lifecycle.activate(
             conn,
             proposal_id,
             approver,
@@ -401,6 +437,8 @@ async def activate_proposal(
             control=ctx.control,
             min_approvals=ctx.required_approvals,
         )
+        await _acknowledged(conn, proposal_id, approver, body, ctx)
+        return activated
 
     try:
         return _out(await _keeping_refusal(ctx, step, Conflict))
@@ -455,6 +493,10 @@ async def get_proposal_impact(
         by_class={k: dict(v) for k, v in report.by_class.items()},
         by_move=dict(report.by_move),
         examples=[ChangeOut(**asdict(c)) for c in report.examples],
+        leaks=[
+            LeakOut(residency_class=c, from_jurisdiction=f, to_jurisdiction=t, answers=n)
+            for (c, f, t), n in report.leaks.most_common()
+        ],
         seconds=time.perf_counter() - started,
     )
 

@@ -46,6 +46,15 @@ async def test_the_impact_of_a_draft_that_moves_eu_data_to_the_us(
         assert report["by_service"]["chat-eu"]["left_jurisdiction"] == 1000
         assert "chat" not in report["by_service"]  # unchanged traffic is not listed
         assert report["by_class"]["eu-personal"]["moved"] == 1000
+        # The leak named as an approver acknowledges it: class, from where, to where.
+        assert report["leaks"] == [
+            {
+                "residency_class": "eu-personal",
+                "from_jurisdiction": "EU",
+                "to_jurisdiction": "US",
+                "answers": 1000,
+            }
+        ]
         [example] = report["examples"]
         assert example["left_jurisdiction"] and example["answers"] == 1000
         assert example["example"].startswith("admin-test#")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gtm.admin.permissions import Role
-from tests.gtm.admin.conftest import AdminFactory, documents
+from tests.gtm.admin.conftest import AdminFactory, documents, loosen_eu
 
 pytestmark = pytest.mark.postgres
 
@@ -22,7 +22,9 @@ async def test_the_admin_service_runs_on_its_role(
             )
             assert made.status_code == 201, made.text
             grant = made.json()["pending_grants"][0]
-            draft = await client.post("/v1/proposals", json={**documents(), "reason": "test"})
+            # A real change: a draft of the documents already in force is refused at submission.
+            body = {**documents(loosen_eu), "reason": "test"}
+            draft = await client.post("/v1/proposals", json=body)
             assert draft.status_code == 201, draft.text
             proposal = draft.json()
             submitted = await client.post(f"/v1/proposals/{proposal['id']}/submit")

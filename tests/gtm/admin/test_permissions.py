@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from gtm.admin import principals
-from gtm.admin.permissions import OPERATIONS, Role
+from gtm.admin.permissions import OPERATIONS, READS, Role
 from gtm.cli.control import openapi_document
 from tests.conftest import ROOT
 from tests.gtm.admin.conftest import AdminFactory
@@ -39,6 +39,12 @@ def test_every_operation_has_an_entry_and_every_entry_an_operation() -> None:
     served = {op for _, _, op in operations()}
     assert served - OPERATIONS.keys() == set(), "endpoints without a permission entry"
     assert OPERATIONS.keys() - served == set(), "permission entries without an endpoint"
+
+
+def test_the_reads_are_the_gets_and_the_two_posts_that_only_compute() -> None:
+    """READS (what a refused page view is, for the compliance report) follows the routes."""
+    gets = {op for method, _, op in operations() if method == "GET"}
+    assert gets | {"get_proposal_impact", "replay_decision"} == READS
 
 
 def test_the_checked_in_openapi_is_the_one_served() -> None:

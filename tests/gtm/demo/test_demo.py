@@ -53,9 +53,18 @@ def test_demo_once(tmp_path: Path) -> None:
     assert text.count("all 6 regions up") == 2
     # The console: its URL, a token for each demo person, traffic on the map, a proposal.
     assert "console: http://127.0.0.1:" in text
-    for person in ("demo-operator", "demo-author", "demo-approver", "demo-auditor"):
+    people = {}
+    for person in ("demo-operator", "demo-author", "demo-approver", "demo-auditor", "demo-admin"):
         line = next(line for line in text.splitlines() if line.strip().startswith(person))
         assert line.split()[-1].startswith("gtm_")
+        people[person] = line
+    # Four-eyes, seen as itself: the author holds the approver role, and is refused anyway.
+    assert "policy-approver" in people["demo-author"] and "admin" in people["demo-admin"]
+    four_eyes = next(line for line in text.splitlines() if line.startswith("four-eyes:"))
+    assert "refused, HTTP 403" in four_eyes and "may not approve it" in four_eyes
+    # What the admin CLI needs, printed as a shell takes it.
+    assert "export GTM_ADMIN_URL=http://127.0.0.1:" in text
+    assert f"""$1 == "demo-operator" {{print $2}}' {tmp_path / "demo-tokens"})""" in text
     assert (tmp_path / "demo-tokens").stat().st_mode & 0o777 == 0o600
     live = next(line for line in text.splitlines() if line.startswith("live traffic on the map"))
     assert int(live.split()[5]) > 0

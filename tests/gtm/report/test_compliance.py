@@ -31,7 +31,12 @@ async def main():
                 req = DecisionRequest(Channel.DNS, ip_address(client), service, name)
                 rt.count(record_of(decide(req, rt.store.current, 0.0), channel="dns", name=name))
     await append_events(rt.engine, [RegionEvent(1e9, "op", "eu-west", "override", "draining",
-        "up", "drained", actor="alice", reason="<b>maintenance</b>")])
+        "up", "drained", actor="alice", reason="<b>maintenance</b>"),
+        # Refusals: a page view by a role without the read, and an attempted change.
+        RegionEvent(1e9 + 1, "op", "-", "denied", None, None, "list_principals: roles viewer",
+            actor="vic"),
+        RegionEvent(1e9 + 2, "op", "-", "denied", None, None, "drain_region: roles viewer",
+            actor="vic")])
     await rt.stop()
 
 asyncio.run(main())
@@ -56,6 +61,15 @@ def test_the_report_recomputes_every_answer_and_catches_an_edited_one(
     assert report["by_jurisdiction"].get("EU", 0) >= 120
     assert report["verification"]["breaks"] == []
     assert report["operator_actions"][0]["actor"] == "alice"
+    # The refused page view changed nothing: counted, not an operator action; the refused
+    # change is listed.
+    listed = [a["detail"] for a in report["operator_actions"]]
+    assert "drain_region: roles viewer" in listed
+    assert "list_principals: roles viewer" not in listed and report["refused_reads"] == 1
+    # Residency class by the jurisdiction that served it: EU personal data only in the EU.
+    eu = report["by_class_jurisdiction"]["eu-personal"]
+    assert set(eu) <= {"EU", "(not answered)"} and sum(eu.values()) == 120 and eu["EU"] > 0
+    assert sum(report["by_class_jurisdiction"]["(unclassified)"].values()) == 120
     (policy,) = report["policies"].values()
     assert policy["answers"] == 240
 
@@ -66,6 +80,9 @@ def test_the_report_recomputes_every_answer_and_catches_an_edited_one(
     assert "0 answers outside the allowed regions, recomputed" in html
     assert "<svg" in html and "eu-personal" in html
     assert "&lt;b&gt;maintenance&lt;/b&gt;" in html and "<b>maintenance" not in html
+    assert "<table id=class-jurisdiction>" in html and "(not answered)" in html
+    assert "1 refused page views" in html
+    assert "<p>None.</p>" not in html  # every empty table says what there is none of
 
     # Someone with the database password moves an EU answer to the US.
     db = sqlite3.connect(env["GTM_DATABASE_URL"].removeprefix("sqlite:///"))
