@@ -378,7 +378,10 @@ class Responder:
         the long way."""
         for size in self._sizes:
             shape = shapes.get(wire[2:-size])
-            if shape is not None:
+            # The shape's own address length only: a query of a shorter one with bytes
+            # appended can match a longer one's key (an IPv4 /24 with 4 octets more ends with
+            # the 7 of an IPv6 /56). Its message is longer than the shape's: malformed.
+            if shape is not None and shape.size == size:
                 break
         else:
             return None
@@ -636,7 +639,7 @@ class Responder:
         if by_prefix is not None:
             for n in self._sizes:
                 known = by_prefix.get(wire[2:-n])
-                if known is not None:
+                if known is not None and known.size == n:
                     return known
         shape = Shape.of(wire, query, client, limit)
         if shape is None:

@@ -1,0 +1,117 @@
+"""Malformed queries on the ECS path: answered as the full path answers them, byte for byte.
+
+The ECS path (gtm.geodns.shapes) finds a query's shape by the bytes before its last N octets,
+for every address length N any shape of this sender has. A query of one shape with bytes
+appended could match another length's key: an IPv4 /24 query with 4 octets appended ends with
+7 octets, the length of an IPv6 /56 shape's address, and the bytes before those are the IPv4
+shape's key. It was then answered as that shape with 7 octets of "address": OverflowError in
+the GeoIP lookup (nothing sent, a traceback logged), or, when the 7 octets made a small enough
+number, NOERROR with a 7-octet ECS echo, where the full path says FORMERR (trailing bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import dns.message
+import dns.rcode
+
+from gtm.geodns.wire import Query, Reject, parse_query
+from gtm.node import Node
+
+from .conftest import StartNode, port_of, raw_udp
+from .test_server import q
+
+
+async def _tcp_raw(node: Node, wire: bytes) -> bytes | None:
+    """One length-prefixed message over a fresh TCP connection; the reply, or None when the
+    server closed the connection without one."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
+    try:
+        writer.write(struct.pack("!H", len(wire)) + wire)
+        try:
+            (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 3))
+        except asyncio.IncompleteReadError:
+            return None
+        return await asyncio.wait_for(reader.readexactly(length), 3)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def _sender(node: Node, source: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    sock.bind((source, 0))
+    return sock
+
+
+async def _exchange(node: Node, sock: socket.socket, wire: bytes) -> bytes | None:
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendto(sock, wire, ("127.0.0.1", port_of(node)))
+    try:
+        return await asyncio.wait_for(loop.sock_recv(sock, 65535), 2)
+    except TimeoutError:
+        return None
+
+
+REPRO_V4 = ("81.2.69.0", 24)
+REPRO_V6 = ("2a02:8800::", 56)
+
+
+async def _repro(node: Node, v4: tuple[str, int], bad: bytes, source: str) -> bytes | None:
+    """The issue's sequence from one sender: an IPv4 /24 ECS query, an IPv6 /56 ECS query,
+    then ``bad`` (the IPv4 query again with bytes appended); the last reply."""
+    sock = await _sender(node, source)
+    try:
+        first = await _exchange(node, sock, q(ecs=v4).to_wire())
+        assert first is not None and dns.message.from_wire(first).rcode() == dns.rcode.NOERROR
+        second = await _exchange(node, sock, q(ecs=REPRO_V6).to_wire())
+        assert second is not None
+        return await _exchange(node, sock, bad)
+    finally:
+        sock.close()
+
+
+async def test_a_v4_query_with_four_bytes_appended_after_a_v6_shape_gets_formerr(
+    start_node: StartNode,
+) -> None:
+    """The repro packets (the issue's two cases), over UDP from one sender: FORMERR with the
+    query's OPT, as the full path (a fresh sender, TCP) answers the same bytes."""
+    node = await start_node()
+    cases = (
+        (REPRO_V4, b"\xff\xff\xff\xff", "127.0.0.2"),  # OverflowError, nothing sent
+        (("0.0.0.0", 24), b"\x00\x00\x00\x01", "127.0.0.3"),  # NOERROR, 7-octet ECS echo
+    )
+    for v4, tail, source in cases:
+        bad = q(ecs=v4).to_wire() + tail
+        assert isinstance(parse_query(bad), Reject)
+        got = await _repro(node, v4, bad, source)
+        assert got is not None, v4  # answered, not dropped by an exception
+        reply = dns.message.from_wire(got)
+        assert reply.rcode() == dns.rcode.FORMERR, v4
+        assert reply.edns == 0 and not reply.answer  # the OPT was readable: it comes back
+        # The full path's answer to the same bytes: over TCP (no ECS path there), and over
+        # UDP from a sender with no shapes.
+        full_tcp = await _tcp_raw(node, bad)
+        full_udp = await raw_udp(node, bad, source="127.0.0.9")
+        assert got == full_udp, v4
+        assert got == full_tcp, v4
+    # The well-formed queries of those shapes still take the ECS path and are answered.
+    sock = await _sender(node, "127.0.0.2")
+    try:
+        for v4 in (("81.2.70.0", 24), REPRO_V4):
+            out = await _exchange(node, sock, q(ecs=v4).to_wire())
+            assert out is not None and dns.message.from_wire(out).answer
+    finally:
+        sock.close()
+
+
+def test_the_repro_bytes_parse_as_a_reject() -> None:
+    """Sanity for the test above: the appended bytes are what makes the packet malformed."""
+    good = q(ecs=REPRO_V4).to_wire()
+    assert isinstance(parse_query(good), Query)
+    bad = parse_query(good + b"\x00\x00\x00\x01")
+    assert isinstance(bad, Reject) and bad.rcode == dns.rcode.FORMERR and bad.edns is not None
