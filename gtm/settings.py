@@ -209,6 +209,9 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Exceptions on an answering path (DNS, the HTTP front) are counted every one, and logged
+    # at most once per path in this many seconds, with a sampled stack (gtm.failures).
+    answer_failure_log_interval_s: float = Field(default=10.0, gt=0)
     # OpenTelemetry traces (gtm.tracing): off unless a collector's OTLP/HTTP base URL is given
     # here or in the standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT. Unset name and ratio: the
     # standard OTEL_SERVICE_NAME (else "gtm") and OTEL_TRACES_SAMPLER (else every request).

@@ -66,8 +66,9 @@ class _UdpProtocol(asyncio.DatagramProtocol):
                         return
         try:
             out = r.answer_udp(data, addr[0], r.rrl is None)
-        except Exception:  # one bad packet must never take the listener down
-            log.exception("dns.udp_failed", peer=str(addr[0]))
+        except Exception as exc:  # a bug a packet reached: counted, logged once an interval
+            r.stats.failed += 1
+            r.runtime.failures.record("dns.udp", exc, peer=str(addr[0]))
             return
         if out is not None:
             self._sendto(out, addr)
@@ -169,8 +170,9 @@ class DnsServer:
                     return
                 try:
                     out = self.responder.answer_tcp(message, peer)
-                except Exception:
-                    log.exception("dns.tcp_failed", peer=str(peer))
+                except Exception as exc:  # as over UDP; the connection is closed
+                    stats.failed += 1
+                    self.responder.runtime.failures.record("dns.tcp", exc, peer=str(peer))
                     return
                 if out is None:
                     return  # unreadable: close, as there is no sane way to resynchronise

@@ -17,9 +17,12 @@ import struct
 
 import dns.message
 import dns.rcode
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from gtm.geodns.wire import Query, Reject, parse_query
 from gtm.node import Node
+from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of, raw_udp
 from .test_server import q
@@ -115,3 +118,63 @@ def test_the_repro_bytes_parse_as_a_reject() -> None:
     assert isinstance(parse_query(good), Query)
     bad = parse_query(good + b"\x00\x00\x00\x01")
     assert isinstance(bad, Reject) and bad.rcode == dns.rcode.FORMERR and bad.edns is not None
+
+
+def _failures(path: str, error: str) -> float:
+    return (
+        REGISTRY.get_sample_value("gtm_answer_failures_total", {"path": path, "error": error})
+        or 0.0
+    )
+
+
+async def test_a_flood_of_packets_that_raise_is_counted_logged_once_and_starves_no_one(
+    start_node: StartNode,
+) -> None:
+    """A bug a packet can reach (injected here: the GeoIP walk of the ECS path raises for
+    5.0.0.0/8, as libmaxminddb's did for a 7-octet "address") hit by 400 packets from one
+    sender: every one counted by path and exception type, one log line for the interval (with
+    the type, where and a stack), and another client answered all along."""
+    node = await start_node(answer_failure_log_interval_s=3600)
+    stats = node.dns_stats
+    geo = node.runtime.store.current.geo
+    real_where = geo.where
+
+    def where(version: int, value: int) -> tuple[tuple[object, ...], int]:
+        if version == 4 and value >> 24 == 5:
+            raise OverflowError("int too big to convert")
+        return real_where(version, value)  # type: ignore[return-value]
+
+    geo.where = where  # type: ignore[method-assign,assignment]
+    before = _failures("dns.udp", "OverflowError")
+    bad_sender = await _sender(node, "127.0.0.4")
+    good_sender = await _sender(node, "127.0.0.5")
+    loop = asyncio.get_running_loop()
+    sent = 0
+    try:
+        # The slow path answers the sender's first query and keeps its shape: the rest take
+        # the ECS path, and each new subnet its GeoIP walk.
+        assert await _exchange(node, bad_sender, q(ecs=REPRO_V4).to_wire()) is not None
+        with capture_logs() as logs:
+            for batch in range(8):
+                for i in range(50):
+                    wire = q(ecs=(f"5.{batch}.{i}.0", 24)).to_wire()
+                    await loop.sock_sendto(bad_sender, wire, ("127.0.0.1", port_of(node)))
+                    sent += 1
+                # Another client, meanwhile: answered every time.
+                reply = await _exchange(node, good_sender, q(ecs=("81.2.70.0", 24)).to_wire())
+                assert reply is not None and dns.message.from_wire(reply).answer, batch
+                await eventually(lambda n=sent: stats.failed == n, what=f"{sent} failures counted")
+    finally:
+        del geo.where
+        bad_sender.close()
+        good_sender.close()
+    assert _failures("dns.udp", "OverflowError") - before == sent
+    lines = [e for e in logs if e["event"] == "answer.failed"]
+    assert len(lines) == 1  # one line for the interval, not one per packet
+    (line,) = lines
+    assert line["path"] == "dns.udp" and line["error_type"] == "OverflowError"
+    assert line["location"].startswith(f"{__name__}:")  # where it was raised: the injection
+    assert "OverflowError: int too big to convert" in line["exception"]
+    assert "responder.py" in line["exception"]  # the stack, through the answering path
+    assert not any(e.get("exc_info") for e in logs)  # no traceback rendered per packet
+    assert node.runtime.failures.logged == 1
