@@ -50,7 +50,7 @@ from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query, peer_address
+from gtm.geodns.wire import Edns, Query, Rcode, Reject, name_to_text, parse_query, peer_address
 from gtm.geodns.zone import (
     Answer,
     aggregated_record,
@@ -67,6 +67,7 @@ IPAddress = IPv4Address | IPv6Address
 DEFAULT_BUDGET = Budget.from_mb(DEFAULT_BUDGET_MB)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
+_CD = 0x0010
 
 
 @dataclass(frozen=True, slots=True)
@@ -870,9 +871,14 @@ class Responder:
         if reject.qname is not None:
             question = reject.qname + struct.pack("!HH", reject.qtype, reject.qclass)
         opt = OptOut(reject.edns.do, None) if reject.edns is not None else None
+        flags = reject.flags
+        if reject.rcode == Rcode.NOTIMP:
+            # An opcode not implemented: RD echoed (RFC 1035 §4.1.1), CD not: it asks for
+            # DNSSEC processing of a query that had none (Knot clears it too).
+            flags &= ~_CD
         wire = response(
             reject.id or 0,
-            reject.flags,
+            flags,
             reject.rcode,
             authoritative=False,
             question=question,

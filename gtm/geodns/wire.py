@@ -52,6 +52,7 @@ class Qtype(IntEnum):
     AAAA = 28
     SRV = 33
     OPT = 41
+    NXNAME = 128
     TKEY = 249
     TSIG = 250
     IXFR = 251
@@ -347,15 +348,18 @@ def _parse_general(wire: bytes) -> Query | Reject:
     edns: Edns | None = None
     opt_record: bytes | None = None
     try:
-        if qdcount != 1:
-            raise _Malformed(f"QDCOUNT is {qdcount}, not 1")
-        qname, pos = _read_name(wire, HEADER.size)
-        if pos + 4 > len(wire):
-            raise _Malformed("truncated question")
-        qtype, qclass = _Q_FIXED.unpack_from(wire, pos)
-        pos += 4
-        if opcode != 0:
-            return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}", qname, qtype, qclass)
+        # Every question is read, so that the records after them are too: a FORMERR for a
+        # QDCOUNT other than 1 carries the query's OPT when it is readable (RFC 6891 §7), as
+        # Knot's does. Only a single question is echoed.
+        pos = HEADER.size
+        for index in range(qdcount):
+            name, pos = _read_name(wire, pos)
+            if pos + 4 > len(wire):
+                raise _Malformed("truncated question")
+            if qdcount == 1 and index == 0:
+                qname = name
+                qtype, qclass = _Q_FIXED.unpack_from(wire, pos)
+            pos += 4
         for section, count in (
             ("answer", ancount),
             ("authority", nscount),
@@ -382,16 +386,28 @@ def _parse_general(wire: bytes) -> Query | Reject:
                 pos += rdlength
         if pos != len(wire):
             raise _Malformed("trailing bytes after the last record")
-        if opt_record is not None and arcount == 1 and opt_record == wire[-len(opt_record) :]:
+        if opcode == 0 and qdcount != 1:
+            raise _Malformed(f"QDCOUNT is {qdcount}, not 1")
+        if (
+            opcode == 0
+            and opt_record is not None
+            and arcount == 1
+            and opt_record == wire[-len(opt_record) :]
+        ):
             _remember_opt(opt_record, edns)  # type: ignore[arg-type]
     except _Malformed as exc:
-        if opcode != 0 and qname is None:
-            return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}")
         if isinstance(exc, _MalformedOption) and edns is None:
             edns = exc.edns
-        return Reject(qid, flags, Rcode.FORMERR, str(exc), qname, qtype, qclass, edns)
+        if opcode == 0:
+            return Reject(qid, flags, Rcode.FORMERR, str(exc), qname, qtype, qclass, edns)
+    if opcode != 0:
+        # An opcode this server does not implement: NOTIMP whatever follows the header (its
+        # format is the opcode's), with the question and OPT when they could be read, as
+        # Knot answers. The flags echoed are trimmed where the response is written.
+        return Reject(qid, flags, Rcode.NOTIMP, f"opcode {opcode}", qname, qtype, qclass, edns)
     if edns is not None and edns.version > 0:
         return Reject(
             qid, flags, Rcode.BADVERS, f"EDNS version {edns.version}", qname, qtype, qclass, edns
         )
+    assert qname is not None  # QDCOUNT 1 was read, or the parse raised
     return Query(qid, flags, qname, name_to_text(qname), qtype, qclass, edns)

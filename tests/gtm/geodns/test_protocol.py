@@ -52,6 +52,7 @@ def meta_query(name: str, rdtype: str, use_edns: bool = True) -> dns.message.Mes
         ("TSIG", dns.rcode.FORMERR),
         ("OPT", dns.rcode.FORMERR),
         ("TYPE200", dns.rcode.NOTIMP),  # an unassigned meta type (RFC 6895 §3.1: 128-255)
+        ("TYPE128", dns.rcode.FORMERR),  # NXNAME: never a question (RFC 9824 §3.5)
     ],
 )
 async def test_meta_and_transfer_types(
@@ -163,3 +164,70 @@ async def test_refused_transfers_are_counted_in_the_audit(start_node: StartNode)
     assert node.runtime.writer.counted == before + 2  # DESIGN.md rule 2: errors are answers
     assert node.dns_stats.queries["tcp", "AXFR", "REFUSED"] == 1
     assert node.dns_stats.queries["udp", "MAILA", "NOTIMP"] == 1
+
+
+async def _raw_tcp(node: Node, wire: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
+    try:
+        writer.write(struct.pack("!H", len(wire)) + wire)
+        (length,) = struct.unpack("!H", await reader.readexactly(2))
+        return await reader.readexactly(length)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def _both(node: Node, wire: bytes) -> list[bytes]:
+    udp_reply = await raw_udp(node, wire)
+    assert udp_reply is not None
+    return [udp_reply, await _raw_tcp(node, wire)]
+
+
+@pytest.mark.parametrize("qdcount", [0, 2])
+async def test_formerr_for_a_question_count_other_than_one_carries_the_opt(
+    start_node: StartNode, qdcount: int
+) -> None:
+    """QDCOUNT 0 (or 2) with a readable OPT: FORMERR with an OPT echoing DO (RFC 6891 §7), no
+    question, as Knot answers. Before, the parse stopped at the count and the FORMERR had none."""
+    node = await start_node()
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, want_dnssec=True)
+    wire = query.to_wire()
+    question, opt = wire[12:-11], wire[-11:]
+    packet = wire[:4] + struct.pack("!HHHH", qdcount, 0, 0, 1) + question * qdcount + opt
+    for raw in await _both(node, packet):
+        reply = dns.message.from_wire(raw)
+        assert reply.id == query.id and reply.rcode() == dns.rcode.FORMERR
+        assert reply.edns == 0 and reply.ednsflags & dns.flags.DO
+        assert not reply.question and not reply.answer
+    # Without an OPT: none in the FORMERR either.
+    plain = dns.message.make_query("chat.gtm.example.", "A", use_edns=False).to_wire()
+    packet = plain[:4] + struct.pack("!HHHH", 0, 0, 0, 0)
+    for raw in await _both(node, packet):
+        reply = dns.message.from_wire(raw)
+        assert reply.rcode() == dns.rcode.FORMERR and reply.edns == -1
+
+
+@pytest.mark.parametrize("opcode", [15, 3])
+async def test_notimp_for_an_unknown_opcode_echoes_rd_not_cd(
+    start_node: StartNode, opcode: int
+) -> None:
+    """An opcode this server does not implement: NOTIMP with the opcode, the question and the
+    OPT echoed, and of the query's flags RD only. RFC 1035 §4.1.1 has RD copied into every
+    response; CD (RFC 4035 §3.2.2) asks for DNSSEC processing of a query this server did not
+    process, and AD is never set by an authority here. Knot 3 answers these exactly so (flags
+    QR, opcode, RD; CD and AD clear; OPT echoed); before, CD was echoed and the OPT dropped."""
+    node = await start_node()
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, want_dnssec=True)
+    query.flags |= dns.flags.RD | dns.flags.CD | dns.flags.AD
+    query.set_opcode(opcode)
+    for raw in await _both(node, query.to_wire()):
+        reply = dns.message.from_wire(raw)
+        assert reply.rcode() == dns.rcode.NOTIMP and reply.opcode() == opcode
+        assert reply.flags & dns.flags.RD
+        assert not reply.flags & (dns.flags.CD | dns.flags.AD | dns.flags.AA | dns.flags.RA)
+        assert reply.question[0].name == dns.name.from_text("chat.gtm.example.")
+        assert reply.edns == 0 and reply.ednsflags & dns.flags.DO
+    # Without RD: none echoed.
+    query.flags &= ~dns.flags.RD
+    for raw in await _both(node, query.to_wire()):
+        assert not dns.message.from_wire(raw).flags & dns.flags.RD
