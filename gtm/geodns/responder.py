@@ -47,7 +47,7 @@ from gtm.geodns.budget import Admitted, Budget, Generations
 from gtm.geodns.dnssec import Signer
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
-from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
+from gtm.geodns.render import OUR_UDP_SIZE, OptOut, compress, rcode_name, response
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import Edns, Query, Rcode, Reject, name_to_text, parse_query, peer_address
@@ -88,7 +88,7 @@ class _Cached:
 # Under a GeoIP network's key: its decisions split the network, look the client bucket up.
 _SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
 # First in the rendered answer's key of a name that does not exist (gtm.geodns.zone.nonexistent),
-# in place of the name: one rendering answers every such name.
+# in place of the name (with its length): one rendering answers every such name of a length.
 _NONEXISTENT = "\x00nonexistent"
 # Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
 # with the ECS echo: the slow path answers them.
@@ -498,10 +498,7 @@ class Responder:
             return _UNPLACED
         self.stats.cache_misses += 1
         client, limit = shape.client, shape.limit
-        if self.signer is None:
-            result = answer(parsed, client, snapshot, now, limit)
-        else:
-            result = self.signer.answer(parsed, client, snapshot, now, limit)
+        result = self._render(parsed, client, snapshot, now, limit)
         return self._placed_from(shape, parsed, result)
 
     def _placed_from(self, shape: Shape, query: Query, result: Answer) -> Placed:
@@ -598,10 +595,7 @@ class Responder:
         """The slow path's answer to a query needing a new decision while the writer is
         behind: rendered, counted on a folded row, kept in no cache (its row is not its
         own)."""
-        if self.signer is None:
-            result = answer(query, client, snapshot, now, limit)
-        else:
-            result = self.signer.answer(query, client, snapshot, now, limit)
+        result = self._render(query, client, snapshot, now, limit)
         record = result.record
         # The type as metric labels say it ("other" past the known ones): a sender cycling
         # through 65,536 types must not make a folded row each (gtm.geodns.zone.stats_qtype).
@@ -623,6 +617,20 @@ class Responder:
         self.stats.cache_misses += 1
         entry.tally(now, self._tallied)
         return result.wire
+
+    def _render(
+        self, query: Query, client: IPAddress, snapshot: Snapshot, now: float, limit: int | None
+    ) -> Answer:
+        """The response to ``query`` (signed when a signer is set), its names compressed
+        (:func:`gtm.geodns.render.compress`), cut for ``limit`` only when the compressed whole
+        does not fit: rendered whole first, and again for the limit only then."""
+        sign = self.signer.answer if self.signer is not None else answer
+        result = sign(query, client, snapshot, now, None)
+        wire = compress(result.wire)
+        if limit is not None and len(wire) > limit:
+            result = sign(query, client, snapshot, now, limit)
+            wire = compress(result.wire)
+        return dataclasses.replace(result, wire=wire)
 
     def _intern(self, blank: AuditRecord) -> AuditRecord:
         """One object per distinct blank record (fold keys then compare by identity); an
@@ -706,10 +714,7 @@ class Responder:
                 # answered, counted on a folded row, kept in no cache (gtm.geodns.shapes).
                 return self._answer_folded(query, client, snapshot, now, limit, udp)
             self.stats.cache_misses += 1
-            if self.signer is None:
-                result = answer(query, client, snapshot, now, limit)
-            else:
-                result = self.signer.answer(query, client, snapshot, now, limit)
+            result = self._render(query, client, snapshot, now, limit)
             rendered = result
             decision, record, patch = result.decision, result.record, 0
             keep = True  # under network_key or key (below)
@@ -859,7 +864,9 @@ class Responder:
                         net,
                         resolver,
                     )
-        name = _NONEXISTENT if absent else query.qname_text
+        # Names that do not exist share a rendering per question length: the compressed
+        # records after the question point to offsets past it (gtm.geodns.render.compress).
+        name: object = (_NONEXISTENT, len(query.qname)) if absent else query.qname_text
         key = (name, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
         return key, network, network_key
 
