@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     # (gtm.geodns.budget). Under about 5.3 MiB the reserve is not covered.
     dns_cache_budget_mb: float = Field(default=DEFAULT_BUDGET_MB, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
+    # The server's identity in class CHAOS (gtm.geodns.identity): id.server. and hostname.bind.
+    # answer the first, version.bind. and version.server. the second. Unset (the default):
+    # REFUSED, as for any name outside the zone.
+    dns_server_id: str | None = Field(default=None, min_length=1, max_length=1000)
+    dns_server_version: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed

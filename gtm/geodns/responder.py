@@ -45,6 +45,7 @@ from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
 from gtm.geodns.budget import Admitted, Budget, Generations
 from gtm.geodns.dnssec import Signer
+from gtm.geodns.identity import QCLASS_CH, ServerIdentity
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
 from gtm.geodns.render import OUR_UDP_SIZE, OptOut, compress, rcode_name, response
@@ -160,8 +161,11 @@ class Responder:
         clock: Callable[[], float] = time.time,
         budget: Budget = DEFAULT_BUDGET,
         signer: Signer | None = None,
+        identity: ServerIdentity | None = None,
     ) -> None:
         self.runtime = runtime
+        # id.server. and version.bind. in class CHAOS, when configured (gtm.geodns.identity).
+        self.identity = identity
         # DNSSEC online signing (gtm.geodns.dnssec), when the zone is signed: it signs answers
         # on a rendered-cache miss and bounds how long the caches keep signed answers.
         self.signer = signer
@@ -624,6 +628,10 @@ class Responder:
         """The response to ``query`` (signed when a signer is set), its names compressed
         (:func:`gtm.geodns.render.compress`), cut for ``limit`` only when the compressed whole
         does not fit: rendered whole first, and again for the limit only then."""
+        if query.qclass == QCLASS_CH and self.identity is not None:
+            chaos = self.identity.answer(query, client, snapshot, limit)
+            if chaos is not None:
+                return chaos
         sign = self.signer.answer if self.signer is not None else answer
         result = sign(query, client, snapshot, now, None)
         wire = compress(result.wire)

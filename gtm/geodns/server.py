@@ -21,6 +21,7 @@ import structlog
 from gtm.errors import ConfigError, Problem
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
+from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder
 from gtm.geodns.stats import DnsStats
@@ -220,7 +221,14 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         else None
     )
     return DnsServer(
-        Responder(runtime, stats, limiter, budget=budget, signer=make_signer(s)),
+        Responder(
+            runtime,
+            stats,
+            limiter,
+            budget=budget,
+            signer=make_signer(s),
+            identity=ServerIdentity(s.dns_server_id, s.dns_server_version),
+        ),
         s.dns_listen,
         tcp_idle_s=s.dns_tcp_idle_s,
         tcp_max_connections=s.dns_tcp_max_connections,

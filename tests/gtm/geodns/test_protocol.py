@@ -231,3 +231,58 @@ async def test_notimp_for_an_unknown_opcode_echoes_rd_not_cd(
     query.flags &= ~dns.flags.RD
     for raw in await _both(node, query.to_wire()):
         assert not dns.message.from_wire(raw).flags & dns.flags.RD
+
+
+CHAOS_NAMES = ("version.bind.", "id.server.", "hostname.bind.", "version.server.")
+
+
+def chaos(name: str, rdtype: str = "TXT") -> dns.message.Message:
+    return dns.message.make_query(name, rdtype, rdclass="CH", use_edns=0)
+
+
+def chaos_text(reply: dns.message.Message) -> str:
+    (rrset,) = reply.answer
+    assert rrset.rdclass == dns.rdataclass.CH and rrset.rdtype == dns.rdatatype.TXT
+    assert rrset.ttl == 0
+    return b"".join(b"".join(r.strings) for r in rrset).decode()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_identity_is_refused_unless_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    node = await start_node()
+    for name in CHAOS_NAMES:
+        reply = await ask(node, transport, chaos(name))
+        assert reply.rcode() == dns.rcode.REFUSED and not reply.answer, name
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_identity_answers_what_is_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    """As Knot answers them: TXT in class CH, TTL 0, AA clear; other types and CHAOS names
+    REFUSED. A version alone configured leaves the identity names REFUSED."""
+    node = await start_node(dns_server_id="edge-fra-1", dns_server_version="gtm")
+    for name, text in zip(CHAOS_NAMES, ("gtm", "edge-fra-1", "edge-fra-1", "gtm"), strict=True):
+        for _ in range(2):  # the second from the caches
+            reply = await ask(node, transport, chaos(name.upper()))
+            assert reply.rcode() == dns.rcode.NOERROR, name
+            assert chaos_text(reply) == text
+            assert not reply.flags & dns.flags.AA and reply.edns == 0
+        any_reply = await ask(node, transport, chaos(name, "ANY"))
+        assert chaos_text(any_reply) == text
+    for name, rdtype in (("version.bind.", "A"), ("authors.bind.", "TXT"), ("id.server.", "NS")):
+        reply = await ask(node, transport, chaos(name, rdtype))
+        assert reply.rcode() == dns.rcode.REFUSED and not reply.answer, (name, rdtype)
+    # Class IN: the zone's answer (REFUSED: outside it), never the identity.
+    reply = await ask(node, transport, dns.message.make_query("id.server.", "TXT", use_edns=0))
+    assert reply.rcode() == dns.rcode.REFUSED
+
+
+async def test_a_long_identity_is_split_into_character_strings(start_node: StartNode) -> None:
+    node = await start_node(dns_server_version="v" * 300)
+    reply = await tcp(node, chaos("version.bind."))
+    (rdata,) = list(reply.answer[0])
+    assert [len(s) for s in rdata.strings] == [255, 45]  # RFC 1035 §3.3.14
+    assert (await udp(node, chaos("id.server."))).rcode() == dns.rcode.REFUSED
