@@ -19,16 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import Counter
+
+from gtm.metrics import ANSWER_FAILURES
 
 log = structlog.get_logger(__name__)
 
-ANSWER_FAILURES = Counter(
-    "gtm_answer_failures",
-    "Exceptions raised while answering a query or request (dropped, or answered with an "
-    "error), by answering path and exception type",
-    ["path", "error"],
-)
 DEFAULT_INTERVAL_S = 10.0
 _MAX_STACK = 16_384  # characters: a sample, never a flood of its own (deep recursion, say)
 
