@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
-from gtm.geodns.wire import HEADER, OPT, ClientSubnet, Rcode
+from gtm.geodns.wire import HEADER, OPT, ClientSubnet, Edns, Rcode
 
 QUESTION_POINTER = b"\xc0\x0c"
 QR, AA, TC = 0x8000, 0x0400, 0x0200
@@ -247,6 +247,12 @@ def compress(wire: bytes) -> bytes:
     if pos != len(wire):
         raise ValueError("bytes after the last record")
     return bytes(out)
+
+
+def udp_limit(edns: Edns | None) -> int:
+    """The size a UDP response to a query with ``edns`` is cut to: never more than 1232
+    whatever the client advertises (DNS flag day 2020); 512 without EDNS (RFC 1035 §4.2.1)."""
+    return min(edns.udp_size, OUR_UDP_SIZE) if edns is not None else 512
 
 
 def rcode_name(rcode: int) -> str:
