@@ -4,9 +4,10 @@ full path does, malformed ones included, or both send nothing.
 For each example a fresh sender first teaches the node some valid ECS queries (IPv4 and IPv6
 of several source lengths, with and without DO, cookies before the ECS, several buffer sizes:
 the shapes its ECS path then knows), then sends one query mutated from those (another subnet,
-bits past the prefix, bytes appended, cut, changed or inserted, another header); another fresh
-sender sends the same bytes. The node has never heard from the second, so it answers it on the
-full path; the first's takes the ECS path wherever the query's bytes match one of its shapes.
+bits past the prefix, bytes appended, cut, changed or inserted, another header), or from a
+query of another shape or without EDNS; another fresh sender sends the same bytes. The node
+has never heard from the second, so it answers it on the full path; the first's takes the ECS
+path wherever the query's bytes match one of its shapes.
 The replies must be equal, or both absent. Whether a reply is absent is known without a
 timeout: the sender asks a sentinel question next, whose answer comes after the mutated
 query's (one socket, one loop, answered in order).
@@ -146,14 +147,31 @@ def sibling(draw: st.DrawFn, wire: bytes) -> bytes:
 
 
 @st.composite
+def plain_queries(draw: st.DrawFn) -> bytes:
+    """A query without ECS: without EDNS, or with EDNS and DO (the ECS path never takes
+    them; bytes appended to one can still end like a shape's address)."""
+    query = dns.message.make_query(
+        draw(st.sampled_from(NAMES)),
+        draw(st.sampled_from(TYPES)),
+        use_edns=draw(st.sampled_from((False, 0))),
+        want_dnssec=draw(st.booleans()),
+    )
+    query.id = draw(st.integers(0, 0xFFFF))
+    return query.to_wire()
+
+
+@st.composite
 def cases(draw: st.DrawFn) -> Case:
     teach = tuple(draw(st.lists(valid_queries(), min_size=1, max_size=4)))
     # Mostly a query of a taught shape with another subnet (what the ECS path answers), then
-    # mutated or not; else a query of another shape altogether, mutated.
-    if draw(st.integers(0, 4)):
+    # mutated or not; else a query of another shape altogether, or one without ECS, mutated.
+    kind = draw(st.integers(0, 9))
+    if kind < 8:
         base = draw(sibling(draw(st.sampled_from(teach))))
-    else:
+    elif kind == 8:
         base = draw(valid_queries())
+    else:
+        base = draw(plain_queries())
     return Case(teach, draw(mutated(base)))
 
 
