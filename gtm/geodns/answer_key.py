@@ -37,11 +37,11 @@ def answer_key(
     shape: tuple[object, ...] | None = None
     if edns is not None:
         if ecs is None:
-            shape = (edns.do,)
+            shape = (edns.do, edns.nsid)
         elif absent:  # its echo (scope 0) ends the response: patched in per query
-            shape = (edns.do, ecs.family, ecs.source)
+            shape = (edns.do, edns.nsid, ecs.family, ecs.source)
         else:
-            shape = (edns.do, ecs.family, ecs.source, ecs.address)
+            shape = (edns.do, edns.nsid, ecs.family, ecs.source, ecs.address)
     if ecs is not None and ecs.source > 0 and not absent:
         located = ecs.network.network_address
         bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket
@@ -68,7 +68,7 @@ def answer_key(
                     query.qname_text,
                     query.qtype,
                     query.qclass,
-                    (shape[0] if shape else None, ecs.family, ecs.source),
+                    (shape[:2] if shape else None, ecs.family, ecs.source),
                     limit,
                     net,
                     resolver,

@@ -1,11 +1,14 @@
 """The server's identity in class CHAOS: ``id.server.`` / ``hostname.bind.`` and
-``version.bind.`` / ``version.server.`` (RFC 4892), off unless configured.
+``version.bind.`` / ``version.server.`` (RFC 4892), and in the NSID option (RFC 5001), off unless
+configured.
 
 Operators ask which anycast instance answered (``dig CH TXT id.server``), as they do of NSD, Knot
 and BIND. Each pair is answered only when its setting is given (``GTM_DNS_SERVER_ID``,
 ``GTM_DNS_SERVER_VERSION``); otherwise, and for any other CHAOS name or type, REFUSED as for
 every name outside the zone. As Knot 3 answers them: TXT (or ANY) in class CH, TTL 0, the
-question's name as owner, AA clear (these names are no zone's), no ECS echo.
+question's name as owner, AA clear (these names are no zone's), no ECS echo. A query with an
+NSID option gets the server id back in one, first in the OPT record (an ECS echo stays last),
+on every answer; without a server id configured, none.
 """
 
 from __future__ import annotations
@@ -14,8 +17,15 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
 from gtm.decision.snapshot import Snapshot
-from gtm.geodns.render import QUESTION_POINTER, OptOut, record, response, txt_rdata
-from gtm.geodns.wire import Qtype, Query, Rcode
+from gtm.geodns.render import (
+    QUESTION_POINTER,
+    OptOut,
+    record,
+    response,
+    txt_rdata,
+    with_option,
+)
+from gtm.geodns.wire import NSID_CODE, Qtype, Query, Rcode
 from gtm.geodns.zone import Answer, aggregated_record, question_wire, zone_data
 
 IPAddress = IPv4Address | IPv6Address
@@ -40,6 +50,14 @@ class ServerIdentity:
         if query.qname_text in _VERSION_NAMES:
             return self.version
         return None
+
+    def with_nsid(self, query: Query, wire: bytes) -> bytes:
+        """``wire`` (the response to ``query``) with the NSID option when the query asked for
+        it and a server id is configured; else as it is."""
+        if self.server_id is None or query.edns is None or not query.edns.nsid:
+            return wire
+        out = with_option(wire, NSID_CODE, self.server_id.encode())
+        return out if out is not None else wire
 
     def answer(
         self, query: Query, client: IPAddress, snapshot: Snapshot, limit: int | None

@@ -249,6 +249,28 @@ def compress(wire: bytes) -> bytes:
     return bytes(out)
 
 
+def with_option(wire: bytes, code: int, data: bytes) -> bytes | None:
+    """``wire`` with one more EDNS option, first in its OPT record (an ECS echo stays last, as
+    the responder's ECS path needs); None when the OPT is not the message's last record (every
+    response written here ends with it)."""
+    counts = HEADER.unpack_from(wire)[2:]
+    pos = 12
+    for _ in range(counts[0]):
+        pos = _read_name(wire, pos)[1] + 4
+    start = -1
+    for _ in range(sum(counts[1:])):
+        start = pos
+        pos = _read_name(wire, pos)[1]
+        rdlength = _U16.unpack_from(wire, pos + 8)[0]
+        pos += _RR.size + rdlength
+    if start < 0 or wire[start] != 0 or _U16.unpack_from(wire, start + 1)[0] != OPT:
+        return None
+    rdlength = _U16.unpack_from(wire, start + 9)[0]
+    option = struct.pack("!HH", code, len(data)) + data
+    head = wire[: start + 9] + _U16.pack(rdlength + len(option))
+    return head + option + wire[start + 11 :]
+
+
 def udp_limit(edns: Edns | None) -> int:
     """The size a UDP response to a query with ``edns`` is cut to: never more than 1232
     whatever the client advertises (DNS flag day 2020); 512 without EDNS (RFC 1035 §4.2.1)."""

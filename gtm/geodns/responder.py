@@ -376,16 +376,23 @@ class Responder(EcsPath):
         """The response to ``query`` (signed when a signer is set), its names compressed
         (:func:`gtm.geodns.render.compress`), cut for ``limit`` only when the compressed whole
         does not fit: rendered whole first, and again for the limit only then."""
-        if query.qclass == QCLASS_CH and self.identity is not None:
-            chaos = self.identity.answer(query, client, snapshot, limit)
+        identity = self.identity
+        if identity is not None and query.qclass == QCLASS_CH:
+            chaos = identity.answer(query, client, snapshot, limit)
             if chaos is not None:
                 return chaos
         sign = self.signer.answer if self.signer is not None else answer
         result = sign(query, client, snapshot, now, None)
         wire = compress(result.wire)
+        if identity is not None:
+            wire = identity.with_nsid(query, wire)
         if limit is not None and len(wire) > limit:
             result = sign(query, client, snapshot, now, limit)
             wire = compress(result.wire)
+            if identity is not None:
+                with_nsid = identity.with_nsid(query, wire)
+                # The NSID is left out only when it alone would not fit.
+                wire = with_nsid if len(with_nsid) <= limit else wire
         return dataclasses.replace(result, wire=wire)
 
     def _intern(self, blank: AuditRecord) -> AuditRecord:

@@ -29,6 +29,7 @@ _Q_FIXED = struct.Struct("!HH")
 
 MAX_NAME = 255
 OPT = 41
+NSID_CODE = 3
 ECS_CODE = 8
 
 
@@ -83,6 +84,7 @@ class Edns:
     version: int
     do: bool
     ecs: ClientSubnet | None
+    nsid: bool = False  # the query asked for the server's identity (RFC 5001)
 
 
 class Query(NamedTuple):
@@ -219,6 +221,7 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
     # Advertised sizes below 512 are treated as 512 (RFC 6891 §6.2.5).
     udp_size = max(rr_class, 512)
     ecs: ClientSubnet | None = None
+    nsid = False
     pos, end = rdata_start, rdata_start + rdlength
     try:
         while pos < end:
@@ -232,12 +235,14 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
                 if ecs is not None:
                     raise _Malformed("more than one ECS option")
                 ecs = _parse_ecs(wire[pos : pos + length])
+            elif code == NSID_CODE:
+                nsid = True  # its payload, empty in a query (RFC 5001 §2.1), is not read
             # Other options (cookies, padding, unknown codes) are ignored and never echoed
             # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
             pos += length
     except _Malformed as exc:
         raise _MalformedOption(str(exc), Edns(udp_size, version, do, None)) from None
-    return Edns(udp_size, version, do, ecs)
+    return Edns(udp_size, version, do, ecs, nsid)
 
 
 _NAMES: dict[bytes, str] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Any
 
 import dns.edns
 import dns.flags
@@ -286,3 +287,66 @@ async def test_a_long_identity_is_split_into_character_strings(start_node: Start
     (rdata,) = list(reply.answer[0])
     assert [len(s) for s in rdata.strings] == [255, 45]  # RFC 1035 §3.3.14
     assert (await udp(node, chaos("id.server."))).rcode() == dns.rcode.REFUSED
+
+
+def nsid_query(ecs: str | None = None, nsid: bool = True) -> dns.message.Message:
+    options: list[dns.edns.Option] = [dns.edns.NSIDOption(b"")] if nsid else []
+    if ecs is not None:
+        options.append(dns.edns.ECSOption(ecs, 24))
+    return dns.message.make_query("chat.gtm.example.", "A", use_edns=0, options=options)
+
+
+def nsid_of(reply: dns.message.Message) -> bytes | None:
+    found = [o for o in reply.options if o.otype == dns.edns.OptionType.NSID]
+    return found[0].nsid if found else None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_nsid_is_answered_with_the_server_id_when_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    """RFC 5001: a query with an NSID option gets the server id in one, on every answer, the
+    ECS echo still last in the OPT record; without a server id configured, none."""
+    node = await start_node(dns_server_id="edge-fra-1")
+    for _ in range(2):  # the second from the caches
+        reply = await ask(node, transport, nsid_query())
+        assert nsid_of(reply) == b"edge-fra-1" and reply.answer
+        reply = await ask(node, transport, nsid_query("198.51.100.0"))
+        assert nsid_of(reply) == b"edge-fra-1" and reply.answer
+        assert reply.options[-1].otype == dns.edns.OptionType.ECS
+        assert nsid_of(await ask(node, transport, nsid_query(nsid=False))) is None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_no_nsid_without_a_server_id(start_node: StartNode, transport: str) -> None:
+    node = await start_node()
+    reply = await ask(node, transport, nsid_query("198.51.100.0"))
+    assert nsid_of(reply) is None and reply.answer
+
+
+async def test_nsid_answers_alike_on_the_ecs_path(start_node: StartNode) -> None:
+    """A sender's second ECS query of a shape takes the ECS path: the same bytes as the full
+    path gives another sender, NSID included."""
+    node = await start_node(dns_server_id="edge-fra-1")
+    responder = node.dns.responder  # type: ignore[union-attr]
+    # Two subnets of one wide GeoIP network (tests.support.geoip.WORLD: 100.72.0.0/13).
+    taught = await udp(node, nsid_query("100.72.1.0"), source="127.0.0.2")
+    assert nsid_of(taught) == b"edge-fra-1"
+    query = nsid_query("100.73.2.0")
+    wire = query.to_wire()
+    shaped = responder._shaped
+    answered: list[bytes | None] = []
+
+    def watched(*args: Any) -> bytes | None:
+        answered.append(shaped(*args))
+        return answered[-1]
+
+    responder._shaped = watched  # watched, not changed: which path answered
+    try:
+        fast = await raw_udp(node, wire, source="127.0.0.2")
+    finally:
+        del responder._shaped
+    assert answered == [fast]  # the ECS path answered it
+    full = await raw_udp(node, wire, source="127.0.0.3")
+    assert fast is not None and fast == full
+    assert nsid_of(dns.message.from_wire(fast)) == b"edge-fra-1"
