@@ -47,9 +47,10 @@ class Settings(BaseSettings):
     # (gtm.geodns.budget). Under about 5.3 MiB the reserve is not covered.
     dns_cache_budget_mb: float = Field(default=DEFAULT_BUDGET_MB, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
-    # The server's identity in class CHAOS (gtm.geodns.identity): id.server. and hostname.bind.
-    # answer the first, version.bind. and version.server. the second. Unset (the default):
-    # REFUSED, as for any name outside the zone.
+    # The server's identity (gtm.geodns.identity): in class CHAOS, id.server. and hostname.bind.
+    # answer the first, version.bind. and version.server. the second; the first is also the
+    # NSID option's (RFC 5001) for queries that ask. Unset (the default): REFUSED, as for any
+    # name outside the zone, and no NSID.
     dns_server_id: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_server_version: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)

@@ -2,15 +2,15 @@
 full path does, malformed ones included, or both send nothing.
 
 For each example a fresh sender first teaches the node some valid ECS queries (IPv4 and IPv6
-of several source lengths, with and without DO, cookies before the ECS, several buffer sizes:
-the shapes its ECS path then knows), then sends one query mutated from those (another subnet,
-bits past the prefix, bytes appended, cut, changed or inserted, another header), or from a
-query of another shape or without EDNS; another fresh sender sends the same bytes. The node
-has never heard from the second, so it answers it on the full path; the first's takes the ECS
-path wherever the query's bytes match one of its shapes.
-The replies must be equal, or both absent. Whether a reply is absent is known without a
-timeout: the sender asks a sentinel question next, whose answer comes after the mutated
-query's (one socket, one loop, answered in order).
+of several source lengths, with and without DO, cookies or NSID before the ECS, several buffer
+sizes: the shapes its ECS path then knows), then sends one query mutated from those (another
+subnet, bits past the prefix, bytes appended, cut, changed or inserted, another header), or
+from a query of another shape or without EDNS; another fresh sender sends the same bytes. The
+node has never heard from the second, so it answers it on the full path; the first's takes the
+ECS path wherever the query's bytes match one of its shapes. The replies must be equal, or both
+absent. Whether a reply is absent is known without a timeout: the sender asks a sentinel
+question next, whose answer comes after the mutated query's (one socket, one loop, answered in
+order).
 
 Hypothesis runs derandomized with a fixed example count (``EXAMPLES``) and no deadline, so CI
 time is bounded and the run is the same every time. Inputs that ever differed are kept in
@@ -87,6 +87,8 @@ def valid_queries(draw: st.DrawFn) -> bytes:
     options: list[dns.edns.Option] = []
     if draw(st.integers(0, 4)) == 0:  # a cookie before the ECS
         options.append(dns.edns.GenericOption(10, draw(st.binary(min_size=8, max_size=8))))
+    if draw(st.integers(0, 3)) == 0:  # NSID asked (the node has a server id: answered)
+        options.append(dns.edns.NSIDOption(b""))
     options.append(dns.edns.ECSOption(address, source))
     query = dns.message.make_query(
         draw(st.sampled_from(NAMES)),
@@ -245,7 +247,11 @@ def _corpus() -> list[tuple[str, Case]]:
 
 async def _pair(start_node: StartNode) -> Pair:
     # No audit flush during the run: the node answers, the writer only collects.
-    return Pair(await start_node(audit_flush_interval_s=3600, audit_journal_interval_s=0))
+    return Pair(
+        await start_node(
+            audit_flush_interval_s=3600, audit_journal_interval_s=0, dns_server_id="fuzz"
+        )
+    )
 
 
 async def test_inputs_that_ever_differed_are_answered_alike(start_node: StartNode) -> None:
