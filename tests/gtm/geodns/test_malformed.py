@@ -178,3 +178,43 @@ async def test_a_flood_of_packets_that_raise_is_counted_logged_once_and_starves_
     assert "responder.py" in line["exception"]  # the stack, through the answering path
     assert not any(e.get("exc_info") for e in logs)  # no traceback rendered per packet
     assert node.runtime.failures.logged == 1
+
+
+_LONG = b"\x01a" * 127 + b"\x00"  # a 255-octet name of 127 labels
+
+
+def _pointer_flood(questions: bool) -> bytes:
+    """A 64 KB message whose every question (or answer record) is a pointer to a 127-label
+    name: each would be read label by label again (0.54 s to parse the answer-record kind
+    before the label budget, and it was then answered)."""
+    body = _LONG + b"\x00\x01\x00\x01"
+    if questions:
+        n = (65535 - 12 - len(body)) // 6
+        head = struct.pack("!HHHHHH", 0x1234, 0, 1 + n, 0, 0, 0)
+        return head + body + b"\xc0\x0c\x00\x01\x00\x01" * n
+    n = (65535 - 12 - len(body)) // 12
+    head = struct.pack("!HHHHHH", 0x1234, 0, 1, n, 0, 0)
+    return head + body + b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x00\x00\x00" * n
+
+
+def test_a_packet_may_read_only_so_many_labels() -> None:
+    for questions in (True, False):
+        reject = parse_query(_pointer_flood(questions))
+        assert isinstance(reject, Reject) and reject.rcode == dns.rcode.FORMERR
+        assert reject.reason == "more names than a query holds"
+    # What a query may legitimately hold stays well inside: an IXFR with its SOA (two
+    # 255-octet names in its data) and an OPT, every name as long as a name gets.
+    soa = _LONG + struct.pack("!HHIH", 6, 1, 0, 2 * len(_LONG) + 20) + _LONG * 2 + bytes(20)
+    opt = b"\x00" + struct.pack("!HHIH", 41, 1232, 0, 0)
+    ixfr = struct.pack("!HHHHHH", 7, 0, 1, 0, 1, 1) + _LONG + b"\x00\xfb\x00\x01" + soa + opt
+    query = parse_query(ixfr)
+    assert isinstance(query, Query) and query.qtype == 251 and query.edns is not None
+
+
+async def test_a_message_of_pointers_is_formerr_over_tcp(start_node: StartNode) -> None:
+    node = await start_node()
+    for questions in (True, False):
+        reply = await _tcp_raw(node, _pointer_flood(questions))
+        assert reply is not None
+        message = dns.message.from_wire(reply)
+        assert message.id == 0x1234 and message.rcode() == dns.rcode.FORMERR
