@@ -23,7 +23,8 @@ class Cached:
     # the ECS address it was rendered for, replaced with each query's own.
     patch: int = 0
     # Octets of the question name the template was rendered with: another query's name takes
-    # their place (the same name in another case; or, for a name that does not exist, any).
+    # their place (the same name in another case; or, for a name that does not exist, any of
+    # the same length).
     name_len: int = 0
 
 

@@ -9,8 +9,9 @@ shape, UDP limit, client network, GeoIP bucket) within one decision epoch (succe
 that decide alike: routine capacity reports keep the caches, :mod:`gtm.decision.answer_window`),
 and only until the next instant at which a decision can change with time alone: when one of
 the snapshot's capacity reports goes stale. A name that does not exist is keyed as every other
-such name: their answers differ only in the question (:func:`gtm.geodns.zone.nonexistent`), so
-a random-name flood renders none.
+such name of its length: their answers differ only in the question
+(:func:`gtm.geodns.zone.nonexistent`; the length, because compressed names after the question
+point past it), so a random-name flood renders at most one per length.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
 integer increment, and the audit writer drains the tallies at each flush (the responder is one

@@ -162,8 +162,9 @@ def nonexistent(query: Query, zone: ZoneData) -> bool:
     name in the zone that holds nothing (no service, static record, apex, nameserver glue or
     longer name below it). Such responses differ from one name to another only in their
     question (the SOA in the authority section is owned by the apex, written out in full), so
-    the responder renders one per query shape and sender for any name: a flood of random names
-    under the zone costs a parse and a dictionary lookup a query, not an answer rendered each
+    the responder renders one per query shape, sender and name length (compressed, the names
+    after the question point past it) for any name: a flood of random names under the zone
+    costs a parse and a dictionary lookup a query, not an answer rendered each
     (tests/gtm/geodns/test_static_records.py checks it against answer())."""
     name = query.qname_text
     return (
