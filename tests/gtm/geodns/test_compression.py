@@ -76,13 +76,20 @@ async def test_names_are_compressed_and_mean_what_they_meant(start_node: StartNo
     snapshot = node.runtime.store.current
     for edns, ns_size in ((0, 164), (False, 153)):
         query = dns.message.make_query("gtm.example.", "NS", use_edns=edns)
-        for raw in (await raw_udp(node, query.to_wire()), await _raw_tcp(node, query.to_wire())):
+        for raw in (
+            await raw_udp(node, query.to_wire(), wait=10),
+            await _raw_tcp(node, query.to_wire()),
+        ):
             assert raw is not None and len(raw) == ns_size  # Knot's size for the same data
     for name, rdtype in QUERIES:
         for transport in ("udp", "tcp"):
             query = dns.message.make_query(name, rdtype, use_edns=0)
             wire = query.to_wire()
-            raw = await raw_udp(node, wire) if transport == "udp" else await _raw_tcp(node, wire)
+            raw = (
+                await raw_udp(node, wire, wait=10)
+                if transport == "udp"
+                else await _raw_tcp(node, wire)
+            )
             assert raw is not None
             parsed = parse_query(wire)
             assert isinstance(parsed, Query)
@@ -96,7 +103,7 @@ async def test_names_are_compressed_and_mean_what_they_meant(start_node: StartNo
             assert raw == compress(full.wire)
     # An SRV target is never compressed (RFC 2782), nor anything else in its data.
     query = dns.message.make_query("_submission._tcp.gtm.example.", "SRV", use_edns=0)
-    raw = await raw_udp(node, query.to_wire())
+    raw = await raw_udp(node, query.to_wire(), wait=10)
     assert raw is not None
     assert struct.pack("!HHH", 0, 1, 587) + name_wire("mail.gtm.example.") in raw
 
@@ -114,7 +121,7 @@ async def test_names_that_do_not_exist_of_other_lengths_get_their_own_pointers(
             name = f"{label}.gtm.example."
             query = dns.message.make_query(name, "A", use_edns=use_edns)
             for raw in (
-                await raw_udp(node, query.to_wire()),
+                await raw_udp(node, query.to_wire(), wait=10),
                 await _raw_tcp(node, query.to_wire()),
             ):
                 assert raw is not None
@@ -147,7 +154,7 @@ async def test_a_signed_answer_that_fits_512_octets_compressed_is_not_truncated(
     )
     query = dns.message.make_query("gtm.example.", "NS", use_edns=0, want_dnssec=True, payload=512)
     wire = query.to_wire()
-    raw = await raw_udp(node, wire) if transport == "udp" else await _raw_tcp(node, wire)
+    raw = await raw_udp(node, wire, wait=10) if transport == "udp" else await _raw_tcp(node, wire)
     assert raw is not None
     reply = dns.message.from_wire(raw)
     assert not reply.flags & dns.flags.TC

@@ -179,7 +179,7 @@ async def _raw_tcp(node: Node, wire: bytes) -> bytes:
 
 
 async def _both(node: Node, wire: bytes) -> list[bytes]:
-    udp_reply = await raw_udp(node, wire)
+    udp_reply = await raw_udp(node, wire, wait=10)
     assert udp_reply is not None
     return [udp_reply, await _raw_tcp(node, wire)]
 
@@ -343,10 +343,10 @@ async def test_nsid_answers_alike_on_the_ecs_path(start_node: StartNode) -> None
 
     responder._shaped = watched  # watched, not changed: which path answered
     try:
-        fast = await raw_udp(node, wire, source="127.0.0.2")
+        fast = await raw_udp(node, wire, wait=10, source="127.0.0.2")
     finally:
         del responder._shaped
     assert answered == [fast]  # the ECS path answered it
-    full = await raw_udp(node, wire, source="127.0.0.3")
+    full = await raw_udp(node, wire, wait=10, source="127.0.0.3")
     assert fast is not None and fast == full
     assert nsid_of(dns.message.from_wire(fast)) == b"edge-fra-1"
