@@ -160,3 +160,9 @@ HEALTH_OBSERVATIONS_REFUSED = Counter(
     "key, unsigned, bad signature, dated in the future, older than one accepted, malformed)",
     ["reason"],
 )
+ANSWER_FAILURES = Counter(
+    "gtm_answer_failures",
+    "Exceptions raised while answering a query or request (dropped, or answered with an "
+    "error), by answering path and exception type (gtm.failures)",
+    ["path", "error"],
+)

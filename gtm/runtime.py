@@ -39,6 +39,7 @@ from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
 from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
+from gtm.failures import Failures
 from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.local_documents import Accepted, read_accepted, review, write_accepted
@@ -110,6 +111,8 @@ class Runtime:
         self.store = SnapshotStore(
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
         )
+        # Exceptions on the answering paths: counted, logged once per interval (gtm.failures).
+        self.failures = Failures(settings.answer_failure_log_interval_s)
         self.engine = make_async_engine(settings.database_url)
         key_path = settings.audit_signing_key or settings.spool_dir / KEY_NAME
         self.spool = Spool(settings.spool_dir, settings.node_id, load_or_create(key_path))

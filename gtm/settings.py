@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     # (gtm.geodns.budget). Under about 5.3 MiB the reserve is not covered.
     dns_cache_budget_mb: float = Field(default=DEFAULT_BUDGET_MB, gt=0)
     dns_tcp_idle_s: float = Field(default=10.0, gt=0)
+    # The server's identity (gtm.geodns.identity): in class CHAOS, id.server. and hostname.bind.
+    # answer the first, version.bind. and version.server. the second; the first is also the
+    # NSID option's (RFC 5001) for queries that ask. Unset (the default): REFUSED, as for any
+    # name outside the zone, and no NSID.
+    dns_server_id: str | None = Field(default=None, min_length=1, max_length=1000)
+    dns_server_version: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
@@ -209,6 +215,9 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Exceptions on an answering path (DNS, the HTTP front) are counted every one, and logged
+    # at most once per path in this many seconds, with a sampled stack (gtm.failures).
+    answer_failure_log_interval_s: float = Field(default=10.0, gt=0)
     # OpenTelemetry traces (gtm.tracing): off unless a collector's OTLP/HTTP base URL is given
     # here or in the standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT. Unset name and ratio: the
     # standard OTEL_SERVICE_NAME (else "gtm") and OTEL_TRACES_SAMPLER (else every request).

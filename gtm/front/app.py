@@ -181,8 +181,8 @@ class FrontApp:
         request = DecisionRequest(Channel.HTTP, client, service.id, host, None, classes, tenant_id)
         try:
             decision = decide(request, snapshot, self.ledger.clock())
-        except Exception:  # a bug, not input: answered and counted like everything else
-            log.exception("front.decide_failed", host=host, service=service.id)
+        except Exception as exc:  # a bug, not input: answered and counted like everything else
+            self.runtime.failures.record("front.decide", exc, host=host, service=service.id)
             await send_json(send, 500, {"error": "internal", "message": "no decision"}, [])
             self.ledger.count_rejected(snapshot, peer, host, method, 500)
             return

@@ -345,8 +345,8 @@ def protocol_for(
                         self.server_state.default_headers,
                         keep_alive,
                     )
-                except Exception:  # nothing was counted: the request cycle answers instead
-                    log.exception("front.fast_path_failed")
+                except Exception as exc:  # nothing was counted: the request cycle answers
+                    app.runtime.failures.record("front.fast_path", exc)
                     response = None
                 if response is not None:
                     self.cycle = _ANSWERED

@@ -9,24 +9,27 @@ shape, UDP limit, client network, GeoIP bucket) within one decision epoch (succe
 that decide alike: routine capacity reports keep the caches, :mod:`gtm.decision.answer_window`),
 and only until the next instant at which a decision can change with time alone: when one of
 the snapshot's capacity reports goes stale. A name that does not exist is keyed as every other
-such name: their answers differ only in the question (:func:`gtm.geodns.zone.nonexistent`), so
-a random-name flood renders none.
+such name of its length: their answers differ only in the question
+(:func:`gtm.geodns.zone.nonexistent`; the length, because compressed names after the question
+point past it), so a random-name flood renders at most one per length.
 
 Answers given from the exact-query cache (nearly all of them) are tallied on the cache entry, an
 integer increment, and the audit writer drains the tallies at each flush (the responder is one
 of its sources): counting through the writer per answer cost a fifth of the answering path.
 Their response counters are folded into :class:`DnsStats` at the same time. The sockets are
 :mod:`gtm.geodns.server`'s.
+
+Beside this module: the ECS path (:mod:`gtm.geodns.ecs_path`, the responder's base class), the
+cache entries (:mod:`gtm.geodns.entries`), the second level's keys (:mod:`gtm.geodns.answer_key`)
+and the answers to rejected packets and rate-limit slips (:mod:`gtm.geodns.rejects`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 from typing import Any
 
@@ -35,30 +38,23 @@ import structlog
 from gtm.audit.record import FOLD_V4, FOLD_V6, AuditRecord
 from gtm.audit.writer import Tally
 from gtm.decision.answer_window import AnswerWindow
-from gtm.decision.geoip import Location
 from gtm.decision.memos import DEFAULT_BUDGET_MB
-from gtm.decision.model import IPNetwork
-from gtm.decision.plan import location_class
-from gtm.decision.policy import Place
-from gtm.decision.routing import residency_basis, resolver_place, resolver_place_on
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
+from gtm.geodns.answer_key import answer_key
 from gtm.geodns.budget import Admitted, Budget, Generations
 from gtm.geodns.dnssec import Signer
+from gtm.geodns.ecs_path import EcsPath
+from gtm.geodns.entries import SPLIT, Cached, Exact, takes_name
+from gtm.geodns.identity import QCLASS_CH, ServerIdentity
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
-from gtm.geodns.render import OUR_UDP_SIZE, OptOut, rcode_name, response
-from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, network_text, with_client
+from gtm.geodns.rejects import reject_response, slip_response
+from gtm.geodns.render import compress, rcode_name, udp_limit
+from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, with_client
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Edns, Query, Reject, name_to_text, parse_query, peer_address
-from gtm.geodns.zone import (
-    Answer,
-    aggregated_record,
-    answer,
-    nonexistent,
-    stats_qtype,
-    zone_data,
-)
+from gtm.geodns.wire import Query, Reject, parse_query, peer_address
+from gtm.geodns.zone import Answer, answer, nonexistent, stats_qtype, zone_data
 from gtm.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -69,77 +65,7 @@ _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from e
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
 
-@dataclass(frozen=True, slots=True)
-class _Cached:
-    template: bytes  # rendered with ID 0 and RD/CD clear
-    flags: int
-    record: AuditRecord
-    rcode_name: str
-    truncated: bool
-    # Kept per GeoIP network (gtm.geodns.precision): the template's last ``patch`` bytes are
-    # the ECS address it was rendered for, replaced with each query's own.
-    patch: int = 0
-    # Octets of the question name the template was rendered with: another query's name takes
-    # their place (the same name in another case; or, for a name that does not exist, any).
-    name_len: int = 0
-
-
-# Under a GeoIP network's key: its decisions split the network, look the client bucket up.
-_SPLIT = _Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
-# First in the rendered answer's key of a name that does not exist (gtm.geodns.zone.nonexistent),
-# in place of the name: one rendering answers every such name.
-_NONEXISTENT = "\x00nonexistent"
-# Under a GeoIP place's key (gtm.geodns.shapes): its answers differ by network, or do not end
-# with the ECS echo: the slow path answers them.
-_UNPLACED = Placed(b"", False, None, None, ("", "", ""), False)  # type: ignore[arg-type]
-_NO_FACE = _UNPLACED.face(0, 32)  # in the memo: a subnet of such a place
-
-
-class _Exact:
-    """The whole response to one exact query from one sender, and the answers given from it
-    since the audit writer last drained them (``n``, with the first and last answer's time)."""
-
-    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated")
-
-    def __init__(
-        self, tail: bytes, record: AuditRecord, stats_key: tuple[str, str, str], truncated: bool
-    ) -> None:
-        self.tail = tail  # the whole response after its ID
-        self.record = record
-        self.stats_key = stats_key
-        self.truncated = truncated
-        self.n = 0
-        self.first = self.last = 0.0
-
-    def tally(self, now: float, tallied: list[_Exact]) -> None:
-        """One more answer given from this entry at ``now``; listed in ``tallied`` (the
-        responder's, drained by the audit writer) at its first since the last drain. (The
-        UDP listener inlines this for its exact-query hits: gtm.geodns.server.)"""
-        if self.n:
-            self.n += 1
-        else:
-            self.n = 1
-            self.first = now
-            tallied.append(self)
-        self.last = now
-
-
-def _takes_name(cached: _Cached, name_len: int, limit: int | None) -> bool:
-    """Whether the rendering shared by names that do not exist answers a question name of
-    ``name_len`` octets as it stands: it was not truncated, and with this name in place of the
-    one it was rendered for it stays within the UDP limit."""
-    return not cached.truncated and (
-        limit is None or len(cached.template) - cached.name_len + name_len <= limit
-    )
-
-
-def udp_limit(edns: Edns | None) -> int:
-    # Never more than 1232 over UDP whatever the client advertises (DNS flag day 2020); 512
-    # without EDNS (RFC 1035 §4.2.1).
-    return min(edns.udp_size, OUR_UDP_SIZE) if edns is not None else 512
-
-
-class Responder:
+class Responder(EcsPath):
     """Answers DNS messages from memory, in two levels of cache over :func:`answer`.
 
     First level (:meth:`answer_udp`, :meth:`answer_tcp`): per transport and sender, the exact
@@ -159,8 +85,11 @@ class Responder:
         clock: Callable[[], float] = time.time,
         budget: Budget = DEFAULT_BUDGET,
         signer: Signer | None = None,
+        identity: ServerIdentity | None = None,
     ) -> None:
         self.runtime = runtime
+        # id.server. and version.bind. in class CHAOS, when configured (gtm.geodns.identity).
+        self.identity = identity
         # DNSSEC online signing (gtm.geodns.dnssec), when the zone is signed: it signs answers
         # on a rendered-cache miss and bounds how long the caches keep signed answers.
         self.signer = signer
@@ -172,15 +101,15 @@ class Responder:
         self._window = AnswerWindow()
         self.budget = budget
         # Second level: rendered answers, in two generations (gtm.geodns.budget).
-        self._cache: Generations[tuple[object, ...], _Cached] = Generations(budget.rendered_entries)
+        self._cache: Generations[tuple[object, ...], Cached] = Generations(budget.rendered_entries)
         # First level, per sender: the query bytes after the ID -> the entry. UDP senders by
         # the host string the transport gives (cheaper to hash than an address object). Two
         # generations here too, counted together over every sender (``_entries``: the young
         # generation's entries and sender tables): a hit in the old one moves back.
-        self._udp: dict[str, dict[bytes, _Exact]] = {}
-        self._tcp: dict[IPAddress, dict[bytes, _Exact]] = {}
-        self._udp_old: dict[str, dict[bytes, _Exact]] = {}
-        self._tcp_old: dict[IPAddress, dict[bytes, _Exact]] = {}
+        self._udp: dict[str, dict[bytes, Exact]] = {}
+        self._tcp: dict[IPAddress, dict[bytes, Exact]] = {}
+        self._udp_old: dict[str, dict[bytes, Exact]] = {}
+        self._tcp_old: dict[IPAddress, dict[bytes, Exact]] = {}
         self._entries = 0
         self._exact_half = max(1, budget.exact_entries // 2)
         # New decisions counted since the audit writer last drained this responder for a seal;
@@ -190,7 +119,7 @@ class Responder:
         self._services: Mapping[str, Service] = {}
         # Entries answered from since the last drain. They stay here when the caches are
         # dropped, so no tally is lost to a new snapshot.
-        self._tallied: list[_Exact] = []
+        self._tallied: list[Exact] = []
         # The ECS path (gtm.geodns.shapes): per UDP sender, its query shapes by their bytes
         # after the ID up to the ECS address; the address lengths any shape has; answers per
         # (shape, GeoIP place); tallies per (answer, GeoIP network), and per (decision, client
@@ -204,9 +133,9 @@ class Responder:
         # Per (shape, client subnet): its Face, the answer it is given without a GeoIP lookup.
         self._subnets: Admitted[int, Face] = Admitted(budget.subnet_entries)
         # The networks counted on rows of their own, by Face.base and network number.
-        self._networks: Generations[int, _Exact] = Generations(budget.network_entries)
+        self._networks: Generations[int, Exact] = Generations(budget.network_entries)
         # This seal window's folded rows by (face, client bucket): Face.base | bucket.
-        self._face_folds: dict[int, _Exact] = {}
+        self._face_folds: dict[int, Exact] = {}
         # Renderings (Placed) made since the memo was last emptied: what its faces may keep
         # alive past the tables that bound them (_classes, _placed, _shapes).
         self._renderings = 0
@@ -215,10 +144,10 @@ class Responder:
             budget.class_entries
         )
         # Folded rows started since the writer last sealed: at most the budget's fold_entries.
-        self._folds: dict[tuple[AuditRecord, int, int, bool], _Exact] = {}
+        self._folds: dict[tuple[AuditRecord, int, int, bool], Exact] = {}
         # The same entries across seal windows: a flood's folded rows are mostly the same
         # from one window to the next, and a kept record is rendered as a row only once.
-        self._fold_kept: Generations[tuple[AuditRecord, int, int, bool], _Exact] = Generations(
+        self._fold_kept: Generations[tuple[AuditRecord, int, int, bool], Exact] = Generations(
             budget.fold_entries
         )
         self._blanks: dict[AuditRecord, AuditRecord] = {}
@@ -292,7 +221,7 @@ class Responder:
     def _promote(self, udp: bool, sender: str | IPAddress, wire: bytes) -> bool:
         """Move this sender's entry for these bytes from the old generation to the young one;
         False when the old one has none."""
-        old: dict[Any, dict[bytes, _Exact]] = self._udp_old if udp else self._tcp_old
+        old: dict[Any, dict[bytes, Exact]] = self._udp_old if udp else self._tcp_old
         by_query = old.get(sender)
         if by_query is None:
             return False
@@ -302,13 +231,13 @@ class Responder:
         self._keep(udp, sender, wire[2:], exact)
         return True
 
-    def _keep(self, udp: bool, sender: str | IPAddress, key: bytes, exact: _Exact) -> None:
+    def _keep(self, udp: bool, sender: str | IPAddress, key: bytes, exact: Exact) -> None:
         """Store a first-level entry in the young generation, turning the generations over
         first when it is full (the old one, and whatever in it was not used since, goes)."""
         if self._entries >= self._exact_half:
             self._udp_old, self._tcp_old = self._udp, self._tcp
             self._udp, self._tcp, self._entries = {}, {}, 0
-        senders: dict[Any, dict[bytes, _Exact]] = self._udp if udp else self._tcp
+        senders: dict[Any, dict[bytes, Exact]] = self._udp if udp else self._tcp
         by_query = senders.get(sender)
         if by_query is None:
             by_query = senders[sender] = {}
@@ -323,7 +252,7 @@ class Responder:
         exact += sum(len(t) + 1 for gen in (self._udp_old, self._tcp_old) for t in gen.values())
         return exact, len(self._cache)
 
-    def _repeat(self, by_query: dict[bytes, _Exact] | None, wire: bytes) -> bytes | None:
+    def _repeat(self, by_query: dict[bytes, Exact] | None, wire: bytes) -> bytes | None:
         """The stored response to these exact bytes from this sender, tallied, while the answer
         window holds (moved on to a successor in the same decision epoch if need be); None to
         answer them the long way."""
@@ -372,181 +301,6 @@ class Responder:
         self._services = zone_data(snapshot.topology).services
         return False
 
-    def _shaped(self, shapes: dict[bytes, Shape], wire: bytes, host: str) -> bytes | None:
-        """The ECS path (:mod:`gtm.geodns.shapes`): the response to a query of a shape this
-        sender has sent before, from the answer rendered for its GeoIP place; None to answer it
-        the long way."""
-        for size in self._sizes:
-            shape = shapes.get(wire[2:-size])
-            if shape is not None:
-                break
-        else:
-            return None
-        now = self.clock()
-        snapshot = self._holding(now)
-        if snapshot is None:
-            return None
-        octets = wire[-size:]
-        subnet = int.from_bytes(octets, "big")
-        if subnet & shape.mask:
-            return None  # bits past the source prefix: malformed, the long way says so
-        face = self._subnets.map.get(shape.tag + subnet)
-        known = face is not None
-        if face is None:
-            face = self._face(shape, wire, subnet, snapshot, now)
-        if face is _NO_FACE:
-            return None
-        value = subnet << shape.pad
-        networks = self._networks
-        net_key = face.base | (value >> face.shift)
-        # Generations.get inlined for the young generation.
-        entry = networks.young.get(net_key) or networks.get(net_key)
-        if entry is None:
-            known = False
-            bucket = value >> (32 - FOLD_V4 if shape.family == 1 else 128 - FOLD_V6)
-            entry = self._face_folds.get(face.base | bucket)
-            if entry is None:
-                entry = self._unrowed(face, shape, value, net_key, bucket)
-            else:
-                self.stats.folded += 1
-        entry.tally(now, self._tallied)
-        out = wire[:2] + face.head + octets
-        if known:
-            # A subnet asked for again, of a network with a row of its own: a resolver's
-            # steady population, not a flood's entropy; these bytes get a first-level entry.
-            self._keep(
-                True,
-                host,
-                wire[2:],
-                _Exact(out[2:], entry.record, entry.stats_key, entry.truncated),
-            )
-        return out
-
-    def _face(self, shape: Shape, wire: bytes, subnet: int, snapshot: Snapshot, now: float) -> Face:
-        """The :class:`Face` a subnet not in the memo is answered from (its place's answer,
-        rendered if its location class is new), kept in the memo; :data:`_NO_FACE` when
-        answers differ by network there (the slow path answers)."""
-        place, prefix_len = snapshot.geo.where(shape.version, subnet << shape.pad)
-        if prefix_len > shape.source:
-            # A GeoIP network narrower than the subnet: the subnet is located by its first
-            # address, as the slow path does, and is itself the unit of the answer's scope and
-            # of its audit row (gtm.geodns.precision).
-            prefix_len = shape.source
-        key = (shape, place)
-        placed = self._placed.get(key)
-        if placed is None:
-            placed = self._place(shape, wire, place, snapshot, now, key)
-        face = _NO_FACE if placed is _UNPLACED else placed.face(prefix_len, shape.bits)
-        self._subnets.put(shape.tag + subnet, face)
-        return face
-
-    def _unrowed(self, face: Face, shape: Shape, value: int, net_key: int, bucket: int) -> _Exact:
-        """The entry for an answer from ``face`` to a network without a row of its own: a new
-        row if the audit budget has room for a new decision this seal window, else the
-        window's folded row for its decision and the subnet's client bucket."""
-        placed = face.placed
-        if self._new_decisions < self.budget.audit_records:
-            text = network_text(shape.version, value, face.prefix_len)
-            record = with_client(placed.record, text, text)
-            entry = _Exact(b"", record, placed.stats_key, placed.truncated)
-            self._networks.put(net_key, entry)
-            self._new_decisions += 1
-            return entry
-        self.stats.folded += 1
-        entry = self._fold(placed.blank, placed.stats_key, placed.truncated, shape.family, value)
-        if len(self._face_folds) < self.budget.fold_entries * 4:
-            self._face_folds[face.base | bucket] = entry
-        return entry
-
-    def _place(
-        self,
-        shape: Shape,
-        wire: bytes,
-        place: tuple[str | None, str | None, float | None, float | None],
-        snapshot: Snapshot,
-        now: float,
-        key: tuple[Shape, tuple[object, ...]],
-    ) -> Placed:
-        """The shape's answer for a GeoIP place not seen yet: the one of its location class
-        (:func:`gtm.decision.plan.location_class`), rendered from this query if the class is
-        new too; :data:`_UNPLACED` when answers differ by network within it."""
-        placed = _UNPLACED
-        service = self._services.get(shape.query.qname_text)
-        ecs = shape.query.edns.ecs if shape.query.edns is not None else None
-        if service is not None and ecs is not None:
-            loc = Location(*place, None)
-            if shape.basis is None:
-                shape.basis = residency_basis(snapshot, shape.client, ecs.network)
-            resolver = resolver_place_on(snapshot, shape.client, shape.basis, loc)
-            cls = (shape, location_class(snapshot, service, loc, resolver))
-            found = self._classes.get(cls)
-            if found is None:
-                found = self._render_class(shape, wire, snapshot, now)
-                self._classes.put(cls, found)
-            placed = found
-        self._placed.put(key, placed)
-        return placed
-
-    def _render_class(self, shape: Shape, wire: bytes, snapshot: Snapshot, now: float) -> Placed:
-        """Render a shape's answer for a location class from this query (of the shape)."""
-        parsed = parse_query(wire)
-        if not (isinstance(parsed, Query) and parsed.edns is not None and parsed.edns.ecs):
-            return _UNPLACED
-        self.stats.cache_misses += 1
-        client, limit = shape.client, shape.limit
-        if self.signer is None:
-            result = answer(parsed, client, snapshot, now, limit)
-        else:
-            result = self.signer.answer(parsed, client, snapshot, now, limit)
-        return self._placed_from(shape, parsed, result)
-
-    def _placed_from(self, shape: Shape, query: Query, result: Answer) -> Placed:
-        """The shape's answer for a location class, from one rendered for a query of it;
-        :data:`_UNPLACED` unless it holds for every network of the class."""
-        decision = result.decision
-        net = decision.location.network if decision is not None else None
-        ecs = query.edns.ecs if query.edns is not None else None
-        if (
-            decision is None
-            or net is None
-            or ecs is None
-            or decision.by_network
-            or not holds_network_wide(decision, net)
-            or not patchable(result.wire, ecs, decision.scope_prefix)
-        ):
-            return _UNPLACED
-        record = result.record
-        blank = self._intern(with_client(record, "", None))
-        self._renderings += 1
-        if self._renderings > 2 * self.budget.class_entries:
-            # The memo's faces keep their renderings alive after _classes has let them go:
-            # past twice its budget of them (many shapes, say), the memo starts afresh.
-            self._subnets.clear()
-            self._renderings = 0
-        return Placed(
-            result.wire[2 : -shape.size - 1],
-            decision.scope_prefix > 0,
-            record,
-            blank,
-            ("udp", stats_qtype(query.qtype), record.response or rcode_name(result.rcode)),
-            bool(result.wire[2] & 0x02),
-            next(self._serials),
-        )
-
-    def _seed(self, shape: Shape, query: Query, result: Answer, snapshot: Snapshot) -> None:
-        """Keep an answer the slow path rendered for a query of ``shape`` as its location
-        class's, so the ECS path does not render it again."""
-        decision = result.decision
-        ecs = query.edns.ecs if query.edns is not None else None
-        service = self._services.get(query.qname_text)
-        if decision is None or ecs is None or service is None:
-            return
-        loc = decision.location
-        resolver = resolver_place(snapshot, shape.client, ecs.network, loc)
-        cls = (shape, location_class(snapshot, service, loc, resolver))
-        if self._classes.get(cls) is None:
-            self._classes.put(cls, self._placed_from(shape, query, result))
-
     def _fold(
         self,
         blank: AuditRecord,
@@ -555,7 +309,7 @@ class Responder:
         family: int,
         address: int,
         ecs: bool = True,
-    ) -> _Exact:
+    ) -> Exact:
         """The tally entry counting answers of the decision ``blank`` stands for in the client
         bucket of ``address`` while the audit writer is behind (gtm.geodns.shapes). Past the
         budget's ``fold_entries`` in one seal window, in the bucket of every client (0.0.0.0/0,
@@ -577,7 +331,7 @@ class Responder:
                 # The bucket stands for the ECS too when the answers had one (never claimed
                 # for queries without).
                 record = with_client(blank, text, text if ecs else None)
-                entry = _Exact(b"", record, stats_key, truncated)
+                entry = Exact(b"", record, stats_key, truncated)
                 self._fold_kept.put(key, entry)
             self._folds[key] = entry
         return entry
@@ -594,10 +348,7 @@ class Responder:
         """The slow path's answer to a query needing a new decision while the writer is
         behind: rendered, counted on a folded row, kept in no cache (its row is not its
         own)."""
-        if self.signer is None:
-            result = answer(query, client, snapshot, now, limit)
-        else:
-            result = self.signer.answer(query, client, snapshot, now, limit)
+        result = self._render(query, client, snapshot, now, limit)
         record = result.record
         # The type as metric labels say it ("other" past the known ones): a sender cycling
         # through 65,536 types must not make a folded row each (gtm.geodns.zone.stats_qtype).
@@ -620,40 +371,37 @@ class Responder:
         entry.tally(now, self._tallied)
         return result.wire
 
+    def _render(
+        self, query: Query, client: IPAddress, snapshot: Snapshot, now: float, limit: int | None
+    ) -> Answer:
+        """The response to ``query`` (signed when a signer is set), its names compressed
+        (:func:`gtm.geodns.render.compress`), cut for ``limit`` only when the compressed whole
+        does not fit: rendered whole first, and again for the limit only then."""
+        identity = self.identity
+        if identity is not None and query.qclass == QCLASS_CH:
+            chaos = identity.answer(query, client, snapshot, limit)
+            if chaos is not None:
+                return chaos
+        sign = self.signer.answer if self.signer is not None else answer
+        result = sign(query, client, snapshot, now, None)
+        wire = compress(result.wire)
+        if identity is not None:
+            wire = identity.with_nsid(query, wire)
+        if limit is not None and len(wire) > limit:
+            result = sign(query, client, snapshot, now, limit)
+            wire = compress(result.wire)
+            if identity is not None:
+                with_nsid = identity.with_nsid(query, wire)
+                # The NSID is left out only when it alone would not fit.
+                wire = with_nsid if len(with_nsid) <= limit else wire
+        return dataclasses.replace(result, wire=wire)
+
     def _intern(self, blank: AuditRecord) -> AuditRecord:
         """One object per distinct blank record (fold keys then compare by identity); an
         interning table only, so emptied when it reaches its bound."""
         if len(self._blanks) >= self.budget.class_entries * 4:
             self._blanks = {}
         return self._blanks.setdefault(blank, blank)
-
-    def _add_shape(
-        self, host: str, wire: bytes, query: Query, client: IPAddress, limit: int
-    ) -> Shape | None:
-        """The shape of a query the slow path answers for a service name, kept for the ECS
-        path to answer its kind from now on; None when the ECS path cannot take it."""
-        by_prefix = self._shapes.get(host)
-        if by_prefix is not None:
-            for n in self._sizes:
-                known = by_prefix.get(wire[2:-n])
-                if known is not None:
-                    return known
-        shape = Shape.of(wire, query, client, limit)
-        if shape is None:
-            return None
-        # Above any ECS address (16 octets at most): the shape's subnets key the memo apart.
-        shape.tag = next(self._serials) << 128
-        if self._shape_count >= self.budget.shapes:
-            self._shapes, self._shape_count = {}, 0  # bounded; busy senders come back at once
-            self._subnets.clear()  # keyed by those shapes' tags: never asked for again
-        by_prefix = self._shapes.get(host)
-        if by_prefix is None:
-            by_prefix = self._shapes[host] = {}
-        by_prefix[wire[2 : -shape.size]] = shape
-        self._shape_count += 1
-        if shape.size not in self._sizes:
-            self._sizes = (*self._sizes, shape.size)
-        return shape
 
     def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
         """The response to one message from ``client`` over UDP or TCP, or None."""
@@ -670,7 +418,7 @@ class Responder:
             self._advance(snapshot, now)
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
-            return self._reject(parsed, client, udp)
+            return reject_response(self.runtime, self.stats, parsed, client, udp)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None
@@ -680,18 +428,18 @@ class Responder:
         # sender asks for it again (_asked_again). Not when signing: each such name's denial
         # is signed for that name (gtm.geodns.dnssec).
         absent = self.signer is None and nonexistent(query, zone_data(snapshot.topology))
-        key, network, network_key = self._key(
+        key, network, network_key = answer_key(
             query, client, limit, snapshot, self._services, absent
         )
         cached = None
         rendered: Answer | None = None
         if network_key is not None:
             cached = self._cache.get(network_key)
-            if cached is _SPLIT:
+            if cached is SPLIT:
                 network_key, cached = None, None
         if cached is None:
             cached = self._cache.get(key)
-            if absent and cached is not None and not _takes_name(cached, len(query.qname), limit):
+            if absent and cached is not None and not takes_name(cached, len(query.qname), limit):
                 cached = None  # this name would not fit where that one did: rendered for it
         if cached is None:
             if (
@@ -702,10 +450,7 @@ class Responder:
                 # answered, counted on a folded row, kept in no cache (gtm.geodns.shapes).
                 return self._answer_folded(query, client, snapshot, now, limit, udp)
             self.stats.cache_misses += 1
-            if self.signer is None:
-                result = answer(query, client, snapshot, now, limit)
-            else:
-                result = self.signer.answer(query, client, snapshot, now, limit)
+            result = self._render(query, client, snapshot, now, limit)
             rendered = result
             decision, record, patch = result.decision, result.record, 0
             keep = True  # under network_key or key (below)
@@ -718,7 +463,7 @@ class Responder:
                     if patch:
                         record = widened(record, network)
                     else:
-                        self._cache.put(network_key, _SPLIT)
+                        self._cache.put(network_key, SPLIT)
             elif absent and ecs is not None:
                 # Keyed without the ECS address (_key): the echo ends the response and each
                 # query's own address is patched in. A response that does not end with it is
@@ -731,7 +476,7 @@ class Responder:
                 + result.wire[4:]
             )
             truncated = bool(result.wire[2] & 0x02)
-            cached = _Cached(
+            cached = Cached(
                 template,
                 int.from_bytes(template[2:4], "big"),
                 record,
@@ -769,7 +514,7 @@ class Responder:
         if not absent or self._asked_again(sender, wire):
             # Entries dropped with their generation while their answers are not yet drained
             # stay listed in self._tallied: no answer goes uncounted.
-            exact = _Exact(out[2:], cached.record, stats_key, cached.truncated)
+            exact = Exact(out[2:], cached.record, stats_key, cached.truncated)
             self._keep(udp, sender, wire[2:], exact)
         # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
@@ -797,124 +542,6 @@ class Responder:
             return None
         self.stats.slipped += 1
         limited = parse_query(wire)
-        return self._slip(limited, peer_address(host)) if isinstance(limited, Query) else None
-
-    @staticmethod
-    def _key(
-        query: Query,
-        client: IPAddress,
-        limit: int | None,
-        snapshot: Snapshot,
-        services: Mapping[str, object],
-        absent: bool = False,
-    ) -> tuple[tuple[object, ...], IPNetwork | None, tuple[object, ...] | None]:
-        """The rendered answer's key for the client bucket; and for an ECS query of a service
-        name whose GeoIP network is at least as wide as the ECS subnet, that network and the
-        answer's key for the whole of it (gtm.geodns.precision), else None and None.
-        ``absent``: the name does not exist, and the key leaves it out; its audit row is the
-        sender's network bucket's whatever the ECS (gtm.geodns.zone.aggregated_record), so the
-        key holds the sender's bucket."""
-        edns = query.edns
-        ecs = edns.ecs if edns is not None else None
-        shape: tuple[object, ...] | None = None
-        if edns is not None:
-            if ecs is None:
-                shape = (edns.do,)
-            elif absent:  # its echo (scope 0) ends the response: patched in per query
-                shape = (edns.do, ecs.family, ecs.source)
-            else:
-                shape = (edns.do, ecs.family, ecs.source, ecs.address)
-        if ecs is not None and ecs.source > 0 and not absent:
-            located = ecs.network.network_address
-            bucket: tuple[int, int] = (0, 0)  # the ECS subnet in the shape is the bucket
-        else:
-            located = client
-            bucket = (4, int(client) >> 8) if client.version == 4 else (6, int(client) >> 72)
-        geo: int | None = None
-        resolver: Place | None = None
-        network: IPNetwork | None = None
-        network_key: tuple[object, ...] | None = None
-        if query.qname_text in services:
-            loc = snapshot.geo.locate(located)
-            net = loc.network
-            # A GeoIP network narrower than the client bucket splits it: key by the address.
-            if net is not None and net.prefixlen > (24 if net.version == 4 else 56):
-                geo = int(located)
-            if ecs is not None and located is not client:
-                # An ECS from a resolver the policy does not trust is judged together with the
-                # resolver's own place: the same ECS from elsewhere may get another answer.
-                resolver = resolver_place(snapshot, client, ecs.network, loc)
-                if net is not None and net.prefixlen <= ecs.source:
-                    network = net
-                    network_key = (
-                        query.qname_text,
-                        query.qtype,
-                        query.qclass,
-                        (shape[0] if shape else None, ecs.family, ecs.source),
-                        limit,
-                        net,
-                        resolver,
-                    )
-        name = _NONEXISTENT if absent else query.qname_text
-        key = (name, query.qtype, query.qclass, shape, limit, bucket, geo, resolver)
-        return key, network, network_key
-
-    def _reject(self, reject: Reject, client: IPAddress, udp: bool) -> bytes | None:
-        if reject.drop:
-            self.stats.dropped += 1
+        if not isinstance(limited, Query):
             return None
-        question = None
-        if reject.qname is not None:
-            question = reject.qname + struct.pack("!HH", reject.qtype, reject.qclass)
-        opt = OptOut(reject.edns.do, None) if reject.edns is not None else None
-        wire = response(
-            reject.id or 0,
-            reject.flags,
-            reject.rcode,
-            authoritative=False,
-            question=question,
-            opt=opt,
-            limit=udp_limit(reject.edns) if udp else None,
-        )
-        snapshot = self.runtime.store.current
-        name = "-"
-        if reject.qname is not None:
-            name = name_to_text(reject.qname)[:255]
-        self.runtime.count(
-            aggregated_record(
-                outcome="malformed" if reject.rcode == 1 else "rejected",
-                name=name,
-                apex=zone_data(snapshot.topology).apex,
-                client=client,
-                qtype=reject.qtype if reject.qname else None,
-                response=rcode_name(reject.rcode),
-                answer=(reject.reason[:200],),
-                versions=snapshot.versions,
-            )
-        )
-        self.stats.queries["udp" if udp else "tcp", "-", rcode_name(reject.rcode)] += 1
-        return wire
-
-    def _slip(self, query: Query, client: IPAddress) -> bytes:
-        edns = query.edns
-        opt = OptOut(edns.do, None) if edns is not None else None
-        question = query.qname + struct.pack("!HH", query.qtype, query.qclass)
-        wire = response(
-            query.id, query.flags, 0, authoritative=True, question=question, opt=opt, limit=0
-        )  # limit 0: always cut to the question (TC)
-        snapshot = self.runtime.store.current
-        self.runtime.count(
-            aggregated_record(
-                outcome="rate-limited",
-                name=query.qname_text,
-                apex=zone_data(snapshot.topology).apex,
-                client=client,
-                qtype=query.qtype,
-                response="NOERROR+TC",
-                answer=(),
-                versions=snapshot.versions,
-            )
-        )
-        self.stats.queries["udp", stats_qtype(query.qtype), "NOERROR+TC"] += 1
-        self.stats.truncated += 1
-        return wire
+        return slip_response(self.runtime, self.stats, limited, peer_address(host))

@@ -21,6 +21,7 @@ import structlog
 from gtm.errors import ConfigError, Problem
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
+from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder
 from gtm.geodns.stats import DnsStats
@@ -66,8 +67,9 @@ class _UdpProtocol(asyncio.DatagramProtocol):
                         return
         try:
             out = r.answer_udp(data, addr[0], r.rrl is None)
-        except Exception:  # one bad packet must never take the listener down
-            log.exception("dns.udp_failed", peer=str(addr[0]))
+        except Exception as exc:  # a bug a packet reached: counted, logged once an interval
+            r.stats.failed += 1
+            r.runtime.failures.record("dns.udp", exc, peer=str(addr[0]))
             return
         if out is not None:
             self._sendto(out, addr)
@@ -169,8 +171,9 @@ class DnsServer:
                     return
                 try:
                     out = self.responder.answer_tcp(message, peer)
-                except Exception:
-                    log.exception("dns.tcp_failed", peer=str(peer))
+                except Exception as exc:  # as over UDP; the connection is closed
+                    stats.failed += 1
+                    self.responder.runtime.failures.record("dns.tcp", exc, peer=str(peer))
                     return
                 if out is None:
                     return  # unreadable: close, as there is no sane way to resynchronise
@@ -218,7 +221,14 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         else None
     )
     return DnsServer(
-        Responder(runtime, stats, limiter, budget=budget, signer=make_signer(s)),
+        Responder(
+            runtime,
+            stats,
+            limiter,
+            budget=budget,
+            signer=make_signer(s),
+            identity=ServerIdentity(s.dns_server_id, s.dns_server_version),
+        ),
         s.dns_listen,
         tcp_idle_s=s.dns_tcp_idle_s,
         tcp_max_connections=s.dns_tcp_max_connections,

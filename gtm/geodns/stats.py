@@ -30,6 +30,9 @@ class DnsStats:
         # Answers counted on folded audit rows (per decision and client bucket) because new
         # client networks came faster than the audit writer sealed them (gtm.geodns.shapes).
         self.folded = 0
+        # Queries that raised on the answering path (a bug): sent nothing (gtm.failures counts
+        # them by exception type too).
+        self.failed = 0
 
 
 class DnsCollector(Collector):
@@ -53,6 +56,7 @@ class DnsCollector(Collector):
             ("gtm_dns_rate_limit_slipped", "rate-limited responses sent truncated", s.slipped),
             ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
             ("gtm_dns_folded", "answers counted on folded audit rows (a client bucket)", s.folded),
+            ("gtm_dns_failed", "queries that raised while answered: nothing sent", s.failed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(

@@ -55,7 +55,9 @@ IPAddress = IPv4Address | IPv6Address
 #   PowerDNS answer NODATA, which a client cannot tell from "no such records".
 # * TSIG and OPT: FORMERR, as BIND does. They are meta-records that only exist in the
 #   additional section (RFC 8945 §4.2, RFC 6891 §6.1.1), so a question for them is malformed.
-# * the unassigned rest of the meta range (128-248): NOTIMP, there is nothing to implement yet.
+# * NXNAME (128): FORMERR. It only marks a name that does not exist in a compact denial's NSEC
+#   bitmap; a query for it is malformed (RFC 9824 §3.5).
+# * the unassigned rest of the meta range (129-248): NOTIMP, there is nothing to implement yet.
 # ANY is answered minimally (RFC 8482) below, as BIND's minimal-any and Knot do.
 _META_RCODE: dict[int, Rcode] = {
     Qtype.AXFR: Rcode.REFUSED,
@@ -65,6 +67,7 @@ _META_RCODE: dict[int, Rcode] = {
     Qtype.TKEY: Rcode.NOTIMP,
     Qtype.TSIG: Rcode.FORMERR,
     Qtype.OPT: Rcode.FORMERR,
+    Qtype.NXNAME: Rcode.FORMERR,
 }
 _META_OUTCOME = {Rcode.REFUSED: "refused", Rcode.NOTIMP: "notimp", Rcode.FORMERR: "malformed"}
 
@@ -161,8 +164,9 @@ def nonexistent(query: Query, zone: ZoneData) -> bool:
     name in the zone that holds nothing (no service, static record, apex, nameserver glue or
     longer name below it). Such responses differ from one name to another only in their
     question (the SOA in the authority section is owned by the apex, written out in full), so
-    the responder renders one per query shape and sender for any name: a flood of random names
-    under the zone costs a parse and a dictionary lookup a query, not an answer rendered each
+    the responder renders one per query shape, sender and name length (compressed, the names
+    after the question point past it) for any name: a flood of random names under the zone
+    costs a parse and a dictionary lookup a query, not an answer rendered each
     (tests/gtm/geodns/test_static_records.py checks it against answer())."""
     name = query.qname_text
     return (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Any
 
 import dns.edns
 import dns.flags
@@ -52,6 +53,7 @@ def meta_query(name: str, rdtype: str, use_edns: bool = True) -> dns.message.Mes
         ("TSIG", dns.rcode.FORMERR),
         ("OPT", dns.rcode.FORMERR),
         ("TYPE200", dns.rcode.NOTIMP),  # an unassigned meta type (RFC 6895 §3.1: 128-255)
+        ("TYPE128", dns.rcode.FORMERR),  # NXNAME: never a question (RFC 9824 §3.5)
     ],
 )
 async def test_meta_and_transfer_types(
@@ -163,3 +165,188 @@ async def test_refused_transfers_are_counted_in_the_audit(start_node: StartNode)
     assert node.runtime.writer.counted == before + 2  # DESIGN.md rule 2: errors are answers
     assert node.dns_stats.queries["tcp", "AXFR", "REFUSED"] == 1
     assert node.dns_stats.queries["udp", "MAILA", "NOTIMP"] == 1
+
+
+async def _raw_tcp(node: Node, wire: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
+    try:
+        writer.write(struct.pack("!H", len(wire)) + wire)
+        (length,) = struct.unpack("!H", await reader.readexactly(2))
+        return await reader.readexactly(length)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def _both(node: Node, wire: bytes) -> list[bytes]:
+    udp_reply = await raw_udp(node, wire, wait=10)
+    assert udp_reply is not None
+    return [udp_reply, await _raw_tcp(node, wire)]
+
+
+@pytest.mark.parametrize("qdcount", [0, 2])
+async def test_formerr_for_a_question_count_other_than_one_carries_the_opt(
+    start_node: StartNode, qdcount: int
+) -> None:
+    """QDCOUNT 0 (or 2) with a readable OPT: FORMERR with an OPT echoing DO (RFC 6891 §7), no
+    question, as Knot answers. Before, the parse stopped at the count and the FORMERR had none."""
+    node = await start_node()
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, want_dnssec=True)
+    wire = query.to_wire()
+    question, opt = wire[12:-11], wire[-11:]
+    packet = wire[:4] + struct.pack("!HHHH", qdcount, 0, 0, 1) + question * qdcount + opt
+    for raw in await _both(node, packet):
+        reply = dns.message.from_wire(raw)
+        assert reply.id == query.id and reply.rcode() == dns.rcode.FORMERR
+        assert reply.edns == 0 and reply.ednsflags & dns.flags.DO
+        assert not reply.question and not reply.answer
+    # Without an OPT: none in the FORMERR either.
+    plain = dns.message.make_query("chat.gtm.example.", "A", use_edns=False).to_wire()
+    packet = plain[:4] + struct.pack("!HHHH", 0, 0, 0, 0)
+    for raw in await _both(node, packet):
+        reply = dns.message.from_wire(raw)
+        assert reply.rcode() == dns.rcode.FORMERR and reply.edns == -1
+
+
+@pytest.mark.parametrize("opcode", [15, 3])
+async def test_notimp_for_an_unknown_opcode_echoes_rd_not_cd(
+    start_node: StartNode, opcode: int
+) -> None:
+    """An opcode this server does not implement: NOTIMP with the opcode, the question and the
+    OPT echoed, and of the query's flags RD only. RFC 1035 §4.1.1 has RD copied into every
+    response; CD (RFC 4035 §3.2.2) asks for DNSSEC processing of a query this server did not
+    process, and AD is never set by an authority here. Knot 3 answers these exactly so (flags
+    QR, opcode, RD; CD and AD clear; OPT echoed); before, CD was echoed and the OPT dropped."""
+    node = await start_node()
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, want_dnssec=True)
+    query.flags |= dns.flags.RD | dns.flags.CD | dns.flags.AD
+    query.set_opcode(opcode)
+    for raw in await _both(node, query.to_wire()):
+        reply = dns.message.from_wire(raw)
+        assert reply.rcode() == dns.rcode.NOTIMP and reply.opcode() == opcode
+        assert reply.flags & dns.flags.RD
+        assert not reply.flags & (dns.flags.CD | dns.flags.AD | dns.flags.AA | dns.flags.RA)
+        assert reply.question[0].name == dns.name.from_text("chat.gtm.example.")
+        assert reply.edns == 0 and reply.ednsflags & dns.flags.DO
+    # Without RD: none echoed.
+    query.flags &= ~dns.flags.RD
+    for raw in await _both(node, query.to_wire()):
+        assert not dns.message.from_wire(raw).flags & dns.flags.RD
+
+
+CHAOS_NAMES = ("version.bind.", "id.server.", "hostname.bind.", "version.server.")
+
+
+def chaos(name: str, rdtype: str = "TXT") -> dns.message.Message:
+    return dns.message.make_query(name, rdtype, rdclass="CH", use_edns=0)
+
+
+def chaos_text(reply: dns.message.Message) -> str:
+    (rrset,) = reply.answer
+    assert rrset.rdclass == dns.rdataclass.CH and rrset.rdtype == dns.rdatatype.TXT
+    assert rrset.ttl == 0
+    return b"".join(b"".join(r.strings) for r in rrset).decode()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_identity_is_refused_unless_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    node = await start_node()
+    for name in CHAOS_NAMES:
+        reply = await ask(node, transport, chaos(name))
+        assert reply.rcode() == dns.rcode.REFUSED and not reply.answer, name
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_identity_answers_what_is_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    """As Knot answers them: TXT in class CH, TTL 0, AA clear; other types and CHAOS names
+    REFUSED. A version alone configured leaves the identity names REFUSED."""
+    node = await start_node(dns_server_id="edge-fra-1", dns_server_version="gtm")
+    for name, text in zip(CHAOS_NAMES, ("gtm", "edge-fra-1", "edge-fra-1", "gtm"), strict=True):
+        for _ in range(2):  # the second from the caches
+            reply = await ask(node, transport, chaos(name.upper()))
+            assert reply.rcode() == dns.rcode.NOERROR, name
+            assert chaos_text(reply) == text
+            assert not reply.flags & dns.flags.AA and reply.edns == 0
+        any_reply = await ask(node, transport, chaos(name, "ANY"))
+        assert chaos_text(any_reply) == text
+    for name, rdtype in (("version.bind.", "A"), ("authors.bind.", "TXT"), ("id.server.", "NS")):
+        reply = await ask(node, transport, chaos(name, rdtype))
+        assert reply.rcode() == dns.rcode.REFUSED and not reply.answer, (name, rdtype)
+    # Class IN: the zone's answer (REFUSED: outside it), never the identity.
+    reply = await ask(node, transport, dns.message.make_query("id.server.", "TXT", use_edns=0))
+    assert reply.rcode() == dns.rcode.REFUSED
+
+
+async def test_a_long_identity_is_split_into_character_strings(start_node: StartNode) -> None:
+    node = await start_node(dns_server_version="v" * 300)
+    reply = await tcp(node, chaos("version.bind."))
+    (rdata,) = list(reply.answer[0])
+    assert [len(s) for s in rdata.strings] == [255, 45]  # RFC 1035 §3.3.14
+    assert (await udp(node, chaos("id.server."))).rcode() == dns.rcode.REFUSED
+
+
+def nsid_query(ecs: str | None = None, nsid: bool = True) -> dns.message.Message:
+    options: list[dns.edns.Option] = [dns.edns.NSIDOption(b"")] if nsid else []
+    if ecs is not None:
+        options.append(dns.edns.ECSOption(ecs, 24))
+    return dns.message.make_query("chat.gtm.example.", "A", use_edns=0, options=options)
+
+
+def nsid_of(reply: dns.message.Message) -> bytes | None:
+    found = [o for o in reply.options if o.otype == dns.edns.OptionType.NSID]
+    return found[0].nsid if found else None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_nsid_is_answered_with_the_server_id_when_configured(
+    start_node: StartNode, transport: str
+) -> None:
+    """RFC 5001: a query with an NSID option gets the server id in one, on every answer, the
+    ECS echo still last in the OPT record; without a server id configured, none."""
+    node = await start_node(dns_server_id="edge-fra-1")
+    for _ in range(2):  # the second from the caches
+        reply = await ask(node, transport, nsid_query())
+        assert nsid_of(reply) == b"edge-fra-1" and reply.answer
+        reply = await ask(node, transport, nsid_query("198.51.100.0"))
+        assert nsid_of(reply) == b"edge-fra-1" and reply.answer
+        assert reply.options[-1].otype == dns.edns.OptionType.ECS
+        assert nsid_of(await ask(node, transport, nsid_query(nsid=False))) is None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_no_nsid_without_a_server_id(start_node: StartNode, transport: str) -> None:
+    node = await start_node()
+    reply = await ask(node, transport, nsid_query("198.51.100.0"))
+    assert nsid_of(reply) is None and reply.answer
+
+
+async def test_nsid_answers_alike_on_the_ecs_path(start_node: StartNode) -> None:
+    """A sender's second ECS query of a shape takes the ECS path: the same bytes as the full
+    path gives another sender, NSID included."""
+    node = await start_node(dns_server_id="edge-fra-1")
+    responder = node.dns.responder  # type: ignore[union-attr]
+    # Two subnets of one wide GeoIP network (tests.support.geoip.WORLD: 100.72.0.0/13).
+    taught = await udp(node, nsid_query("100.72.1.0"), source="127.0.0.2")
+    assert nsid_of(taught) == b"edge-fra-1"
+    query = nsid_query("100.73.2.0")
+    wire = query.to_wire()
+    shaped = responder._shaped
+    answered: list[bytes | None] = []
+
+    def watched(*args: Any) -> bytes | None:
+        answered.append(shaped(*args))
+        return answered[-1]
+
+    responder._shaped = watched  # watched, not changed: which path answered
+    try:
+        fast = await raw_udp(node, wire, wait=10, source="127.0.0.2")
+    finally:
+        del responder._shaped
+    assert answered == [fast]  # the ECS path answered it
+    full = await raw_udp(node, wire, wait=10, source="127.0.0.3")
+    assert fast is not None and fast == full
+    assert nsid_of(dns.message.from_wire(fast)) == b"edge-fra-1"

@@ -1,0 +1,70 @@
+"""The responder's cache entries: the rendered answers of its second level (:class:`Cached`)
+and the whole responses of its first (:class:`Exact`), which tally the answers given from them
+until the audit writer drains them (gtm.geodns.responder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gtm.audit.record import AuditRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """A rendered answer of the second level, kept to answer other queries of its key: the
+    response with ID 0, patched with each query's ID, flags and question (and ECS address)."""
+
+    template: bytes  # rendered with ID 0 and RD/CD clear
+    flags: int
+    record: AuditRecord
+    rcode_name: str
+    truncated: bool
+    # Kept per GeoIP network (gtm.geodns.precision): the template's last ``patch`` bytes are
+    # the ECS address it was rendered for, replaced with each query's own.
+    patch: int = 0
+    # Octets of the question name the template was rendered with: another query's name takes
+    # their place (the same name in another case; or, for a name that does not exist, any of
+    # the same length).
+    name_len: int = 0
+
+
+# Under a GeoIP network's key: its decisions split the network, look the client bucket up.
+SPLIT = Cached(b"", 0, None, "", False)  # type: ignore[arg-type]
+
+
+class Exact:
+    """The whole response to one exact query from one sender, and the answers given from it
+    since the audit writer last drained them (``n``, with the first and last answer's time)."""
+
+    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated")
+
+    def __init__(
+        self, tail: bytes, record: AuditRecord, stats_key: tuple[str, str, str], truncated: bool
+    ) -> None:
+        self.tail = tail  # the whole response after its ID
+        self.record = record
+        self.stats_key = stats_key
+        self.truncated = truncated
+        self.n = 0
+        self.first = self.last = 0.0
+
+    def tally(self, now: float, tallied: list[Exact]) -> None:
+        """One more answer given from this entry at ``now``; listed in ``tallied`` (the
+        responder's, drained by the audit writer) at its first since the last drain. (The
+        UDP listener inlines this for its exact-query hits: gtm.geodns.server.)"""
+        if self.n:
+            self.n += 1
+        else:
+            self.n = 1
+            self.first = now
+            tallied.append(self)
+        self.last = now
+
+
+def takes_name(cached: Cached, name_len: int, limit: int | None) -> bool:
+    """Whether the rendering shared by names that do not exist answers a question name of
+    ``name_len`` octets as it stands: it was not truncated, and with this name in place of the
+    one it was rendered for it stays within the UDP limit."""
+    return not cached.truncated and (
+        limit is None or len(cached.template) - cached.name_len + name_len <= limit
+    )
