@@ -70,7 +70,7 @@ from gtm.geodns.denial import (
     own_types,
 )
 from gtm.geodns.dnssec_keys import ZoneKey, ZoneKeys, load_keys
-from gtm.geodns.render import name_wire, rcode_name
+from gtm.geodns.render import compress, name_wire, rcode_name
 from gtm.geodns.splice import (
     CANONICAL,
     HEADER,
@@ -271,14 +271,14 @@ class Signer:
             ar = [r[0] for r in additional]
         flags = (flags & ~0xF) | rcode
         out = assemble(qid, flags, question, an, ns, ar, opt)
-        if limit is not None and len(out) > limit and len(ar) > len(additional):
+        if limit is not None and _over(out, limit) and len(ar) > len(additional):
             # RFC 4035 §3.1.1: short of room, the additional RRsets may stay without their
             # RRSIGs (a resolver asks for them when it needs them validated).
             ar = [r[0] for r in additional]
             out = assemble(qid, flags, question, an, ns, ar, opt)
         if (
             limit is not None
-            and len(out) > limit
+            and _over(out, limit)
             and ar
             and not any(r[3] == NS for r in answer_records)
         ):
@@ -286,7 +286,7 @@ class Signer:
             # 2181 §9), as unsigned answers do. An NS answer's glue is not (render.response).
             ar = []
             out = assemble(qid, flags, question, an, ns, ar, opt)
-        if limit is not None and len(out) > limit:
+        if limit is not None and _over(out, limit):
             # Cut to the question and OPT with TC set, as unsigned answers are: the resolver
             # asks again over TCP and gets the whole signed answer.
             out = assemble(qid, flags | 0x0200, question, [], [], [], opt)
@@ -484,6 +484,13 @@ def make_signer(settings: Settings) -> Signer | None:
         return None
     keys = load_keys(settings.dnssec_key_file, settings.dnssec_publish_key_files)
     return Signer(keys, validity_s=settings.dnssec_signature_validity_s)
+
+
+def _over(wire: bytes, limit: int) -> bool:
+    """Whether ``wire`` exceeds ``limit`` as it goes out: names compressed (the responder
+    compresses every answer, gtm.geodns.render.compress). Measured uncompressed, a signed
+    answer that fits compressed lost its additional RRSIGs, or went out TC, for nothing."""
+    return len(wire) > limit and len(compress(wire)) > limit
 
 
 __all__ = [
