@@ -395,10 +395,13 @@ async def test_a_slow_gpu_does_not_make_the_model_look_expensive() -> None:
                 learned[gpu] = pool.estimator.coeffs("m1").decode_per_token
             wall[gpu] = tuple(sorted((before, await _sim_token_time(u))))  # type: ignore[assignment]
     # A T4 takes ~5x as long per token (a little less: the simulator's event loop adds a fixed
-    # ~0.5 ms to every step), but its seconds are worth 0.2 reference seconds.
-    assert min(wall["T4"]) > 3 * max(wall["A100"])
+    # ~0.5 ms to every step), but its seconds are worth 0.2 reference seconds. The bands are
+    # wide on purpose: these are wall-clock steps, and a loaded machine stretches some of them
+    # (the test failed under load with 0.8-1.2x bands). Unnormalised, the T4 would learn ~5x
+    # the A100's cost; normalised, about the same: 2x tells the two apart with room to spare.
+    assert min(wall["T4"]) > 2 * min(wall["A100"]), wall
     a100_low, a100_high = wall["A100"]
     t4_low, t4_high = wall["T4"]
-    assert 0.8 * a100_low <= learned["A100"] <= 1.2 * a100_high, (learned, wall)
-    assert 0.8 * 0.2 * t4_low <= learned["T4"] <= 1.2 * 0.2 * t4_high, (learned, wall)
-    assert learned["T4"] < 1.5 * learned["A100"]
+    assert 0.5 * a100_low <= learned["A100"] <= 2 * a100_high, (learned, wall)
+    assert 0.5 * 0.2 * t4_low <= learned["T4"] <= 2 * 0.2 * t4_high, (learned, wall)
+    assert learned["T4"] < 2 * learned["A100"], learned
