@@ -28,11 +28,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from regional_lb.balancing.affinity import prompt_prefix
+from regional_lb.balancing.kv_blocks import tokens_of
 from regional_lb.errors import RequestError
 from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
 from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
 from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
 from regional_lb.sim.metrics import EngineCollector
+
+PROMPT_CHARS = 1 << 30  # the whole prompt: the prefix cache sees every token
 
 
 def _chunk(
@@ -203,7 +207,14 @@ def create_app(config: EngineConfig) -> FastAPI:
                 }
             )
         exact = bool(parsed.body.get("ignore_eos", False))
-        seq = e.submit(shape.model, shape.prompt_tokens, shape.max_tokens, exact)
+        text = prompt_prefix(parsed.body, PROMPT_CHARS)
+        seq = e.submit(
+            shape.model,
+            shape.prompt_tokens,
+            shape.max_tokens,
+            exact,
+            token_ids=tokens_of(text) if text else None,
+        )
         kind = "chat" if shape.endpoint == "chat" else "text"
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())
