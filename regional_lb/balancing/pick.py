@@ -16,7 +16,7 @@ the instances and never changes them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from regional_lb.balancing.affinity import rank
@@ -51,6 +51,10 @@ class PickRequest:
     tiebreak: int = 0
     # A session's or prompt prefix's key (regional_lb.balancing.affinity.key_of), or None.
     affinity: int | None = None
+    # Per instance id: the cost of the prefill the instance would skip because it holds the
+    # prompt's leading KV blocks (regional_lb.balancing.kv_index.prefill_saved). The request
+    # costs that much less there, so cache hits and queued work trade in one unit.
+    prefill_saved: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +147,14 @@ def pick(
     n = len(instances)
     scored: list[tuple[float, int, bool]] = []
     best_score = best_own = math.inf
-    own_cost = (1.0 - w) * req.cost + w * req.mean_cost
+    saved = req.prefill_saved or {}
     for idx, inst in enumerate(instances):
         ramp = _ramp_if_eligible(inst, req, now, params)
         if ramp is None:
             continue
+        cost = max(req.cost - saved.get(inst.id, 0.0), 0.0) if saved else req.cost
         work, count = effective_load(inst, req.mean_cost)
-        blended = (1.0 - w) * (work + req.cost) + w * (count + 1) * req.mean_cost
+        blended = (1.0 - w) * (work + cost) + w * (count + 1) * req.mean_cost
         rate = max(inst.speed.speed, 1e-9) * ramp
         score = blended / rate
         needs_load = req.model not in inst.loaded
@@ -157,7 +162,7 @@ def pick(
             score += req.load_time_s
         scored.append((score, idx, needs_load))
         if score < best_score:
-            best_score, best_own = score, own_cost / rate
+            best_score, best_own = score, ((1.0 - w) * cost + w * req.mean_cost) / rate
     if not scored:
         return None
     if req.affinity is not None and len(scored) > 1:

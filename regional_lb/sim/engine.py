@@ -19,12 +19,16 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from regional_lb.balancing.gpus import GpuProfile
 from regional_lb.balancing.kv_blocks import DEFAULT_BLOCK_SIZE
+from regional_lb.balancing.kv_events import KvEvent
 from regional_lb.errors import RegionalError
-from regional_lb.protocol.kv_events import KvEvent
 from regional_lb.sim.prefix_cache import Admission, PrefixCache
+
+if TYPE_CHECKING:
+    from regional_lb.sim.kv_publisher import KvEventPublisher
 
 
 class UnknownModel(RegionalError):
@@ -64,6 +68,8 @@ class EngineConfig:
     api_key: str | None = None  # like `vllm serve --api-key`: /v1 routes need it
     max_model_len: int = 8192
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block (vLLM's --block-size)
+    # Where to publish KV-cache events (ZMQ, vLLM's format), e.g. "tcp://127.0.0.1:*"; None: off.
+    kv_events_endpoint: str | None = None
 
 
 class Engine:
@@ -78,6 +84,7 @@ class Engine:
         self.cache = PrefixCache(self.kv_capacity // config.block_size, config.block_size)
         # Called with each run of KV events (the sim's ZMQ publisher, when configured).
         self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
+        self.kv_publisher: KvEventPublisher | None = None  # set by the server when publishing
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.stalled_until = 0.0

@@ -18,7 +18,7 @@ What is modelled, and what is not:
   here only prompts are shared, which is what the next turn of a conversation reuses anyway);
 * ``queries`` and ``hits`` count tokens, like ``vllm:prefix_cache_queries`` and
   ``vllm:prefix_cache_hits``;
-* every block entered or evicted becomes a KV event (:mod:`regional_lb.protocol.kv_events`),
+* every block entered or evicted becomes a KV event (:mod:`regional_lb.balancing.kv_events`),
   collected until :meth:`PrefixCache.take_events`.
 
 Pure: no clock, no I/O. The simulated server (:mod:`regional_lb.sim.engine`) and the
@@ -37,7 +37,7 @@ from regional_lb.balancing.kv_blocks import (
     block_hashes,
     cacheable_hit_blocks,
 )
-from regional_lb.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from regional_lb.balancing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ from regional_lb.errors import RequestError
 from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
 from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
 from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
+from regional_lb.sim.kv_publisher import KvEventPublisher
 from regional_lb.sim.metrics import EngineCollector
 
 PROMPT_CHARS = 1 << 30  # the whole prompt: the prefix cache sees every token
@@ -106,6 +107,12 @@ def create_app(config: EngineConfig) -> FastAPI:
         nonlocal engine
         engine = Engine(config)
         app.state.engine = engine
+        publisher = None
+        if config.kv_events_endpoint:
+            publisher = KvEventPublisher(config.kv_events_endpoint)
+            engine.on_kv_events = publisher.publish
+            engine.kv_publisher = publisher
+        app.state.kv_publisher = publisher
         registry = CollectorRegistry()
         registry.register(EngineCollector(engine, config.kind))
         app.state.registry = registry
@@ -114,6 +121,8 @@ def create_app(config: EngineConfig) -> FastAPI:
             yield
         finally:
             await engine.stop()
+            if publisher is not None:
+                publisher.close()
 
     app = FastAPI(title="GTM simulated inference server", lifespan=lifespan)
 

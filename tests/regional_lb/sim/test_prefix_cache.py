@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from regional_lb.balancing.kv_blocks import block_hashes, cacheable_hit_blocks, tokens_of
-from regional_lb.protocol.kv_events import BlockRemoved, BlockStored
+from regional_lb.balancing.kv_events import BlockRemoved, BlockStored
 from regional_lb.sim.prefix_cache import PrefixCache
 from tests.regional_lb.conftest import sim
 

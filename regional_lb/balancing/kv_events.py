@@ -1,4 +1,5 @@
-"""vLLM's KV-cache events: the messages and their msgpack encoding.
+"""vLLM's KV-cache events: the messages and their msgpack encoding (pure: bytes in, bytes out;
+the ZMQ transport is in regional_lb.sim.kv_publisher and regional_lb.upstream.kv_subscriber).
 
 vLLM (``vllm/distributed/kv_events.py``) publishes what its prefix cache does over a ZMQ PUB
 socket as three frames: ``topic``, an 8-byte big-endian sequence number, and a msgpack payload,
