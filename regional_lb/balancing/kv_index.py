@@ -3,8 +3,8 @@
 Fed by vLLM's events (:mod:`regional_lb.balancing.kv_events`, read by
 :mod:`regional_lb.upstream.kv_subscriber`), like llm-d's KV-cache indexer: each instance's
 block hashes in a bounded LRU. The picker asks how many of a prompt's leading blocks an
-instance holds (:meth:`KvIndex.matched_blocks`) and prices them as prefill it would not need
-there (:func:`prefill_saved`).
+instance holds (:meth:`KvIndex.matched_blocks`) and prices them as the prefill time it would
+not spend there (:func:`prefill_saved`).
 
 Nothing an event says can hurt more than the hit rate: events for an instance the index does
 not know, batches that repeat or go back in sequence, blocks of a foreign block size, and
@@ -161,9 +161,10 @@ def prefill_saved(
     prompt_tokens: int,
     prefill_per_token: float,
 ) -> dict[str, float]:
-    """Cost units of prefill each instance would skip for a prompt of ``prompt_tokens``
-    whose full blocks are ``hashes``: the blocks it holds, never the whole prompt (vLLM
-    recomputes the last token). Instances with nothing to skip are left out."""
+    """Reference seconds of prefill each instance would skip for a prompt of
+    ``prompt_tokens`` whose full blocks are ``hashes``: the blocks it holds, never the whole
+    prompt (vLLM recomputes the last token). Instances with nothing to skip are left out
+    (:attr:`regional_lb.balancing.pick.PickRequest.prefill_saved` says how pick() uses it)."""
     out: dict[str, float] = {}
     if not hashes:
         return out

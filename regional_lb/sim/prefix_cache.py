@@ -113,23 +113,36 @@ class PrefixCache:
         """Reserve room for a request reading ``tokens`` and writing ``output_tokens``; None
         when it does not fit even after evicting every free block (``force`` admits it anyway,
         caching none of its new blocks: a server with nothing running never refuses)."""
+        return self.admit_blocks(
+            block_hashes(tokens, self.block_size), len(tokens), output_tokens, force, tokens
+        )
+
+    def admit_blocks(
+        self,
+        hashes: Sequence[int],
+        prompt_tokens: int,
+        output_tokens: int,
+        force: bool = False,
+        tokens: Sequence[int] = (),
+    ) -> Admission | None:
+        """:meth:`admit` for a prompt already cut into blocks: ``hashes`` are its full blocks'
+        chained hashes (a trace's block ids serve as well), ``tokens`` only fill the events."""
         bs = self.block_size
-        hashes = block_hashes(tokens, bs)
-        hit = cacheable_hit_blocks(len(tokens), self.matched_blocks(hashes), bs)
+        hit = cacheable_hit_blocks(prompt_tokens, self.matched_blocks(hashes), bs)
         # Full blocks after the hits: shared when another request already cached them (the
         # recomputed last block, a block cached since), otherwise new and cached now.
         rest = hashes[hit:]
         new = [h for h in rest if h not in self._blocks]
-        tail_tokens = len(tokens) - len(hashes) * bs + max(output_tokens, 0)
+        tail_tokens = prompt_tokens - len(hashes) * bs + max(output_tokens, 0)
         private = math.ceil(tail_tokens / bs)
         reuse_free = sum(1 for h in hashes if h in self._free)
         pinned_after = len(self._blocks) - len(self._free) + reuse_free + len(new)
         fits = pinned_after + self._private + private <= self.capacity_blocks
         if not fits and not force:
             return None
-        self.queries += len(tokens)
+        self.queries += prompt_tokens
         self.hits += hit * bs
-        adm = Admission(len(tokens), hit * bs, private=private)
+        adm = Admission(prompt_tokens, hit * bs, private=private)
         for h in hashes[:hit]:
             self._pin(h)
             adm.pinned.append(h)
