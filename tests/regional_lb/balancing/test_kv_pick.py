@@ -51,3 +51,42 @@ def test_a_forgotten_instance_gets_no_credit() -> None:
     instances, index = _pool(queued_on_cached=1.0)
     index.forget("a")  # it failed or drains
     assert _choose(instances, index) == "b"
+
+
+def test_the_pool_routes_to_the_cache_and_forgets_an_instance_out_of_service() -> None:
+    from regional_lb.balancing.cost import RequestShape
+    from regional_lb.config import parse_config
+    from regional_lb.upstream.pool import Pool
+
+    cfg = parse_config(
+        {
+            "region": "r",
+            "instances": [
+                {"id": iid, "url": "http://127.0.0.1:1", "models": ["m"]} for iid in ("a", "b")
+            ],
+        }
+    )
+    pool = Pool(cfg, clock=lambda: 100.0)
+    index = pool.kv_index = KvIndex(block_size=16)
+    for iid in ("a", "b"):
+        index.track(iid)
+    index.apply("b", 0, KvEventBatch(0.0, (BlockStored(tuple(HASHES), None, (), 16),)), 0.0)
+    shape = RequestShape("m", "chat", prompt_tokens=PROMPT, max_tokens=100)
+    cost = pool.estimate(shape)
+    firsts = set()
+    for _ in range(4):  # without blocks the tie-break spreads requests over both
+        cost = pool.estimate(shape)  # (each estimate turns the tie-break)
+        lease = pool.route(shape, cost)
+        firsts.add(lease.instance.id)
+        lease.end("cancelled")
+    assert firsts == {"a", "b"}
+    for _ in range(4):  # with them, the instance holding the prompt wins every time
+        cost = pool.estimate(shape)
+        lease = pool.route(shape, cost, blocks=HASHES)
+        assert lease.instance.id == "b"
+        # ...and is charged only the prefill it still has to do.
+        assert lease.instance.outstanding < cost
+        lease.end("cancelled")
+    pool.by_id("b").healthy = False
+    lease = pool.route(shape, cost, blocks=HASHES)
+    assert lease.instance.id == "a" and index.blocks_held("b") == 0
