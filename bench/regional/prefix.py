@@ -16,7 +16,9 @@ balancer's :func:`regional_lb.balancing.pick.pick` (least outstanding work); ``o
 the same with today's character-prefix affinity (a key of the first 1,024 characters, which
 lies in a prompt's first block); ``llmd_weighted``, llm-d's precise-prefix-cache profile
 (weights 3 prefix hit share, 2 KV-cache use, 2 queue depth); ``cache_aware``, ours with each
-instance's cached prefill priced from the KV-event index; ``oracle``, which sees every
+instance's cached prefill priced from the KV-event index; ``cache_history``, the same with
+no KV events (the index estimated from what was routed where, an LRU as large as the KV
+cache); ``oracle``, which sees every
 instance's cache and queue exactly and picks the least time to the request's first token
 (prefill unbatched, decode batched).
 
@@ -62,6 +64,7 @@ POLICY_NAMES = (
     "ours",
     "ours_prefix",
     "llmd_weighted",
+    "cache_history",
     "cache_aware",
     "oracle",
 )
@@ -226,7 +229,7 @@ def make_policy(name: str) -> Policy:
     def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
         turn[0] += 1
         saved = None
-        if name == "cache_aware":
+        if name in ("cache_aware", "cache_history"):
             ids = [st.id for st in f.states]
             saved = prefill_saved(f.index, ids, s.req.blocks, s.req.prompt, f.gpu.prefill_s)
         req = PickRequest(
@@ -299,7 +302,8 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
         )
         for k in range(instances)
     ]
-    index = KvIndex(block_size=BLOCK)
+    index = KvIndex(block_size=BLOCK, estimate_blocks=gpu.kv_blocks)
+    events = policy_name != "cache_history"  # that one sees no KV events: history only
     for st in states:
         index.track(st.id)
     fleet = Fleet(servers, states, index, gpu)
@@ -312,9 +316,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
     fleet.mean_cost = statistics.fmean(s.est_cost for s in seqs) if seqs else 1.0
 
     def publish(i: int, now: float) -> None:
-        events = servers[i].cache.take_events()
-        if events:
-            index.apply(states[i].id, servers[i].seq, KvEventBatch(now, tuple(events)), now)
+        batch = servers[i].cache.take_events()
+        if batch and events:
+            index.apply(states[i].id, servers[i].seq, KvEventBatch(now, tuple(batch)), now)
             servers[i].seq += 1
 
     k = 0
@@ -328,6 +332,7 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
             i, work = policy(s, now, fleet)
             s.server = i
             states[i].add(s.id, max(work, 1e-6), now)
+            index.note_routed(states[i].id, s.req.blocks)
             servers[i].waiting.append(s)
             if servers[i].step_end is None:
                 servers[i].start_step(now)

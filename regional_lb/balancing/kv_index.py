@@ -14,6 +14,13 @@ hits, never memory. An instance that fails or drains is :meth:`KvIndex.forget`-t
 request sent there for its cache would wait for nothing. A publisher that restarts (sequence
 back to 0) starts with an empty cache, so its entries go too.
 
+An instance that has published no event (a server without them, or one whose subscription
+failed: :meth:`KvIndex.lost_stream`) is indexed from the balancer's own routing history instead
+(:meth:`KvIndex.note_routed`: the blocks of every prompt sent there, in an LRU as large as its
+KV cache, standing in for its evictions), and :meth:`KvIndex.mode` says which it is; its first
+event replaces the estimate with the real thing. Silence alone is not taken for a dead stream:
+a server whose cache does not change has nothing to publish.
+
 Pure: no clock (callers pass ``now``), no I/O.
 """
 
@@ -52,6 +59,7 @@ class KvIndexCounts:
     foreign_block_size: int = 0  # BlockStored with another block size than the index's
     overflow: int = 0  # hashes forgotten to stay within the bound
     restarts: int = 0  # a publisher's sequence went back to 0: its cache is new
+    fallbacks: int = 0  # instances switched to routing-history estimates (no live events)
 
 
 @dataclass(slots=True)
@@ -59,16 +67,22 @@ class _Held:
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
     last_seq: int | None = None
     last_event_at: float | None = None
+    estimated: bool = False  # blocks come from routing history, not events
 
 
 class KvIndex:
     def __init__(
-        self, max_blocks: int = DEFAULT_MAX_BLOCKS, block_size: int = DEFAULT_BLOCK_SIZE
+        self,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        estimate_blocks: int | None = None,
     ) -> None:
         if max_blocks < 1 or block_size < 1:
             raise ValueError("max_blocks and block_size must be at least 1")
         self.max_blocks = max_blocks
         self.block_size = block_size
+        # The routing-history estimate's LRU size: the instance's KV cache in blocks.
+        self.estimate_blocks = min(estimate_blocks or max_blocks, max_blocks)
         self.counts = KvIndexCounts()
         self._held: dict[str, _Held] = {}
 
@@ -116,6 +130,9 @@ class KvIndex:
                 return
             elif seq > held.last_seq + 1:
                 self.counts.gaps += 1
+        if held.estimated:  # real events again: they replace the estimate
+            held.blocks.clear()
+            held.estimated = False
         held.last_seq, held.last_event_at = seq, now
         self.counts.batches += 1
         blocks = held.blocks
@@ -138,6 +155,42 @@ class KvIndex:
             elif isinstance(event, AllBlocksCleared):
                 blocks.clear()
                 self.counts.cleared += 1
+
+    # -- routing history ----------------------------------------------------------------------
+
+    def mode(self, instance_id: str) -> str:
+        """``events`` (indexed from the instance's KV events), ``history`` (estimated from
+        what was routed there), or ``none`` (not tracked)."""
+        held = self._held.get(instance_id)
+        if held is None:
+            return "none"
+        return "history" if held.estimated else "events"
+
+    def lost_stream(self, instance_id: str) -> None:
+        """The instance's event stream failed: estimate it from routing history from now on
+        (what the index held may already be wrong, so it goes)."""
+        held = self._held.get(instance_id)
+        if held is not None:
+            held.blocks.clear()
+            held.last_event_at = held.last_seq = None
+            held.estimated = False
+
+    def note_routed(self, instance_id: str, hashes: Sequence[int]) -> None:
+        """A prompt with these blocks was sent to the instance: nothing more when its events
+        say what it holds, its blocks enter the estimate when it has published none."""
+        held = self._held.get(instance_id)
+        if held is None or held.last_event_at is not None:
+            return
+        if not held.estimated:
+            held.blocks.clear()
+            held.estimated = True
+            self.counts.fallbacks += 1
+        blocks = held.blocks
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.estimate_blocks:
+            blocks.popitem(last=False)
 
     # -- queries ----------------------------------------------------------------------------
 

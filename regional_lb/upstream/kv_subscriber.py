@@ -82,9 +82,9 @@ class KvEventSubscriber:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError:
                 # The socket failed under us: what the index holds for the instance can no
-                # longer be kept current, so it goes (the picker then prices no hits there).
+                # longer be kept current, so it falls back to the routing-history estimate.
                 self.index.malformed()
-                self.index.forget(instance_id)
+                self.index.lost_stream(instance_id)
                 return
             self.handle(instance_id, frames)
 

@@ -346,6 +346,9 @@ class Pool:
         rid = next(self._ids)
         inst = choice.instance
         skipped = saved.get(inst.id, 0.0)  # prefill the instance takes from its cache
+        if self.kv_index is not None and blocks:
+            # Routing history: the index's estimate for instances without live KV events.
+            self.kv_index.note_routed(inst.id, blocks)
         inst.add(rid, max(cost - skipped, 0.0), now, model=shape.model)
         stall = max(self.estimator.prefill_stall(shape) - skipped, 0.0)
         if stall > 0:

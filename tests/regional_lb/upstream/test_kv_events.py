@@ -203,3 +203,24 @@ async def test_garbage_on_the_wire_is_counted_and_the_stream_goes_on() -> None:
         pub.close(linger=0)
         ctx.term()
         await subscriber.close()
+
+
+def test_without_events_the_index_estimates_from_routing_history_and_says_so() -> None:
+    index = KvIndex(block_size=16, estimate_blocks=3)
+    index.track("a")
+    index.note_routed("a", [1, 2])
+    assert index.mode("a") == "history" and index.counts.fallbacks == 1
+    assert index.matched_blocks("a", [1, 2]) == 2
+    index.note_routed("a", [3, 4])  # the estimate's LRU is the instance's KV cache: 3 blocks
+    assert index.blocks_held("a") == 3 and index.matched_blocks("a", [1]) == 0
+    # Its first event: the real cache replaces the estimate, and routing no longer adds to it.
+    index.apply("a", 0, batch(STORED), now=1.0)
+    assert index.mode("a") == "events" and index.matched_blocks("a", [2, 3, 4]) == 0
+    index.note_routed("a", [7])
+    assert index.matched_blocks("a", [11, 12]) == 2 and index.matched_blocks("a", [7]) == 0
+    # The stream failed: back to estimates, starting empty.
+    index.lost_stream("a")
+    index.note_routed("a", [7])
+    assert index.mode("a") == "history" and index.counts.fallbacks == 2
+    assert index.matched_blocks("a", [11]) == 0 and index.matched_blocks("a", [7]) == 1
+    assert index.mode("ghost") == "none"
