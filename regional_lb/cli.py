@@ -215,6 +215,9 @@ def sim_backend(
     if block_size < 1:
         typer.echo("error: --block-size: at least 1", err=True)
         raise typer.Exit(2)
+    if kv_events and not kv_events.startswith(("tcp://", "ipc://")):
+        typer.echo("error: --kv-events: a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH", err=True)
+        raise typer.Exit(2)
     if kind not in KINDS:
         typer.echo(f"error: --kind: one of {', '.join(KINDS)}", err=True)
         raise typer.Exit(2)

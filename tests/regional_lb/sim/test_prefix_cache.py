@@ -132,3 +132,19 @@ async def test_sim_serves_prefix_cache_metrics_like_vllm() -> None:
     # The second request found the system prompt's full blocks; the first found nothing.
     shared = len(tokens_of(f"system\x00{system}\x00user\x00")) // 16 * 16
     assert hits == engine.cache.hits and shared - 16 <= hits <= shared
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "0"], "--block-size"),
+        (["--kv-events", "5557"], "--kv-events"),
+    ],
+)
+def test_sim_backend_refuses_bad_cache_options(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from regional_lb.cli import app
+
+    result = CliRunner().invoke(app, ["sim-backend", *args])
+    assert result.exit_code == 2 and message in result.output
