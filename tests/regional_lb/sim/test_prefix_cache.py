@@ -148,3 +148,19 @@ def test_sim_backend_refuses_bad_cache_options(args: list[str], message: str) ->
 
     result = CliRunner().invoke(app, ["sim-backend", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+async def test_the_engine_charges_prefill_only_for_blocks_not_cached() -> None:
+    from regional_lb.balancing.gpus import profile
+    from regional_lb.sim.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(gpu=profile("A100"), models=["m1"]))
+    rate = engine.gpu.prefill_tokens_per_s
+    shared = toks(0, 1600)  # 100 blocks of 16
+    first = engine.submit("m1", 1610, 4, exact=True, token_ids=[*shared, *toks(5000, 10)])
+    assert await engine._admit() == pytest.approx(1610 / rate)
+    engine.abort(first)  # its blocks stay cached, free
+    engine.submit("m1", 1610, 4, exact=True, token_ids=[*shared, *toks(9000, 10)])
+    # 1,600 tokens found in the cache: only the 10 after them are prefilled.
+    assert await engine._admit() == pytest.approx(10 / rate)
+    assert engine.cache.hits == 1600 and engine.cache.queries == 3220
