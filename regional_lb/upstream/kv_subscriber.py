@@ -25,7 +25,12 @@ import zmq.asyncio
 from regional_lb.balancing.kv_events import KvEventError, decode_batch, decode_sequence
 from regional_lb.balancing.kv_index import KvIndex
 
-MAX_MESSAGE_BYTES = 64 << 20  # a larger message is refused by ZMQ before it is buffered
+# What a publisher can make this process hold (rule 8): ZMQ drops a connection that sends a
+# larger message before buffering it, and queues at most RECEIVE_QUEUE messages per instance
+# (then drops, and the index sees the gap). A vLLM batch is one engine step's events: a
+# 100k-token prompt's BlockStored is ~0.5 MB with its token ids.
+MAX_MESSAGE_BYTES = 8 << 20
+RECEIVE_QUEUE = 64
 
 
 class KvEventSubscriber:
@@ -45,6 +50,7 @@ class KvEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(endpoint)
         self.index.track(instance_id)
