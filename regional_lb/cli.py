@@ -189,6 +189,15 @@ def sim_backend(
     api_key_env: Annotated[
         str, typer.Option("--api-key-env", help="require the key in this variable on /v1")
     ] = "",
+    block_size: Annotated[
+        int, typer.Option("--block-size", help="tokens per KV block (vLLM's default 16)")
+    ] = 16,
+    kv_events: Annotated[
+        str,
+        typer.Option(
+            "--kv-events", help="publish vLLM KV-cache events on this ZMQ endpoint (tcp://H:P)"
+        ),
+    ] = "",
 ) -> None:
     """Run a simulated OpenAI-compatible inference server (no GPU needed)."""
     from regional_lb.sim.engine import EngineConfig
@@ -203,6 +212,12 @@ def sim_backend(
     except KeyError as exc:
         typer.echo(f"error: --gpu: {exc.args[0]}", err=True)
         raise typer.Exit(2) from None
+    if block_size < 1:
+        typer.echo("error: --block-size: at least 1", err=True)
+        raise typer.Exit(2)
+    if kv_events and not kv_events.startswith(("tcp://", "ipc://")):
+        typer.echo("error: --kv-events: a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH", err=True)
+        raise typer.Exit(2)
     if kind not in KINDS:
         typer.echo(f"error: --kind: one of {', '.join(KINDS)}", err=True)
         raise typer.Exit(2)
@@ -219,6 +234,8 @@ def sim_backend(
         seed=seed,
         kind=kind,
         api_key=os.environ.get(api_key_env) if api_key_env else None,
+        block_size=block_size,
+        kv_events_endpoint=kv_events or None,
     )
     typer.echo(
         f"sim-backend {gp.name} {models} on http://{host}:{port} (pid {os.getpid()})", err=True

@@ -16,7 +16,7 @@ the instances and never changes them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from regional_lb.balancing.affinity import rank
@@ -51,6 +51,12 @@ class PickRequest:
     tiebreak: int = 0
     # A session's or prompt prefix's key (regional_lb.balancing.affinity.key_of), or None.
     affinity: int | None = None
+    # Per instance id: reference seconds of prefill the instance would skip because it holds
+    # the prompt's leading KV blocks (regional_lb.balancing.kv_index.prefill_saved). A prefill
+    # stalls the instance's whole batch while it runs (vLLM schedules it in the same steps), so
+    # a second of it saved is a second sooner for everything there: the score, a time, drops
+    # by that time on the instance's GPU. Cache hits and queued work trade in one unit.
+    prefill_saved: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,7 @@ def pick(
     scored: list[tuple[float, int, bool]] = []
     best_score = best_own = math.inf
     own_cost = (1.0 - w) * req.cost + w * req.mean_cost
+    saved = req.prefill_saved
     for idx, inst in enumerate(instances):
         ramp = _ramp_if_eligible(inst, req, now, params)
         if ramp is None:
@@ -152,6 +159,8 @@ def pick(
         blended = (1.0 - w) * (work + req.cost) + w * (count + 1) * req.mean_cost
         rate = max(inst.speed.speed, 1e-9) * ramp
         score = blended / rate
+        if saved:
+            score -= saved.get(inst.id, 0.0) / (max(inst.speed.unit_speed, 1e-9) * ramp)
         needs_load = req.model not in inst.loaded
         if needs_load:
             score += req.load_time_s

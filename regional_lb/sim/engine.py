@@ -17,10 +17,18 @@ import itertools
 import random
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from regional_lb.balancing.gpus import GpuProfile
+from regional_lb.balancing.kv_blocks import DEFAULT_BLOCK_SIZE
+from regional_lb.balancing.kv_events import KvEvent
 from regional_lb.errors import RegionalError
+from regional_lb.sim.prefix_cache import Admission, PrefixCache
+
+if TYPE_CHECKING:
+    from regional_lb.sim.kv_publisher import KvEventPublisher
 
 
 class UnknownModel(RegionalError):
@@ -37,6 +45,9 @@ class Sequence:
     produced: int = 0
     prefilled: bool = False
     aborted: bool = False
+    # The prompt's token ids for the prefix cache (None: unique tokens nobody shares).
+    token_ids: list[int] | None = None
+    admission: Admission | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -56,6 +67,9 @@ class EngineConfig:
     kind: str = "vllm"  # the server it plays: health path and metric names (sim.metrics)
     api_key: str | None = None  # like `vllm serve --api-key`: /v1 routes need it
     max_model_len: int = 8192
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block (vLLM's --block-size)
+    # Where to publish KV-cache events (ZMQ, vLLM's format), e.g. "tcp://127.0.0.1:*"; None: off.
+    kv_events_endpoint: str | None = None
 
 
 class Engine:
@@ -65,7 +79,12 @@ class Engine:
         self.loaded: OrderedDict[str, float] = OrderedDict((m, 0.0) for m in config.models)
         self.catalog = list(dict.fromkeys(config.models + config.loadable))
         self.kv_capacity = config.kv_tokens or int(self.gpu.memory_gb * 4000)
-        self.kv_used = 0
+        # The KV memory as blocks, shared prompt prefixes cached in it (vLLM's automatic
+        # prefix caching, on by default since v1).
+        self.cache = PrefixCache(self.kv_capacity // config.block_size, config.block_size)
+        # Called with each run of KV events (the sim's ZMQ publisher, when configured).
+        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
+        self.kv_publisher: KvEventPublisher | None = None  # set by the server when publishing
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.stalled_until = 0.0
@@ -100,12 +119,19 @@ class Engine:
             raise UnknownModel(f"The model `{model}` does not exist.")
 
     def submit(
-        self, model: str, prompt_tokens: int, max_tokens: int, exact: bool = False
+        self,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        exact: bool = False,
+        token_ids: list[int] | None = None,
     ) -> Sequence:
-        """Queue a generation; ``exact`` produces exactly ``max_tokens`` (like ignore_eos)."""
+        """Queue a generation; ``exact`` produces exactly ``max_tokens`` (like ignore_eos).
+        ``token_ids`` are the prompt's tokens for the prefix cache."""
         self.check_model(model)
         out = max_tokens if exact else max(1, round(max_tokens * self._rng.uniform(0.2, 1.0)))
         seq = Sequence(next(self._ids), model, max(1, prompt_tokens), max(1, out))
+        seq.token_ids = token_ids
         self.waiting.append(seq)
         self._wake.set()
         return seq
@@ -117,7 +143,7 @@ class Engine:
         seq.aborted = True
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_used -= seq.kv_tokens
+            self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -131,8 +157,30 @@ class Engine:
     # -- metrics ----------------------------------------------------------------------------
 
     @property
+    def kv_used(self) -> int:
+        """Tokens of KV memory running sequences hold (whole blocks)."""
+        return self.cache.used_blocks * self.cache.block_size
+
+    @property
     def kv_usage(self) -> float:
         return self.kv_used / self.kv_capacity if self.kv_capacity else 0.0
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.admission is not None:
+            self.cache.release(seq.admission)
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        events = self.cache.take_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
+
+    def _prompt(self, seq: Sequence) -> list[int]:
+        if seq.token_ids is not None:
+            return seq.token_ids
+        # Unique to this sequence: shares no block with any other prompt.
+        base = seq.id << 32
+        return list(range(base, base + seq.prompt_tokens))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -156,18 +204,24 @@ class Engine:
         prefill = 0.0
         while self.waiting and len(self.running) < self.gpu.batch_slots:
             seq = self.waiting[0]
-            if self.kv_used + seq.kv_tokens > self.kv_capacity and self.running:
-                break  # no KV room: wait for a sequence to finish
-            self.waiting.popleft()
             if seq.model not in self.loaded:
+                self.waiting.popleft()
                 await self._ensure_loaded(seq.model)
                 if seq.aborted:
                     continue
+                self.waiting.appendleft(seq)
+            adm = self.cache.admit(self._prompt(seq), seq.output_tokens, force=not self.running)
+            if adm is None:
+                break  # no KV room: wait for a sequence to finish
+            self.waiting.popleft()
+            seq.admission = adm
             self.loaded.move_to_end(seq.model)
             self.running.append(seq)
-            self.kv_used += seq.kv_tokens
-            prefill += seq.prompt_tokens / self.gpu.prefill_tokens_per_s
+            # Only the blocks not found in the cache are prefilled.
+            uncached = max(1, seq.prompt_tokens - adm.hit_tokens)
+            prefill += uncached / self.gpu.prefill_tokens_per_s
             self.prompt_total += seq.prompt_tokens
+        self._flush_events()
         return prefill
 
     async def _run(self) -> None:
@@ -195,5 +249,5 @@ class Engine:
                 seq.tokens.put_nowait(seq.produced)
                 if seq.produced >= seq.output_tokens:
                     self.running.remove(seq)
-                    self.kv_used -= seq.kv_tokens
+                    self._release(seq)
                     seq.tokens.put_nowait(None)

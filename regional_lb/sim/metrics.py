@@ -43,6 +43,9 @@ class EngineCollector(Collector):
             for name, doc, total in (
                 ("vllm:prompt_tokens", "Prompt tokens processed", e.prompt_total),
                 ("vllm:generation_tokens", "Tokens generated", e.generation_total),
+                # In tokens, as vLLM counts them: prompt tokens looked up / found cached.
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", e.cache.queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", e.cache.hits),
             ):
                 c = CounterMetricFamily(name, doc, labels=["model_name"])
                 c.add_metric([model], float(total))

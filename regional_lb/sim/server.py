@@ -28,11 +28,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from regional_lb.balancing.affinity import prompt_prefix
+from regional_lb.balancing.kv_blocks import tokens_of
 from regional_lb.errors import RequestError
 from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
 from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
 from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
+from regional_lb.sim.kv_publisher import KvEventPublisher
 from regional_lb.sim.metrics import EngineCollector
+
+PROMPT_CHARS = 1 << 30  # the whole prompt: the prefix cache sees every token
 
 
 def _chunk(
@@ -102,6 +107,12 @@ def create_app(config: EngineConfig) -> FastAPI:
         nonlocal engine
         engine = Engine(config)
         app.state.engine = engine
+        publisher = None
+        if config.kv_events_endpoint:
+            publisher = KvEventPublisher(config.kv_events_endpoint)
+            engine.on_kv_events = publisher.publish
+            engine.kv_publisher = publisher
+        app.state.kv_publisher = publisher
         registry = CollectorRegistry()
         registry.register(EngineCollector(engine, config.kind))
         app.state.registry = registry
@@ -110,6 +121,8 @@ def create_app(config: EngineConfig) -> FastAPI:
             yield
         finally:
             await engine.stop()
+            if publisher is not None:
+                publisher.close()
 
     app = FastAPI(title="GTM simulated inference server", lifespan=lifespan)
 
@@ -203,7 +216,14 @@ def create_app(config: EngineConfig) -> FastAPI:
                 }
             )
         exact = bool(parsed.body.get("ignore_eos", False))
-        seq = e.submit(shape.model, shape.prompt_tokens, shape.max_tokens, exact)
+        text = prompt_prefix(parsed.body, PROMPT_CHARS)
+        seq = e.submit(
+            shape.model,
+            shape.prompt_tokens,
+            shape.max_tokens,
+            exact,
+            token_ids=tokens_of(text) if text else None,
+        )
         kind = "chat" if shape.endpoint == "chat" else "text"
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())

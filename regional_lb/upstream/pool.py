@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,6 +29,7 @@ from regional_lb.balancing.cost import CostEstimator, ModelCoefficients, Request
 from regional_lb.balancing.gpus import GPUS, batch_slowdown, profile
 from regional_lb.balancing.health import EjectionParams, record_failure, record_success
 from regional_lb.balancing.instance import InstanceState, SpeedLearner, speed_anchor, timing_speed
+from regional_lb.balancing.kv_index import KvIndex, prefill_saved
 from regional_lb.balancing.pick import PickParams, PickRequest, pick
 from regional_lb.balancing.utilisation import pool_utilisation
 from regional_lb.capacity_report import CapacityReport, ModelAvailability
@@ -154,6 +155,9 @@ class Pool:
     # Instance id -> set when a model listing that may disturb work there ends; requests
     # routed there meanwhile wait for it (regional_lb.upstream.profiles).
     _listing: dict[str, asyncio.Event] = field(default_factory=dict)
+    # Which instance holds which KV blocks, from their KV-cache events
+    # (regional_lb.upstream.kv_subscriber); None: routing ignores prefix caches.
+    kv_index: KvIndex | None = None
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -206,6 +210,8 @@ class Pool:
                 code="conflict",
             )
         self.instances.remove(inst)
+        if self.kv_index is not None:
+            self.kv_index.untrack(instance_id)
         self.upstreams.pop(instance_id, None)
         self.model_cards.pop(instance_id, None)
         self.listed.pop(instance_id, None)
@@ -311,8 +317,28 @@ class Pool:
         self._speed_anchor = speed_anchor(self.instances)
         return self._speed_anchor
 
+    def prefill_saved(self, shape: RequestShape, blocks: Sequence[int]) -> dict[str, float]:
+        """Per instance: reference seconds of ``shape``'s prefill its cached blocks save
+        (:func:`regional_lb.balancing.kv_index.prefill_saved`). Instances out of service lose
+        their entries first: one that failed comes back with an empty cache, and one that
+        drains must not draw requests for its cache."""
+        index = self.kv_index
+        if index is None or not blocks:
+            return {}
+        now = self.clock()
+        for inst in self.instances:
+            if not inst.healthy or inst.draining or inst.ejected(now):
+                index.forget(inst.id)
+        per_token = self.estimator.coeffs(shape.model).prefill_per_token
+        ids = [i.id for i in self.instances]
+        return prefill_saved(index, ids, blocks, shape.prompt_tokens, per_token)
+
     def pick_request(
-        self, shape: RequestShape, cost: float, affinity: int | None = None
+        self,
+        shape: RequestShape,
+        cost: float,
+        affinity: int | None = None,
+        saved: dict[str, float] | None = None,
     ) -> PickRequest:
         c = self.estimator.coeffs(shape.model)
         return PickRequest(
@@ -324,6 +350,7 @@ class Pool:
             c.memory_gb,
             tiebreak=self._costs_seen,
             affinity=affinity,
+            prefill_saved=saved or None,
         )
 
     def can_serve(self, model: str) -> bool:
@@ -332,9 +359,17 @@ class Pool:
             return False
         return any(i.can_serve(model) for i in self.serving())
 
-    def route(self, shape: RequestShape, cost: float, affinity: int | None = None) -> Lease:
+    def route(
+        self,
+        shape: RequestShape,
+        cost: float,
+        affinity: int | None = None,
+        blocks: Sequence[int] = (),
+    ) -> Lease:
         """Pick an instance and lease it. ``affinity``: a session's or prompt prefix's key
-        (:mod:`regional_lb.balancing.affinity`), honoured under the load bound."""
+        (:mod:`regional_lb.balancing.affinity`), honoured under the load bound. ``blocks``:
+        the prompt's KV block hashes (:func:`regional_lb.balancing.kv_blocks.block_hashes`);
+        with a KV index, each instance is charged only the prefill it would still need."""
         state = self.model_state(shape.model)
         if state == "pending":
             raise NoInstanceError(f"no instance has listed its models yet ({shape.model!r})")
@@ -345,18 +380,25 @@ class Pool:
                 code="model_not_found",
                 param="model",
             )
+        saved = self.prefill_saved(shape, blocks)
         now = self.clock()
         choice = (
             None
             if self.draining
-            else pick(self.instances, self.pick_request(shape, cost, affinity), now, self.params)
+            else pick(
+                self.instances, self.pick_request(shape, cost, affinity, saved), now, self.params
+            )
         )
         if choice is None:
             raise NoInstanceError(f"no instance can take model {shape.model!r} now")
         rid = next(self._ids)
         inst = choice.instance
-        inst.add(rid, cost, now, model=shape.model)
-        stall = self.estimator.prefill_stall(shape)
+        skipped = saved.get(inst.id, 0.0)  # prefill the instance takes from its cache
+        if self.kv_index is not None and blocks:
+            # Routing history: the index's estimate for instances without live KV events.
+            self.kv_index.note_routed(inst.id, blocks)
+        inst.add(rid, max(cost - skipped, 0.0), now, model=shape.model)
+        stall = max(self.estimator.prefill_stall(shape) - skipped, 0.0)
         if stall > 0:
             inst.prefill_stall(now, stall / timing_speed(inst, self._speed_anchor))
         expected = self.estimator.expected_output_tokens(shape)

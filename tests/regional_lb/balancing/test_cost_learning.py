@@ -318,11 +318,16 @@ async def _stream_mix(
 ) -> None:
     rng = random.Random(7)
     gate = asyncio.Semaphore(concurrency)
+    tags = iter(range(n))
 
     async def one() -> None:
         prompt = rng.choice(prompts)
         body = chat(model=model, max_tokens=rng.randint(24, 64), stream=True)
-        body["messages"] = [{"role": "user", "content": "x" * (4 * prompt - 4)}]
+        # A tag of its own first: no prompt shares a KV block with another in the simulator's
+        # prefix cache, so every prompt token is prefilled and the fit sees the true rate.
+        body["messages"] = [
+            {"role": "user", "content": f"{next(tags):04d}" + "x" * (4 * prompt - 8)}
+        ]
         async with (
             gate,
             httpx.AsyncClient(base_url=url, timeout=30) as c,

@@ -4,6 +4,8 @@ instance and at the balancer. Pure properties first, then simulated instances on
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
 import math
 from typing import Any
 
@@ -133,14 +135,23 @@ async def _report(c: httpx.AsyncClient) -> CapacityReport:
     return CapacityReport.model_validate_json(r.content)
 
 
+_TAGS = itertools.count()
+
+
 async def _hold_streams(url: str, n: int, body: dict[str, object]) -> list[asyncio.Task[None]]:
     """Start ``n`` streams and keep them open in the background (each fails loudly unless
-    answered 200: see _finish)."""
+    answered 200: see _finish). Each prompt starts with a tag of its own, so no two share a
+    KV block in the instance's prefix cache and each takes its full share of KV memory."""
 
     async def one() -> None:
+        mine = copy.deepcopy(body)
+        messages = mine.get("messages")
+        if isinstance(messages, list) and messages:
+            content = str(messages[0]["content"])
+            messages[0]["content"] = f"{next(_TAGS):04d}{content[4:]}"
         async with (
             httpx.AsyncClient(base_url=url, timeout=60) as c,
-            c.stream("POST", CHAT, json=body) as r,
+            c.stream("POST", CHAT, json=mine) as r,
         ):
             assert r.status_code == 200, r.status_code
             async for _ in r.aiter_bytes():
