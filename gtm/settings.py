@@ -141,6 +141,9 @@ class Settings(BaseSettings):
     # unrestricted traffic keeps being served. 0: never.
     fence_after_s: float = Field(default=60.0, ge=0)
     fence_action: Literal["fail_closed", "short_ttl"] = "fail_closed"
+    # The admin service counts a node live while its last status report is younger than this
+    # (rollouts, /v1/nodes). Unset: four sync intervals, at least 5 s.
+    node_live_within_s: float | None = Field(default=None, gt=0)
     # Anycast (gtm.anycast): BIRD's control socket; unset, the node announces nothing. The node
     # withdraws the prefix while the drain file exists, after anycast_fall failed queries to
     # its own DNS listener, after this long without the shared database, and when stopping.

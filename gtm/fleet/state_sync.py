@@ -38,6 +38,19 @@ log = structlog.get_logger(__name__)
 MAX_PENDING_EVENTS = 10_000
 
 
+def round_timeout_s(interval_s: float) -> float:
+    """How long one round's database calls may take before the round counts as failed: so a
+    node cut off notices within this plus one interval (gtm.fleet.roster dates fences by it)."""
+    return max(2.0, 2 * interval_s)
+
+
+def fence_slack_s(interval_s: float) -> float:
+    """How long after its bound a cut-off node may still be unfenced: its fence is checked after
+    every phase of a round, and one phase hangs at most :func:`round_timeout_s`, after a sleep
+    of one interval (one more for a busy loop's lateness)."""
+    return round_timeout_s(interval_s) + 2 * interval_s
+
+
 class StateSync:
     def __init__(
         self,
@@ -127,7 +140,7 @@ class StateSync:
             self.book.observe(observation)
         published: list[Published] = []
         try:
-            async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+            async with asyncio.timeout(round_timeout_s(self.interval_s)):
                 await shared_state.write_observations(self.engine, own)
                 await self._flush_events()
                 peers = await shared_state.read_observations(self.engine, now - self.book.max_age_s)
@@ -148,7 +161,6 @@ class StateSync:
         if self._down_since is not None:
             log.info("state_sync.database_back", after_s=round(now - self._down_since, 1))
             self._down_since = None
-        self.last_ok = now
         self.book.replace_peers(peers)
         try:
             # A log refused now keeps the last good overrides (refresh returned them); one
@@ -164,12 +176,22 @@ class StateSync:
         self.recompose(now)
         if self.own_status is not None:
             # After applying: what this node reports is what it now answers with (the admin
-            # service reports an activation done when every live node says so).
+            # service reports an activation done when every member says so). Heard from the
+            # fleet means reported to it, too: the fleet dates this node's fence from its last
+            # report (gtm.fleet.roster), so a node that can read but not report must not count
+            # itself heard from any later than that.
             try:
-                async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+                async with asyncio.timeout(round_timeout_s(self.interval_s)):
                     await shared_state.write_node_status(self.engine, self.own_status(now))
             except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                self.failures += 1
                 log.warning("state_sync.status_not_written", error=f"{type(exc).__name__}")
+                self.recompose()  # the fence is checked after every phase that can hang
+                return False
+        silent_s = self.age_s
+        self.last_ok = now
+        if silent_s > self.interval_s:
+            self.recompose(now)  # heard from again: lift a fence now, not a round later
         return True
 
     async def _flush_events(self) -> None:
