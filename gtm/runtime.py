@@ -493,9 +493,18 @@ class Runtime:
             elif threshold is None or sequence > threshold:
                 newer.append((accepted, published))
             elif not first:
-                # A new row with an old version: a replay. (At the first look every row is
-                # offered, and the older versions there are history, not an attack.)
-                self._refuse(published, "replayed", f"sequence {sequence} is not after {threshold}")
+                # A new row with an old, validly signed version: a copy, or rows renumbered by a
+                # restore or a failover. It never comes into force (it is not after the one in
+                # force), and it is no alarm: its signature proves it is an activation the
+                # fleet made, so it can only be old. Rows that do not verify are the alarm.
+                # (At the first look every row is offered; the older ones are history.)
+                metrics.DOCUMENTS_SUPERSEDED.inc()
+                log.info(
+                    "documents.superseded",
+                    id=published.id,
+                    sequence=sequence,
+                    in_force=threshold,
+                )
         for accepted, published in newer:  # highest sequence first
             if self._put_in_force(accepted, published):
                 break
