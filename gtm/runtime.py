@@ -24,7 +24,7 @@ from gtm.answer_labels import AnswersByJurisdiction
 from gtm.audit import migrate
 from gtm.audit.anchor import Anchor, read_store_id
 from gtm.audit.checkpoints import open_sink
-from gtm.audit.database import make_async_engine
+from gtm.audit.database import is_sqlite, make_async_engine
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
@@ -110,11 +110,28 @@ class Runtime:
         self.store = SnapshotStore(
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
         )
-        self.engine = make_async_engine(settings.database_url)
+        self.engine = make_async_engine(
+            settings.database_url,
+            silence_s=settings.database_silence_s,
+            statement_s=settings.database_statement_timeout_s,
+        )
         key_path = settings.audit_signing_key or settings.spool_dir / KEY_NAME
         self.spool = Spool(settings.spool_dir, settings.node_id, load_or_create(key_path))
+        # The writer's own connections on PostgreSQL, unpooled: each drain's connection is
+        # watched from its first byte (gtm.audit.deadline), never one a pool kept idle
+        # through a cut, whose check before use would wait on a silent peer unwatched.
+        self.writer_engine = (
+            self.engine
+            if is_sqlite(settings.database_url)
+            else make_async_engine(
+                settings.database_url,
+                silence_s=settings.database_silence_s,
+                statement_s=settings.database_statement_timeout_s,
+                pooled=False,
+            )
+        )
         self.writer = AuditWriter(
-            self.engine,
+            self.writer_engine,
             settings.node_id,
             self.spool,
             flush_interval=settings.audit_flush_interval_s,
@@ -123,6 +140,7 @@ class Runtime:
             spool_max_bytes=settings.audit_spool_max_bytes,
             on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
             max_queued_rows=queued_rows(settings.dns_cache_budget_mb),
+            db_timeout_s=settings.database_silence_s or 3600.0,
         )
         # The sink outside the database: a directory, or a write-once bucket (ConfigError here
         # for loose credentials, and at start for a bucket without Object Lock).
@@ -279,6 +297,8 @@ class Runtime:
         await self.writer.stop()
         await self.anchor.stop()
         await self.engine.dispose()
+        if self.writer_engine is not self.engine:
+            await self.writer_engine.dispose()
         log.info("gtm.stopped", counted=self.writer.counted)
 
     def count(self, record: AuditRecord) -> None:

@@ -140,6 +140,12 @@ class Settings(BaseSettings):
     # fails closed ("fail_closed") or gets the degraded TTL ("short_ttl") until it hears again;
     # unrestricted traffic keeps being served. 0: never.
     fence_after_s: float = Field(default=60.0, ge=0)
+    # Every database call has a deadline (gtm.audit.database, gtm.audit.deadline): a
+    # connection silent this long is given up (TCP keepalives and user timeout; the audit
+    # writer's drain, which shuts the socket itself) and discarded; a statement runs at most
+    # database_statement_timeout_s on the server. 0: no such deadline (not recommended).
+    database_silence_s: float = Field(default=10.0, ge=0)
+    database_statement_timeout_s: float = Field(default=300.0, ge=0)
     fence_action: Literal["fail_closed", "short_ttl"] = "fail_closed"
     # The admin service counts a node live while its last status report is younger than this
     # (rollouts, /v1/nodes). Unset: four sync intervals, at least 5 s.
