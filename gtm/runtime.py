@@ -39,10 +39,16 @@ from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
 from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
+from gtm.fleet import roster, shared_state
 from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.local_documents import Accepted, read_accepted, review, write_accepted
-from gtm.fleet.observation_seal import ObservationGate, gate_for, load_or_create_node_key
+from gtm.fleet.observation_seal import (
+    ObservationGate,
+    gate_for,
+    load_or_create_node_key,
+    unlisted_fleet,
+)
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
@@ -232,6 +238,7 @@ class Runtime:
         except (SQLAlchemyError, OSError) as exc:
             log.warning("capacity.marks_unavailable", error=str(exc).splitlines()[0])
         self._tasks.append(asyncio.create_task(self._sync_marks(), name="report-marks"))
+        await self._refuse_a_fleet_without_membership()
         await self.sync.start()  # adopts the fleet's published documents before probing starts
         self._check_database_head()  # a database emptied of documents offers no row at all
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
@@ -244,6 +251,23 @@ class Runtime:
             policy=self.store.current.versions.policy,
             geoip=self.geoip.current.build,
         )
+
+    async def _refuse_a_fleet_without_membership(self) -> None:
+        """Several nodes on one database without a membership: refused, before this node
+        reports or probes anything (gtm.fleet.observation_seal.unlisted_fleet)."""
+        gate, settings = self.book.gate, self.settings
+        if gate is None or gate.membership.voters or settings.fleet_standalone_health:
+            return
+        bound = roster.live_bound_s(settings.node_live_within_s, settings.state_sync_interval_s)
+        try:
+            reports = await shared_state.read_node_status(self.engine, time.time() - bound)
+        except (SQLAlchemyError, OSError) as exc:
+            log.warning("fleet.membership_unchecked", error=str(exc).splitlines()[0])
+            return
+        problem = unlisted_fleet(self.book.node, {r.observer for r in reports})
+        if problem is not None:
+            await self.stop()
+            raise ConfigError([problem])
 
     def _warn_about_reports(self) -> None:
         if self.settings.report_secret is not None:

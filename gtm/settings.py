@@ -165,6 +165,12 @@ class Settings(BaseSettings):
     # the member's observation key (64 hex digits); a member without a key cannot vote (said at
     # start). Neither: this node counts its own observations only (gtm.fleet.observation_seal).
     health_members: tuple[str, ...] = ()
+    # Several nodes on one database need a membership (the topology's fleet.members, or
+    # health_members): without one each node decides region health from its own probes alone,
+    # so one node with a broken probe path moves its answers. A node that finds another node
+    # reporting live to its database refuses to start without a membership, unless this is set
+    # (each node deciding alone, on purpose).
+    fleet_standalone_health: bool = False
     # A node's observation counts while it is younger than this.
     health_observation_max_age_s: float = Field(default=3.0, gt=0)
     # ...and only if it is dated at most this far ahead of this node's clock (clock skew).

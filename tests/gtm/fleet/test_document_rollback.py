@@ -86,6 +86,7 @@ class Fleet:
             audit_flush_interval_s=0.05,
             state_sync_interval_s=0.2,
             document_keys=(self.public,),
+            fleet_standalone_health=True,  # several nodes, no membership: on purpose here
         )
 
     @contextlib.asynccontextmanager
