@@ -82,7 +82,9 @@ class StateSync:
         self.started_at = clock()
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._down_since: float | None = None
+        self._composed_at = clock()
 
     @property
     def age_s(self) -> float:
@@ -90,15 +92,18 @@ class StateSync:
         return self._clock() - (self.last_ok if self.last_ok is not None else self.started_at)
 
     async def start(self) -> None:
+        # The clock first: a fence must come on time even if this first round hangs.
+        self._ticker = asyncio.create_task(self._keep_composing(), name="state-compose")
         await self.sync_once()  # start from the fleet's state and documents when reachable
         self._task = asyncio.create_task(self._loop(), name="state-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._ticker = None
         # One last try: events of the final seconds (a drain on shutdown) reach the database.
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2.0):
@@ -112,7 +117,8 @@ class StateSync:
 
     def recompose(self, now: float | None = None) -> Composed:
         """Compose the state in force now and hand it to the runtime (no I/O)."""
-        composed = self.book.compose(self._clock() if now is None else now)
+        self._composed_at = self._clock() if now is None else now
+        composed = self.book.compose(self._composed_at)
         self.queue(composed.events)
         for event in composed.events:
             log.info(
@@ -124,6 +130,19 @@ class StateSync:
             )
         self.on_compose(composed)
         return composed
+
+    async def _keep_composing(self) -> None:
+        """Compose at least every other interval, on a clock of its own: a round whose
+        database call hangs (a silent network: the driver's cancellation can itself wait on
+        the peer) must not hold back the fence, which the fleet dates from this node's last
+        report (gtm.fleet.roster), nor an override's lapse."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self._clock() - self._composed_at >= self.interval_s:
+                try:
+                    self.recompose()
+                except Exception:  # the clock must outlive any single failure
+                    log.exception("state_sync.compose_failed")
 
     async def _loop(self) -> None:
         while True:

@@ -68,13 +68,18 @@ def through(url: str, proxy: TcpProxy) -> str:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("cut", ["reset", "black hole"])
 async def test_a_partitioned_member_stays_pending_then_fenced_never_acknowledged(
-    start_admin: AdminFactory, postgres: str, tmp_path: Path, geoip_path: Path
+    start_admin: AdminFactory, postgres: str, tmp_path: Path, geoip_path: Path, cut: str
 ) -> None:
     """Two members on PostgreSQL, the second reaching it through a proxy that is cut just
     before an activation. The rollout must not complete while that member is silent (the old
     count over the nodes that reported lately dropped it after the liveness bound and said
-    complete); it is pending, then fenced only once it really is; healed, it acknowledges."""
+    complete); it is pending, then fenced only once it really is; healed, it acknowledges.
+
+    A reset fails the member's calls at once; a black hole leaves them hanging (and the
+    driver's cancellation with them): the fence must come on time all the same, or the
+    fleet's "fenced since T" would be a claim the member does not keep."""
     server = make_url(postgres)
     proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
     await proxy.start()
@@ -101,7 +106,10 @@ async def test_a_partitioned_member_stays_pending_then_fenced_never_acknowledged
 
                 await eventually(both_live, 30, "both members reporting")
                 before = eu_answer(b)
-                await proxy.stop()  # node-b is cut off from the database
+                if cut == "reset":  # node-b is cut off from the database
+                    await proxy.stop()
+                else:
+                    proxy.blackhole()
                 p = (await a.post("/v1/proposals", json=loose_proposal())).json()
                 await a.post(f"/v1/proposals/{p['id']}/submit")
                 await c.post(f"/v1/proposals/{p['id']}/approve", json={"version": p["version"]})
@@ -138,7 +146,10 @@ async def test_a_partitioned_member_stays_pending_then_fenced_never_acknowledged
                 regions = {r["region"]: r for r in (await c.get("/v1/regions")).json()}
                 assert regions["eu-west"]["nodes"]["node-b"] == "fenced"
 
-                await proxy.start()  # healed: it catches up and says so
+                if cut == "reset":  # healed: it catches up and says so
+                    await proxy.start()
+                else:
+                    proxy.heal()
 
                 async def complete() -> bool:
                     return bool((await c.get(url)).json()["complete"])
