@@ -104,9 +104,17 @@ PROBE_LATENCY = Histogram(
 PROBE_FAILURES = Counter("gtm_probe_failures", "Region probes that failed", ["region"])
 DOCUMENTS_REFUSED = Counter(
     "gtm_documents_refused",
-    "Published documents this node refused to put in force (unsigned, bad signature, replayed, "
-    "four-eyes not met, invalid)",
+    "Published documents this node refused because they do not verify or would fork the "
+    "version in force (unsigned, bad signature, content mismatch, four-eyes not met, fork, "
+    "malformed, invalid): someone wrote them, and GTMDocumentsRefused says so",
     ["reason"],
+)
+DOCUMENTS_SUPERSEDED = Counter(
+    "gtm_documents_superseded",
+    "Valid signed versions seen again that are not after the one in force (a copy of an older "
+    "row, rows renumbered by a restore or a failover): never put in force, and no alarm, since "
+    "a signed version that is not newer changes nothing (the first look at start is history "
+    "and not counted)",
 )
 DOCUMENT_SEQUENCE = Gauge(
     "gtm_document_sequence",

@@ -24,7 +24,7 @@ from gtm.answer_labels import AnswersByJurisdiction
 from gtm.audit import migrate
 from gtm.audit.anchor import Anchor, read_store_id
 from gtm.audit.checkpoints import open_sink
-from gtm.audit.database import make_async_engine
+from gtm.audit.database import is_sqlite, make_async_engine
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.spool import Spool
@@ -40,10 +40,16 @@ from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotS
 from gtm.decision.topology import Topology, load_topology, parse_topology
 from gtm.errors import ConfigError
 from gtm.failures import Failures
+from gtm.fleet import roster, shared_state
 from gtm.fleet.capacity import CapacityIntake
 from gtm.fleet.health import TargetHealth, Thresholds
 from gtm.fleet.local_documents import Accepted, read_accepted, review, write_accepted
-from gtm.fleet.observation_seal import ObservationGate, gate_for, load_or_create_node_key
+from gtm.fleet.observation_seal import (
+    ObservationGate,
+    gate_for,
+    load_or_create_node_key,
+    unlisted_fleet,
+)
 from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
@@ -113,11 +119,28 @@ class Runtime:
         )
         # Exceptions on the answering paths: counted, logged once per interval (gtm.failures).
         self.failures = Failures(settings.answer_failure_log_interval_s)
-        self.engine = make_async_engine(settings.database_url)
+        self.engine = make_async_engine(
+            settings.database_url,
+            silence_s=settings.database_silence_s,
+            statement_s=settings.database_statement_timeout_s,
+        )
         key_path = settings.audit_signing_key or settings.spool_dir / KEY_NAME
         self.spool = Spool(settings.spool_dir, settings.node_id, load_or_create(key_path))
+        # The writer's own connections on PostgreSQL, unpooled: each drain's connection is
+        # watched from its first byte (gtm.audit.deadline), never one a pool kept idle
+        # through a cut, whose check before use would wait on a silent peer unwatched.
+        self.writer_engine = (
+            self.engine
+            if is_sqlite(settings.database_url)
+            else make_async_engine(
+                settings.database_url,
+                silence_s=settings.database_silence_s,
+                statement_s=settings.database_statement_timeout_s,
+                pooled=False,
+            )
+        )
         self.writer = AuditWriter(
-            self.engine,
+            self.writer_engine,
             settings.node_id,
             self.spool,
             flush_interval=settings.audit_flush_interval_s,
@@ -126,6 +149,7 @@ class Runtime:
             spool_max_bytes=settings.audit_spool_max_bytes,
             on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
             max_queued_rows=queued_rows(settings.dns_cache_budget_mb),
+            db_timeout_s=settings.database_silence_s or 3600.0,
         )
         # The sink outside the database: a directory, or a write-once bucket (ConfigError here
         # for loose credentials, and at start for a bucket without Object Lock).
@@ -217,6 +241,7 @@ class Runtime:
         except (SQLAlchemyError, OSError) as exc:
             log.warning("capacity.marks_unavailable", error=str(exc).splitlines()[0])
         self._tasks.append(asyncio.create_task(self._sync_marks(), name="report-marks"))
+        await self._refuse_a_fleet_without_membership()
         await self.sync.start()  # adopts the fleet's published documents before probing starts
         self._check_database_head()  # a database emptied of documents offers no row at all
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
@@ -229,6 +254,23 @@ class Runtime:
             policy=self.store.current.versions.policy,
             geoip=self.geoip.current.build,
         )
+
+    async def _refuse_a_fleet_without_membership(self) -> None:
+        """Several nodes on one database without a membership: refused, before this node
+        reports or probes anything (gtm.fleet.observation_seal.unlisted_fleet)."""
+        gate, settings = self.book.gate, self.settings
+        if gate is None or gate.membership.voters or settings.fleet_standalone_health:
+            return
+        bound = roster.live_bound_s(settings.node_live_within_s, settings.state_sync_interval_s)
+        try:
+            reports = await shared_state.read_node_status(self.engine, time.time() - bound)
+        except (SQLAlchemyError, OSError) as exc:
+            log.warning("fleet.membership_unchecked", error=str(exc).splitlines()[0])
+            return
+        problem = unlisted_fleet(self.book.node, {r.observer for r in reports})
+        if problem is not None:
+            await self.stop()
+            raise ConfigError([problem])
 
     def _warn_about_reports(self) -> None:
         if self.settings.report_secret is not None:
@@ -282,6 +324,8 @@ class Runtime:
         await self.writer.stop()
         await self.anchor.stop()
         await self.engine.dispose()
+        if self.writer_engine is not self.engine:
+            await self.writer_engine.dispose()
         log.info("gtm.stopped", counted=self.writer.counted)
 
     def count(self, record: AuditRecord) -> None:
@@ -496,9 +540,18 @@ class Runtime:
             elif threshold is None or sequence > threshold:
                 newer.append((accepted, published))
             elif not first:
-                # A new row with an old version: a replay. (At the first look every row is
-                # offered, and the older versions there are history, not an attack.)
-                self._refuse(published, "replayed", f"sequence {sequence} is not after {threshold}")
+                # A new row with an old, validly signed version: a copy, or rows renumbered by a
+                # restore or a failover. It never comes into force (it is not after the one in
+                # force), and it is no alarm: its signature proves it is an activation the
+                # fleet made, so it can only be old. Rows that do not verify are the alarm.
+                # (At the first look every row is offered; the older ones are history.)
+                metrics.DOCUMENTS_SUPERSEDED.inc()
+                log.info(
+                    "documents.superseded",
+                    id=published.id,
+                    sequence=sequence,
+                    in_force=threshold,
+                )
         for accepted, published in newer:  # highest sequence first
             if self._put_in_force(accepted, published):
                 break

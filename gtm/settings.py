@@ -146,7 +146,16 @@ class Settings(BaseSettings):
     # fails closed ("fail_closed") or gets the degraded TTL ("short_ttl") until it hears again;
     # unrestricted traffic keeps being served. 0: never.
     fence_after_s: float = Field(default=60.0, ge=0)
+    # Every database call has a deadline (gtm.audit.database, gtm.audit.deadline): a
+    # connection silent this long is given up (TCP keepalives and user timeout; the audit
+    # writer's drain, which shuts the socket itself) and discarded; a statement runs at most
+    # database_statement_timeout_s on the server. 0: no such deadline (not recommended).
+    database_silence_s: float = Field(default=10.0, ge=0)
+    database_statement_timeout_s: float = Field(default=300.0, ge=0)
     fence_action: Literal["fail_closed", "short_ttl"] = "fail_closed"
+    # The admin service counts a node live while its last status report is younger than this
+    # (rollouts, /v1/nodes). Unset: four sync intervals, at least 5 s.
+    node_live_within_s: float | None = Field(default=None, gt=0)
     # Anycast (gtm.anycast): BIRD's control socket; unset, the node announces nothing. The node
     # withdraws the prefix while the drain file exists, after anycast_fall failed queries to
     # its own DNS listener, after this long without the shared database, and when stopping.
@@ -162,6 +171,12 @@ class Settings(BaseSettings):
     # the member's observation key (64 hex digits); a member without a key cannot vote (said at
     # start). Neither: this node counts its own observations only (gtm.fleet.observation_seal).
     health_members: tuple[str, ...] = ()
+    # Several nodes on one database need a membership (the topology's fleet.members, or
+    # health_members): without one each node decides region health from its own probes alone,
+    # so one node with a broken probe path moves its answers. A node that finds another node
+    # reporting live to its database refuses to start without a membership, unless this is set
+    # (each node deciding alone, on purpose).
+    fleet_standalone_health: bool = False
     # A node's observation counts while it is younger than this.
     health_observation_max_age_s: float = Field(default=3.0, gt=0)
     # ...and only if it is dated at most this far ahead of this node's clock (clock skew).

@@ -53,6 +53,14 @@ class AdminContext:
     snapshot: Callable[[], Snapshot] | None = None
     # A node is live while its last status report is younger than this.
     live_within_s: float = 5.0
+    # The fleet's configured membership (observer ids; empty: none configured) and where it
+    # comes from, as this node holds it: rollouts and /v1/nodes count over it (gtm.fleet.roster).
+    membership: Callable[[], tuple[str, frozenset[str]]] = field(
+        default=lambda: ("none configured", frozenset())
+    )
+    # The fleet's fence bound (0: nodes never fence) and how late a cut-off node may notice it.
+    fence_after_s: float = 0.0
+    fence_slack_s: float = 0.0
     # The audit checkpoints' sink outside the database (the compliance report verifies with it).
     checkpoints: Path | None = None
     # The sink itself when it is not that directory (a bucket: gtm.audit.checkpoint_bucket).

@@ -28,6 +28,8 @@ from gtm.control.anchor import ControlAnchor
 from gtm.control.log import ControlLog, LogRefused
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, Problem
+from gtm.fleet import roster
+from gtm.fleet.state_sync import fence_slack_s
 from gtm.listen import EmbeddedServer, parse_listen
 from gtm.runtime import Runtime
 from gtm.settings import Settings
@@ -57,7 +59,12 @@ def context_for(runtime: Runtime) -> AdminContext:
         signer,
         files=files,
         snapshot=lambda: runtime.store.current,
-        live_within_s=max(5.0, 4 * settings.state_sync_interval_s),
+        live_within_s=roster.live_bound_s(
+            settings.node_live_within_s, settings.state_sync_interval_s
+        ),
+        membership=lambda: _membership(runtime),
+        fence_after_s=settings.fence_after_s,
+        fence_slack_s=fence_slack_s(settings.state_sync_interval_s),
         oidc=None if oidc_config is None else OidcVerifier(oidc_config),
         checkpoints=settings.checkpoint_dir,
         checkpoint_sink=runtime.checkpoint_sink,
@@ -65,6 +72,13 @@ def context_for(runtime: Runtime) -> AdminContext:
         console_idle_s=settings.console_idle_timeout_s,
         console_oidc=console_oidc(settings),
     )
+
+
+def _membership(runtime: Runtime) -> tuple[str, frozenset[str]]:
+    gate = runtime.book.gate
+    if gate is None or not gate.membership.voters:
+        return ("none configured", frozenset())
+    return (gate.membership.source, gate.membership.voters)
 
 
 def control_log_for(

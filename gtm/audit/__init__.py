@@ -5,6 +5,7 @@
 ``event_chain``  the region events' hash chain (operator actions and state changes)
 ``schema``       the SQLAlchemy tables of the shared store (alembic migrations create them)
 ``database``     URLs and engines for SQLite (WAL) and PostgreSQL (psycopg 3)
+``deadline``     a deadline on one database connection: no progress, its socket shut, discarded
 ``migrate``      running the alembic migrations from code
 ``spool``        the local write-ahead file rows pass through, so a database outage loses nothing
 ``writer``       the batched writer beside the answering path

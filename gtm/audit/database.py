@@ -14,6 +14,7 @@ from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from gtm.errors import ConfigError, Problem
 
@@ -80,7 +81,48 @@ def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
-def make_async_engine(url: str) -> AsyncEngine:
+def postgres_deadlines(silence_s: float, statement_s: float) -> dict[str, Any]:
+    """libpq connection arguments that put a deadline on every call (DESIGN.md rule 10).
+
+    Client side: ``connect_timeout`` for the whole start-up, TCP keepalives and
+    ``tcp_user_timeout`` so a peer that went silent (a black-holed route: no reset, no answer)
+    is given up within about ``silence_s`` by the kernel, in the middle of a statement too.
+    Server side (``options``): ``statement_timeout`` and ``idle_in_transaction_session_timeout``
+    end a statement or transaction left open by a client that vanished (a COPY waiting for data
+    for ever), and the server's own keepalives find that client. ``silence_s`` 0: none of the
+    network ones; ``statement_s`` 0: no statement timeout."""
+    args: dict[str, Any] = {"connect_timeout": 3}
+    gucs: list[str] = []
+    if silence_s > 0:
+        idle = max(1, round(silence_s / 3))
+        args |= {
+            "keepalives": 1,
+            "keepalives_idle": idle,
+            "keepalives_interval": idle,
+            "keepalives_count": 2,
+            "tcp_user_timeout": round(silence_s * 1000),
+        }
+        gucs += [
+            f"tcp_keepalives_idle={idle}",
+            f"tcp_keepalives_interval={idle}",
+            "tcp_keepalives_count=2",
+            f"idle_in_transaction_session_timeout={round(max(silence_s, statement_s) * 1000)}",
+        ]
+    if statement_s > 0:
+        gucs.append(f"statement_timeout={round(statement_s * 1000)}")
+    if gucs:
+        args["options"] = " ".join(f"-c {g}" for g in gucs)
+    return args
+
+
+def make_async_engine(
+    url: str, *, silence_s: float = 10.0, statement_s: float = 300.0, pooled: bool = True
+) -> AsyncEngine:
+    """An engine whose every call has a deadline on PostgreSQL (:func:`postgres_deadlines`);
+    on SQLite (a local file) lock waits are bounded by ``busy_timeout``. ``pooled`` False
+    (PostgreSQL): a new connection for each use, closed after it, so no connection left idle
+    in a pool across a network cut can hang the next user (the audit writer's drains, which
+    watch their own connection: gtm.audit.deadline)."""
     target = async_url(url)
     # JSON columns serialised with orjson: the writer inserts thousands of rows a second.
     kwargs: dict[str, Any] = {"json_serializer": _json, "json_deserializer": orjson.loads}
@@ -88,7 +130,9 @@ def make_async_engine(url: str) -> AsyncEngine:
         _ensure_sqlite_dir(target)
     else:
         # Fail fast when the server is away; the writer spools and retries on its own schedule.
-        kwargs |= {"pool_pre_ping": True, "connect_args": {"connect_timeout": 3}}
+        # A pooled connection is checked before use and one that failed is discarded.
+        kwargs |= {"connect_args": postgres_deadlines(silence_s, statement_s)}
+        kwargs |= {"pool_pre_ping": True} if pooled else {"poolclass": NullPool}
     engine = create_async_engine(target, **kwargs)
     if target.drivername.startswith("sqlite"):
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

@@ -320,6 +320,20 @@ class Spool:
         _cut_private(self.path, cut)
         self._base += cut
 
+    def line_count(self) -> int:
+        """Rows the spool holds (lines past the part already discarded), counted without
+        parsing them."""
+        try:
+            f = self.path.open("rb")
+        except FileNotFoundError:
+            return 0
+        count = 0
+        with f:
+            f.seek(self._skip)
+            while chunk := f.read(1 << 20):
+                count += chunk.count(b"\n")
+        return count
+
     def size(self) -> int:
         try:
             return self.path.stat().st_size

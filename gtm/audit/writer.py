@@ -60,7 +60,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
-from gtm.audit import partitions
+from gtm.audit import deadline, partitions
 from gtm.audit.journal import JOURNAL_REPLAYED, Journal
 from gtm.audit.record import GENESIS, AuditRecord, RowForm, row_body, row_form, shared
 from gtm.audit.schema import decisions
@@ -98,6 +98,7 @@ _PARTITIONS_RETRY_S = 60.0
 _BACKGROUND_NICE = 10  # added to the thread's nice value (capped at 19, the lowest priority)
 _SLICE_S = 0.0003  # the longest row rendering holds the loop before it answers again
 _REST = 6.0  # paced flushes rest this many times as long as each slice of work took
+_MAX_REST_S = 0.05  # ...but never longer than this at once
 # Journal ticks rest only as long as they worked: a tick's work is small (a few microseconds
 # per decision answered since the last one), and how long a tick takes is how long its answers
 # stay in memory only. Paced like a flush, a tick under a saturated loop took most of a second.
@@ -242,20 +243,29 @@ class _Slices:
     paths (and, when paced, rests). A cancellation that arrives meanwhile is remembered, not
     raised, and the rest runs without yielding: tallies once taken must all become rows."""
 
-    __slots__ = ("cancelled", "deadline", "rest", "started")
+    __slots__ = ("cancelled", "deadline", "rest", "started", "watch")
 
     def __init__(self, rest: float) -> None:
         self.cancelled = False
         self.rest = rest
         self.started = time.perf_counter()
         self.deadline = self.started + _SLICE_S
+        self.watch: deadline.Watch | None = (
+            None  # the database connection's deadline, while one is used
+        )
 
     async def next(self) -> None:
         if not self.cancelled:
             try:
-                await asyncio.sleep(self.rest * (time.perf_counter() - self.started))
+                # Bounded: a slice that took long was waiting (on the database), not working,
+                # and resting six times a wait made a writer that hung 92 s rest 9 minutes
+                # after the network was back (issue 33).
+                worked = time.perf_counter() - self.started
+                await asyncio.sleep(min(self.rest * worked, _MAX_REST_S))
             except asyncio.CancelledError:
                 self.cancelled = True
+        if self.watch is not None:
+            self.watch.progress()  # a slice done is progress: the deadline moves on
         self.started = time.perf_counter()
         self.deadline = self.started + _SLICE_S
 
@@ -275,8 +285,15 @@ class AuditWriter:
         rest: float = _REST,
         journal_interval: float = 0.0,
         max_queued_rows: int = _MAX_QUEUED_ROWS,
+        db_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
+        # A drain whose database connection makes no progress for this long is abandoned and
+        # the connection discarded (gtm.audit.deadline); the rows stay spooled for the next.
+        self.db_timeout_s = db_timeout_s
+        # The highest sequence the database is known to hold for this node (None: not read
+        # yet): sealed rows above it are the spooled rows gtm_audit_spooled_rows counts.
+        self._db_seq: int | None = None
         self.max_queued_rows = max_queued_rows
         # Paced work rests this many times as long as each slice took (0: not paced, which
         # bench/audit.py uses to measure the most the writer can take).
@@ -606,6 +623,12 @@ class AuditWriter:
                 batch.end = await self._in_io(
                     _append, self.spool, batch, self._node_json, generation
                 )
+                if self._db_seq is None:
+                    # Not yet read from the database this run: what the spool holds, counted
+                    # once (later drains keep it exact).
+                    lines = await self._in_io(self.spool.line_count)
+                    self._db_seq = max(0, self._seq - lines)
+                await self._watch_spool()
             # Sealed (fsynced): the window's journal file is no longer needed. (Dropped in the
             # journal's thread, after any write to it; dropping it before the rows were on
             # disk would lose them to a crash in between.)
@@ -745,7 +768,11 @@ class AuditWriter:
         written = 0
         await self._ensure_partitions()
         try:
-            async with self.engine.connect() as conn:
+            async with (
+                self.engine.connect() as conn,
+                deadline.watched(conn, self.db_timeout_s) as watch,
+            ):
+                slices.watch = watch
                 await self._driver_in_background(conn)
                 # Replays after a crash may repeat rows the database already committed.
                 have = await conn.scalar(
@@ -755,6 +782,8 @@ class AuditWriter:
                 )
                 await conn.commit()
                 have = int(have or 0)
+                self._db_seq = max(have, self._db_seq or 0)
+                watch.progress()
                 sql = _insert_sql(conn.dialect.paramstyle)
                 if batch is not None and conn.dialect.name == "postgresql":
                     start = min(total, max(0, have - batch.first_seq + 1))
@@ -804,21 +833,27 @@ class AuditWriter:
         except _DB_ERRORS as exc:
             self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
             metrics.AUDIT_FLUSH_FAILURES.inc()
-            metrics.AUDIT_SPOOLED_ROWS.set(total)
             metrics.AUDIT_ROWS_WRITTEN.inc(written)
-            log.warning("audit.flush_failed", spooled=total, error=self.last_error)
+            log.warning("audit.flush_failed", spooled=self._spooled(), error=self.last_error)
+            deadline.release(exc)
             await self._watch_spool()
             return 0, False
+        finally:
+            slices.watch = None
         await self._in_io(self.spool.discard_through, end)
         while self._queued and self._queued[0].end <= end:
             self._queued.popleft()  # read back from the spool with the rest, and committed
+        last = rows[-1]["node_seq"] if batch is None else batch.first_seq + len(batch) - 1
+        self._db_seq = max(self._db_seq or 0, int(last))
         self._backlog = False
         self.last_error = None
-        metrics.AUDIT_SPOOLED_ROWS.set(0)
-        metrics.AUDIT_SPOOL_BYTES.set(0)
-        metrics.AUDIT_SPOOL_OVER_CAP.set(0)
         metrics.AUDIT_ROWS_WRITTEN.inc(written)
+        await self._watch_spool()
         return written, more
+
+    def _spooled(self) -> int:
+        """Rows sealed (in the spool) that the database is not known to hold yet."""
+        return max(0, self._seq - (self._db_seq or 0)) if self._db_seq is not None else 0
 
     async def _copy(
         self, conn: AsyncConnection, chunks: Iterator[list[tuple[Any, ...]]], slices: _Slices
@@ -852,7 +887,10 @@ class AuditWriter:
             return
         self._partitions_due = now + _PARTITIONS_EVERY_S
         try:
-            async with self.engine.connect() as conn:
+            async with (
+                self.engine.connect() as conn,
+                deadline.watched(conn, self.db_timeout_s),
+            ):
                 made = await partitions.ensure(conn, now)
         except _DB_ERRORS as exc:
             self._partitions_due = now + _PARTITIONS_RETRY_S
@@ -862,6 +900,9 @@ class AuditWriter:
             log.info("audit.partitions_made", days=made)
 
     async def _watch_spool(self) -> None:
+        """The spool's gauges as they stand: every row sealed and not yet in the database,
+        and the file's size (after each seal and each drain, failed or not)."""
+        metrics.AUDIT_SPOOLED_ROWS.set(self._spooled())
         size = await self._in_io(self.spool.size)
         metrics.AUDIT_SPOOL_BYTES.set(size)
         over = size > self.spool_max_bytes

@@ -12,6 +12,7 @@ import getpass
 import json
 import socket
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -267,8 +268,9 @@ def proposal_activate(
     proposal_id: int,
     wait: Annotated[str, typer.Option("--wait", help="how long to wait for every node")] = "10s",
 ) -> None:
-    """Sign and publish an approved proposal, then wait until every live node reports it in
-    force (exit 1, naming the nodes that have not, if they do not within --wait)."""
+    """Sign and publish an approved proposal, then wait until every configured member of the
+    fleet reports it in force (exit 1 if one has not within --wait, naming each member that is
+    pending and each that is fenced, since when)."""
     try:
         window = parse_duration(wait)
     except ValueError as exc:
@@ -279,13 +281,42 @@ def proposal_activate(
         rollout = call("GET", f"/v1/proposals/{proposal_id}/rollout")
         if rollout["complete"]:
             nodes = ", ".join(rollout["acknowledged"])
-            typer.echo(f"  in force on every live node: {nodes}")
+            typer.echo(f"  in force on every member ({rollout['membership']}): {nodes}")
             return
         if time.monotonic() >= deadline:
-            pending = ", ".join(f"{n} (has {s})" for n, s in rollout["pending"].items())
-            typer.echo(f"  NOT yet in force on: {pending or 'no live node reported'}")
+            for line in rollout_lines(rollout):
+                typer.echo(line)
             raise typer.Exit(1)
         time.sleep(0.25)
+
+
+def rollout_lines(rollout: dict[str, Any]) -> list[str]:
+    """What an incomplete rollout has reached, member by member."""
+    lines = [f"  NOT in force on every member ({rollout['membership']})"]
+    if rollout["acknowledged"]:
+        lines.append(f"  in force on: {', '.join(rollout['acknowledged'])}")
+    for member, has in rollout["pending"].items():
+        silent = rollout["silent"].get(member, "live")
+        said = (
+            "live"
+            if silent == "live"
+            else "never reported"
+            if silent is None
+            else f"silent since {_when(silent)}"
+        )
+        lines.append(f"  PENDING  {member}: has {has if has is not None else 'no version'}, {said}")
+    for member, since in rollout["fenced"].items():
+        lines.append(
+            f"  FENCED   {member}: silent past the fence bound, failing restricted traffic "
+            f"closed since {_when(since)}"
+        )
+    if not rollout["pending"] and not rollout["fenced"] and not rollout["acknowledged"]:
+        lines.append("  no member has reported")
+    return lines
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @proposal_app.command("withdraw")

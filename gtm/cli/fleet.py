@@ -21,17 +21,17 @@ from gtm.cli.admin_client import call
 from gtm.cli.common import DbOpt, cli_settings, fail, run_async
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
-from gtm.fleet import operator, shared_state
+from gtm.fleet import operator, roster, shared_state
 from gtm.fleet.local_documents import read_in_force
 from gtm.fleet.observation_seal import NodeKey, ObservationGate, membership
 from gtm.fleet.region_state import RegionBook, RegionEvent
 from gtm.fleet.signed_documents import load_public_keys
+from gtm.fleet.state_sync import fence_slack_s
 from gtm.runtime import load_documents, parse_documents
 from gtm.settings import Settings
 
 region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
 # A node counts as live while its status report is younger than this.
-LIVE_WITHIN_S = 5.0
 config_app = typer.Typer(help="Documents published to every node.", no_args_is_help=True)
 
 WhyOpt = Annotated[str, typer.Option("--why", help="why (recorded with the change)")]
@@ -129,14 +129,14 @@ def region_status(
     settings = cli_settings(database_url=database_url)
     migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
 
-    async def main() -> list[dict[str, Any]]:
+    async def main() -> tuple[list[dict[str, Any]], list[roster.Entry]]:
         engine = make_async_engine(settings.database_url)
         try:
             topology = await _topology(engine, settings)
             now = time.time()
             observations = await shared_state.read_observations(engine, 0)
             overrides = await operator.verified_overrides(engine, settings)
-            live = await shared_state.read_node_status(engine, now - LIVE_WITHIN_S)
+            reports = await shared_state.read_node_status(engine, 0.0)
         finally:
             await engine.dispose()
         book = RegionBook(
@@ -154,6 +154,13 @@ def region_status(
             NodeKey(Ed25519PrivateKey.generate()),
         )
         book.set_gate(ObservationGate(members, max_future_s=settings.health_max_future_s))
+        # Every configured member, silent ones included, with what it last reported.
+        bounds = roster.Bounds(
+            roster.live_bound_s(settings.node_live_within_s, settings.state_sync_interval_s),
+            settings.fence_after_s,
+            fence_slack_s(settings.state_sync_interval_s),
+        )
+        entries = roster.roster(members.voters, reports, now, bounds)
         book.replace_peers(observations)
         book.set_overrides(overrides)
         composed = book.compose(now)
@@ -180,13 +187,14 @@ def region_status(
                     },
                     # What each live node answers with now (its own report, with its memory
                     # of re-admission and the overrides it has synced), beside the recount.
-                    "in_force": {n.node: n.regions.get(region.id, "unknown") for n in live},
+                    # A member not live shows what it is (silent, fenced, never reported).
+                    "in_force": roster.held_by(entries, region.id),
                 }
             )
-        return rows
+        return rows, entries
 
     try:
-        rows = run_async(main)
+        rows, entries = run_async(main)
     except ConfigError as exc:
         raise fail(exc) from exc
     if as_json:
@@ -201,6 +209,14 @@ def region_status(
         typer.echo(
             f"{row['region']:<16} {row['state']:<9} {nodes or '-'}{override}"
             f"  in force: {serving or 'no live node'}"
+        )
+    for e in entries:
+        last = "never" if e.last_report is None else f"{time.time() - e.last_report:.1f} s ago"
+        fenced = "" if e.fenced_since is None else f" (fenced since {e.fenced_since:.0f})"
+        typer.echo(
+            f"member {e.member:<20} {e.state}{fenced}  last report {last}"
+            f"  documents {e.document_sequence if e.document_sequence is not None else 'files'}"
+            f"{'' if e.configured else '  (not a configured member)'}"
         )
 
 

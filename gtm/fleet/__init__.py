@@ -11,6 +11,8 @@
 ``operator``      operator controls over regions (drain, weight, force), each with who and why,
                   as signed control-log entries (gtm.control)
 ``observation_seal``  health observations signed by their node; the fleet's membership
+``roster``        every configured member with its last report (live, silent, fenced, never
+                  reported), and how far an activation has reached (pure)
 ``signed_documents``  what a node verifies before a published version comes into force
 ``local_documents``   the version a node accepted, kept on its own disk and verified again
 

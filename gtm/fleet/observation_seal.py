@@ -204,6 +204,26 @@ def membership_problems(m: Membership, own: str, own_key: NodeKey, quorum: int) 
     return problems
 
 
+def unlisted_fleet(own: str, reporting: Iterable[str]) -> Problem | None:
+    """Why this node must not start when others report live to its database and no
+    membership is configured (None: it is alone): each node would then decide region health
+    from its own probes alone, so one node with a broken probe path fails its regions over
+    (a restarting one first of all), where a membership lets its peers outvote it."""
+    others = sorted(set(reporting) - {own})
+    if not others:
+        return None
+    return Problem(
+        "GTM_HEALTH_MEMBERS",
+        "",
+        f"other nodes report to this database ({', '.join(others)}) and no fleet membership "
+        "is configured: each node would decide region health from its own probes alone, so "
+        "one node with a broken probe path would fail its regions over. List the members in "
+        "the topology's fleet.members (or GTM_HEALTH_MEMBERS=ID=KEY,...; each node logs its "
+        "key at start), or set GTM_FLEET_STANDALONE_HEALTH=true to run each node alone on "
+        "purpose",
+    )
+
+
 def gate_for(
     members: Sequence[FleetMember],
     setting: Sequence[str],

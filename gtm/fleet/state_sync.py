@@ -38,6 +38,19 @@ log = structlog.get_logger(__name__)
 MAX_PENDING_EVENTS = 10_000
 
 
+def round_timeout_s(interval_s: float) -> float:
+    """How long one round's database calls may take before the round counts as failed: so a
+    node cut off notices within this plus one interval (gtm.fleet.roster dates fences by it)."""
+    return max(2.0, 2 * interval_s)
+
+
+def fence_slack_s(interval_s: float) -> float:
+    """How long after its bound a cut-off node may still be unfenced: its fence is checked after
+    every phase of a round, and one phase hangs at most :func:`round_timeout_s`, after a sleep
+    of one interval (one more for a busy loop's lateness)."""
+    return round_timeout_s(interval_s) + 2 * interval_s
+
+
 class StateSync:
     def __init__(
         self,
@@ -70,7 +83,9 @@ class StateSync:
         self.started_at = clock()
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._down_since: float | None = None
+        self._composed_at = clock()
 
     @property
     def age_s(self) -> float:
@@ -78,15 +93,18 @@ class StateSync:
         return self._clock() - (self.last_ok if self.last_ok is not None else self.started_at)
 
     async def start(self) -> None:
+        # The clock first: a fence must come on time even if this first round hangs.
+        self._ticker = asyncio.create_task(self._keep_composing(), name="state-compose")
         await self.sync_once()  # start from the fleet's state and documents when reachable
         self._task = asyncio.create_task(self._loop(), name="state-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._ticker = None
         # One last try: events of the final seconds (a drain on shutdown) reach the database.
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2.0):
@@ -105,7 +123,8 @@ class StateSync:
 
     def recompose(self, now: float | None = None) -> Composed:
         """Compose the state in force now and hand it to the runtime (no I/O)."""
-        composed = self.book.compose(self._clock() if now is None else now)
+        self._composed_at = self._clock() if now is None else now
+        composed = self.book.compose(self._composed_at)
         self.queue(composed.events)
         for event in composed.events:
             log.info(
@@ -117,6 +136,19 @@ class StateSync:
             )
         self.on_compose(composed)
         return composed
+
+    async def _keep_composing(self) -> None:
+        """Compose at least every other interval, on a clock of its own: a round whose
+        database call hangs (a silent network: the driver's cancellation can itself wait on
+        the peer) must not hold back the fence, which the fleet dates from this node's last
+        report (gtm.fleet.roster), nor an override's lapse."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self._clock() - self._composed_at >= self.interval_s:
+                try:
+                    self.recompose()
+                except Exception:  # the clock must outlive any single failure
+                    log.exception("state_sync.compose_failed")
 
     async def _loop(self) -> None:
         while True:
@@ -133,7 +165,7 @@ class StateSync:
             self.book.observe(observation)
         published: list[Published] = []
         try:
-            async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+            async with asyncio.timeout(round_timeout_s(self.interval_s)):
                 await shared_state.write_observations(self.engine, own)
                 await self._flush_events()
                 peers = await shared_state.read_observations(self.engine, now - self.book.max_age_s)
@@ -154,7 +186,6 @@ class StateSync:
         if self._down_since is not None:
             log.info("state_sync.database_back", after_s=round(now - self._down_since, 1))
             self._down_since = None
-        self.last_ok = now
         self.book.replace_peers(peers)
         try:
             # A log refused now keeps the last good overrides (refresh returned them); one
@@ -170,12 +201,22 @@ class StateSync:
         self.recompose(now)
         if self.own_status is not None:
             # After applying: what this node reports is what it now answers with (the admin
-            # service reports an activation done when every live node says so).
+            # service reports an activation done when every member says so). Heard from the
+            # fleet means reported to it, too: the fleet dates this node's fence from its last
+            # report (gtm.fleet.roster), so a node that can read but not report must not count
+            # itself heard from any later than that.
             try:
-                async with asyncio.timeout(max(2.0, 2 * self.interval_s)):
+                async with asyncio.timeout(round_timeout_s(self.interval_s)):
                     await shared_state.write_node_status(self.engine, self.own_status(now))
             except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                self.failures += 1
                 log.warning("state_sync.status_not_written", error=f"{type(exc).__name__}")
+                self.recompose()  # the fence is checked after every phase that can hang
+                return False
+        silent_s = self.age_s
+        self.last_ok = now
+        if silent_s > self.interval_s:
+            self.recompose(now)  # heard from again: lift a fence now, not a round later
         return True
 
     async def _flush_events(self) -> None:

@@ -46,6 +46,7 @@ def start_node(
         "GTM_SPOOL_DIR": str(tmp_path / f"spool-{node}"),
         "GTM_PROBES": "false",
         "GTM_AUDIT_FLUSH_INTERVAL_S": str(FLUSH_S),
+        "GTM_FLEET_STANDALONE_HEALTH": "true",  # two nodes, no membership: on purpose here
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--node-id", node],

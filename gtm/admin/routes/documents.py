@@ -18,9 +18,10 @@ from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound, Refused
 from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
+from gtm.admin.routes.regions import fleet_roster
 from gtm.audit import query
 from gtm.errors import ConfigError
-from gtm.fleet import shared_state
+from gtm.fleet import roster
 from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
@@ -157,9 +158,23 @@ class ImpactOut(BaseModel):
 class RolloutOut(BaseModel):
     proposal: int
     sequence: int | None
-    complete: bool = Field(description="every live node has this activation (or a later one)")
+    membership: str = Field(description="what the rollout counts over (gtm.fleet.roster)")
+    complete: bool = Field(
+        description="every configured member (and any other live node) acknowledged this "
+        "activation or a later one"
+    )
     acknowledged: list[str]
-    pending: dict[str, int | None] = Field(description="node -> the sequence it has in force")
+    pending: dict[str, int | None] = Field(
+        description="member -> the sequence it last reported in force: not acknowledged, "
+        "and not surely fenced"
+    )
+    fenced: dict[str, float] = Field(
+        description="member -> since when (unix s) it has surely fenced itself: silent past "
+        "the fence bound, so failing restricted traffic closed; not acknowledged either"
+    )
+    silent: dict[str, float | None] = Field(
+        description="member -> its last report (null: never): pending members not reporting"
+    )
 
 
 class DiffOut(BaseModel):
@@ -511,23 +526,28 @@ async def get_proposal_rollout(
     ctx: Ctx,
     _: Annotated[Principal, Depends(require("get_proposal_rollout"))],
 ) -> RolloutOut:
-    """Whether the activation is in force on every live node, and which have not got it."""
+    """Whether the activation is in force on every configured member: which acknowledged it,
+    which are pending (silent ones said so) and which are surely fenced, since when."""
     async with ctx.engine.connect() as conn:
         proposal = await lifecycle.get(conn, proposal_id, ctx.control)
-    live = await shared_state.read_node_status(ctx.engine, ctx.clock() - ctx.live_within_s)
-    sequence = proposal.sequence
-    acknowledged = sorted(
-        n.node
-        for n in live
-        if sequence is not None
-        and n.document_sequence is not None
-        and n.document_sequence >= sequence
-    )
-    pending = {n.node: n.document_sequence for n in live if n.node not in acknowledged}
+    source, members = ctx.membership()
+    entries = await fleet_roster(ctx, ctx.clock())
+    reached = roster.rollout(entries, proposal.sequence)
     return RolloutOut(
         proposal=proposal_id,
-        sequence=sequence,
-        complete=sequence is not None and bool(live) and not pending,
-        acknowledged=acknowledged,
-        pending=pending,
+        sequence=proposal.sequence,
+        membership=(
+            f"{len(members)} members ({source})"
+            if members
+            else "no membership configured: the nodes reporting live"
+        ),
+        complete=reached.complete,
+        acknowledged=reached.acknowledged,
+        pending=reached.pending,
+        fenced=reached.fenced,
+        silent={
+            e.member: e.last_report
+            for e in entries
+            if e.member in reached.pending and e.state != roster.LIVE
+        },
     )

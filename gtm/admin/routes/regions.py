@@ -20,7 +20,7 @@ from gtm.admin.permissions import Role
 from gtm.admin.principals import Principal
 from gtm.audit import traffic
 from gtm.errors import Problem
-from gtm.fleet import operator, safety, shared_state
+from gtm.fleet import operator, roster, safety, shared_state
 from gtm.fleet.operator import parse_duration
 from gtm.fleet.region_state import Force, Override
 
@@ -61,13 +61,17 @@ class TrafficOut(BaseModel):
 
 
 class NodeOut(BaseModel):
-    node: str
-    observer: str
-    age_s: float
+    node: str = Field(description="the process's node id (the member's, when it never reported)")
+    observer: str = Field(description="the member it belongs to (its observer id)")
+    member: bool = Field(description="in the configured membership")
+    status: str = Field(description="live, silent, fenced or never reported (gtm.fleet.roster)")
+    last_report: float | None = Field(description="unix seconds; null: never reported")
+    age_s: float | None
+    fenced_since: float | None = Field(description="since when it surely fails closed")
     document_sequence: int | None
-    snapshot_version: int
-    topology_version: str
-    policy_version: str
+    snapshot_version: int | None
+    topology_version: str | None
+    policy_version: str | None
 
 
 class Change(BaseModel):
@@ -117,7 +121,7 @@ async def list_regions(
     snapshot, now = ctx.snapshot(), ctx.clock()
     state = await ctx.control.refresh(ctx.engine)
     overrides = {o.region: o for o in operator.overrides_of(state)}
-    live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
+    entries = await fleet_roster(ctx, now)
     out = safety.out_of_service(snapshot, overrides, now)
     rows = []
     spill = snapshot.topology.routing.spillover
@@ -150,7 +154,7 @@ async def list_regions(
                 override=override.describe() if override else None,
                 override_by=f"{override.actor}: {override.reason}" if override else None,
                 out_of_service=region in out,
-                nodes={n.node: n.regions.get(region, "unknown") for n in live},
+                nodes=roster.held_by(entries, region),
             )
         )
     return rows
@@ -186,21 +190,37 @@ async def get_traffic(
 async def list_nodes(
     ctx: Ctx, _: Annotated[Principal, Depends(require("list_nodes"))]
 ) -> list[NodeOut]:
-    """The live nodes (reported within the liveness bound) and what each has in force."""
+    """Every configured member with its last report, silent ones included, and any other node
+    reporting live; what each has in force (with no membership configured: the live nodes)."""
     now = ctx.clock()
-    live = await shared_state.read_node_status(ctx.engine, now - ctx.live_within_s)
-    return [
-        NodeOut(
-            node=n.node,
-            observer=n.observer,
-            age_s=round(now - n.at, 3),
-            document_sequence=n.document_sequence,
-            snapshot_version=n.snapshot_version,
-            topology_version=n.topology_version,
-            policy_version=n.policy_version,
-        )
-        for n in live
-    ]
+    rows = []
+    for e in await fleet_roster(ctx, now):
+        reports = e.reports or (None,)
+        for n in reports:
+            rows.append(
+                NodeOut(
+                    node=e.member if n is None else n.node,
+                    observer=e.member,
+                    member=e.configured,
+                    status=e.state,
+                    last_report=None if n is None else n.at,
+                    age_s=None if n is None else round(now - n.at, 3),
+                    fenced_since=e.fenced_since,
+                    document_sequence=None if n is None else n.document_sequence,
+                    snapshot_version=None if n is None else n.snapshot_version,
+                    topology_version=None if n is None else n.topology_version,
+                    policy_version=None if n is None else n.policy_version,
+                )
+            )
+    return rows
+
+
+async def fleet_roster(ctx: AdminContext, now: float) -> list[roster.Entry]:
+    """Every configured member and every live node, as of ``now`` (gtm.fleet.roster)."""
+    _, members = ctx.membership()
+    reports = await shared_state.read_node_status(ctx.engine, 0.0)
+    bounds = roster.Bounds(ctx.live_within_s, ctx.fence_after_s, ctx.fence_slack_s)
+    return roster.roster(members, reports, now, bounds)
 
 
 async def _change(

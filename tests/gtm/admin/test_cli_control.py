@@ -17,6 +17,7 @@ from gtm.admin import principals
 from gtm.admin.permissions import Role
 from gtm.admin.signer import PRIVATE_NAME, generate, load_signer
 from gtm.audit.database import make_async_engine
+from gtm.cli.control import rollout_lines
 from gtm.control.log import ControlLog
 from gtm.errors import ConfigError
 from gtm.fleet import shared_state
@@ -124,7 +125,8 @@ async def test_a_proposal_through_the_cli_needs_a_second_person(
         assert approved.returncode == 0 and "#1 approved" in approved.stdout
         active = await asyncio.to_thread(gtm, ["proposal", "activate", "1"], **as_bob)
         assert active.returncode == 0 and "sequence 1" in active.stdout
-        assert "in force on every live node: admin-test" in active.stdout
+        assert "in force on every member" in active.stdout
+        assert active.stdout.rstrip().endswith(": admin-test")
         unset = await asyncio.to_thread(gtm, ["proposal", "list"], GTM_ADMIN_URL="")
         assert unset.returncode == 2 and "GTM_ADMIN_TOKEN" in unset.stderr
 
@@ -170,3 +172,21 @@ async def test_region_controls_from_the_cli_are_the_tokens_principal(
         events = [e for e in lines if " override " in e]  # not the node's own state changes
         assert "cleared by olga: done" in events[0]
         assert "set: drained by olga: maintenance" in events[1]
+
+
+def test_an_incomplete_rollout_names_each_pending_and_fenced_member() -> None:
+    lines = rollout_lines(
+        {
+            "membership": "3 members (GTM_HEALTH_MEMBERS)",
+            "acknowledged": ["node-a"],
+            "pending": {"node-b": 4, "node-c": None},
+            "silent": {"node-b": 1_795_000_000.0, "node-c": None},
+            "fenced": {"node-d": 1_795_000_060.0},
+        }
+    )
+    assert lines[0] == "  NOT in force on every member (3 members (GTM_HEALTH_MEMBERS))"
+    assert "  in force on: node-a" in lines
+    assert any(line.startswith("  PENDING  node-b: has 4, silent since 20") for line in lines)
+    assert "  PENDING  node-c: has no version, never reported" in lines
+    fenced = [line for line in lines if line.startswith("  FENCED   node-d:")]
+    assert len(fenced) == 1 and "closed since 20" in fenced[0]

@@ -38,6 +38,7 @@ from gtm.fleet.signed_documents import Manifest, content_digest
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
+from tests.support.waiting import eventually
 
 US_CLIENT = "203.0.113.10"  # the test GeoIP database places it in Washington
 
@@ -85,6 +86,7 @@ class Fleet:
             audit_flush_interval_s=0.05,
             state_sync_interval_s=0.2,
             document_keys=(self.public,),
+            fleet_standalone_health=True,  # several nodes, no membership: on purpose here
         )
 
     @contextlib.asynccontextmanager
@@ -329,3 +331,51 @@ async def test_a_clean_restart_raises_no_alarm(fleet: Fleet) -> None:
         _still_in_force(restarted, policy)
         assert _metric("gtm_documents_database_diverged") == 0
     assert _metric("gtm_documents_refused_total", reason="replayed") == refused
+
+
+def _refused_total() -> float:
+    total = 0.0
+    for family in REGISTRY.collect():
+        if family.name == "gtm_documents_refused":
+            total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+async def test_an_older_version_seen_again_is_no_alarm_a_row_that_does_not_verify_is(
+    fleet: Fleet,
+) -> None:
+    """``gtm_documents_refused_total`` feeds the critical GTMDocumentsRefused: it must move for
+    a row that does not verify, and not for a signed version that is merely old (a copy of an
+    older row, rows renumbered by a restore or failover; the old code counted each as a
+    refusal, ``replayed``). Neither comes into force."""
+    async with fleet.node() as node:
+        policy = await _two_activations(fleet, node)
+        async with node.engine.connect() as conn:
+            old = (
+                (await conn.execute(select(documents).where(documents.c.sequence == 1)))
+                .mappings()
+                .one()
+            )
+        refused, superseded = _refused_total(), _metric("gtm_documents_superseded_total")
+        copy = {k: v for k, v in old.items() if k != "id"}
+        async with node.engine.begin() as conn:
+            await conn.execute(insert(documents), copy)  # the same signed version, a new row
+        # Waited for, not counted exactly: the node's sync loop runs beside this test.
+        await eventually(
+            lambda: _metric("gtm_documents_superseded_total") > superseded, 30, "the copy seen"
+        )
+        _still_in_force(node, policy)
+        assert _refused_total() == refused
+        # A row whose signature does not verify: an alarm, and not in force either.
+        forged = {**copy, "sequence": 3, "signature": "00" * 64}
+        async with node.engine.begin() as conn:
+            await conn.execute(insert(documents), forged)
+        await eventually(lambda: _refused_total() > refused, 30, "the forged row refused")
+        _still_in_force(node, policy)
+    # A restart looks at every row again: history and the copy are no alarm; the forged row,
+    # still there, is refused again (it is still wrong).
+    refused, superseded = _refused_total(), _metric("gtm_documents_superseded_total")
+    async with fleet.node() as restarted:
+        _still_in_force(restarted, policy)
+        assert _refused_total() > refused
+    assert _metric("gtm_documents_superseded_total") == superseded

@@ -4,6 +4,7 @@ every node through the shared database; a node that loses the database keeps ans
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.support.control import KeyHolder
 from tests.support.postgres import postgres_database
 from tests.support.tamper import triggers_off
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.postgres
 
@@ -77,7 +79,9 @@ def node_settings(tmp_path: Path, config: Path, url: str, node: str, **extra: An
         state_sync_interval_s=SYNC_S,
         health_observation_max_age_s=1.0,
         audit_flush_interval_s=0.2,
-        **extra,
+        # Several nodes without a membership, each counting its own probes: on purpose here
+        # (the membership's own tests are in test_signed_observations).
+        **({"fleet_standalone_health": True} | extra),
     )
 
 
@@ -182,17 +186,33 @@ async def test_a_majority_of_the_membership_decides(
     await say_until(HealthState.DOWN, ("node-c", "node-d", "node-e"), HealthState.DOWN)
     # They see it up again: up again.
     await say_until(HealthState.UP, ("node-c", "node-d", "node-e"), HealthState.UP)
-    await until(lambda: not a.sync.unsent and not b.sync.unsent, 10)
-    async with a.engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                select(region_events.c.node, func.count())
-                .where(region_events.c.region == "eu-central", region_events.c.kind == "in_force")
-                .group_by(region_events.c.node)
-            )
-        ).all()
-    # unknown -> up -> down -> up, recorded by each node
-    assert dict(rows) == {"node-a": 3, "node-b": 3}
+
+    async def recorded() -> dict[str, int]:
+        async with a.engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(region_events.c.node, func.count())
+                    .where(
+                        region_events.c.region == "eu-central",
+                        region_events.c.kind == "in_force",
+                    )
+                    .group_by(region_events.c.node)
+                )
+            ).all()
+        return {str(node): int(n) for node, n in rows}
+
+    # unknown -> up -> down -> up, recorded by each node. Waited for in the database: an empty
+    # queue is not yet a committed append (the sync takes events off it before appending).
+    want = {"node-a": 3, "node-b": 3}
+    seen: list[dict[str, int]] = []
+
+    async def all_recorded() -> bool:
+        seen.append(await recorded())
+        return seen[-1] == want
+
+    with contextlib.suppress(AssertionError):
+        await eventually(all_recorded, 10, "every state change recorded")
+    assert seen[-1] == want
     assert all(n.book.gate is not None and not n.book.gate.refused for n in nodes)
 
 

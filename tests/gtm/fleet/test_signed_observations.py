@@ -42,6 +42,7 @@ from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
+from tests.support.ports import free_tcp_udp_port
 
 TEN_YEARS_S = 10 * 365 * 86_400
 PEM_BEGIN = "-----BEGIN PUBLIC KEY-----"
@@ -439,6 +440,73 @@ async def test_a_node_alone_decides_from_its_own_probes_out_of_the_box(
         async with node.engine.connect() as conn:
             rows = (await conn.execute(select(health_observations))).mappings().all()
         assert rows and all(r["signature"] and r["node"] == "solo" for r in rows)
+    finally:
+        await balancer.stop()
+
+
+async def test_a_second_node_without_a_membership_refuses_to_start_saying_why(
+    tmp_path: Path, geoip_path: Path, started: Any
+) -> None:
+    """Several nodes on one database and no membership: each would decide region health from
+    its own probes alone, so one with a broken probe path (a restarting one first of all)
+    fails its regions over (issue 33: a Berlin client sent to six regions in turn). The old
+    node started all the same; now the second one refuses, naming the first and the fix."""
+    config = topology_file(tmp_path, None)
+    quick = {"state_sync_interval_s": 0.2}
+    await started(node_settings(tmp_path, "node-a", config, geoip_path, **quick))
+    with pytest.raises(ConfigError) as refusal:
+        await started(node_settings(tmp_path, "node-b", config, geoip_path, **quick))
+    said = str(refusal.value)
+    assert "node-a" in said and "fleet.members" in said and "GTM_HEALTH_MEMBERS" in said
+    # Alone on purpose: said so, and it starts.
+    alone = node_settings(
+        tmp_path, "node-b", config, geoip_path, fleet_standalone_health=True, **quick
+    )
+    assert (await started(alone)).book.gate is not None
+
+
+async def test_a_member_restarting_with_broken_probes_is_outvoted_from_its_first_answer(
+    tmp_path: Path, geoip_path: Path, peers: dict[str, NodeKey], started: Any
+) -> None:
+    """The safe configuration: a membership of three. node-b restarts with a probe path that
+    reaches nothing; before its own probes can say anything it has read its peers' signed
+    words (the first sync comes before the first probe), and once they say the region is down
+    it is outvoted: it keeps answering from eu-central."""
+    balancer = FakeBalancer("eu-central")
+    await balancer.start()
+    try:
+        members = {n: own_key_hex(tmp_path, n) for n in ("node-a", "node-b")}
+        members["peer-c"] = peers["peer-c"].public_hex
+        good = f"http://127.0.0.1:{balancer.port}/gtm/capacity"
+        probing = {
+            "probes": True, "probe_interval_s": 0.2, "probe_timeout_s": 0.15,
+            "health_rise": 2, "health_fall": 3, "report_secret": SECRET,
+            "state_sync_interval_s": 0.2, "health_observation_max_age_s": 60.0,
+        }  # fmt: skip
+        a_config = topology_file(tmp_path, members, **{"eu-central": good})
+        node_a: Runtime = await started(
+            node_settings(tmp_path, "node-a", a_config, geoip_path, **probing)
+        )
+        await write(node_a, signed(peers["peer-c"], "peer-c", "eu-central", HealthState.UP))
+        a_prober = node_a.prober
+        assert a_prober is not None
+        await until(lambda: a_prober.health["eu-central"].state is HealthState.UP, 15)
+        await node_a.sync.sync_once()  # its word is in the database
+        assert node_a.store.current.health["eu-central"].state is HealthState.UP
+        # node-b's probe path is broken: its probes reach a port nobody listens on.
+        dead = f"http://127.0.0.1:{free_tcp_udp_port()}/gtm/capacity"
+        b_config = topology_file(tmp_path, members, **{"eu-central": dead})
+        node_b: Runtime = await started(
+            node_settings(tmp_path, "node-b", b_config, geoip_path, **probing)
+        )
+        assert node_b.store.current.health["eu-central"].state is HealthState.UP
+        assert chat_eu(node_b) == "eu-central"
+        prober = node_b.prober
+        assert prober is not None
+        await until(lambda: prober.health["eu-central"].state is HealthState.DOWN, 15)
+        await node_b.sync.sync_once()
+        assert node_b.store.current.health["eu-central"].state is HealthState.UP
+        assert chat_eu(node_b) == "eu-central"
     finally:
         await balancer.stop()
 
