@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,7 +25,7 @@ from gtm.admin.permissions import Role
 from gtm.admin.signer import load_signer
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
-from gtm.cli.admin_client import call
+from gtm.cli.admin_client import call, call_or_refusal
 from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
 from gtm.control.log import ControlLog
 from gtm.decision.policy import policy_files
@@ -262,18 +263,56 @@ def proposal_approve(
     )
 
 
+def _activate(proposal_id: int, acknowledged: list[str]) -> dict[str, Any]:
+    """Activate, naming the leaks accepted; a version that sends answers out of their
+    jurisdiction is shown leak by leak and activated only when each is acknowledged, by flag or,
+    at a terminal, by answering yes to the list."""
+    path = f"/v1/proposals/{proposal_id}/activate"
+    body = {"acknowledge": "; ".join(acknowledged)}
+    proposal, refusal = call_or_refusal("POST", path, body, "leak_not_acknowledged")
+    if refusal is None:
+        return dict(proposal)
+    leaks = [p["location"] for p in refusal.get("problems", [])]
+    typer.echo(
+        f"#{proposal_id} would send answers out of their jurisdiction (replayed over the last "
+        "day of recorded traffic):",
+        err=True,
+    )
+    for problem in refusal.get("problems", []):
+        typer.echo(f"  {problem['location']}: {problem['message']}", err=True)
+    if not acknowledged and sys.stdin.isatty():
+        if typer.confirm("Activate anyway, acknowledging each of these?", err=True):
+            return dict(call("POST", path, {"acknowledge": "; ".join(leaks)}))
+        raise typer.Exit(1)
+    flags = " ".join(f"--acknowledge-leak '{x.replace('→', '->')}'" for x in leaks)
+    typer.echo(f"not activated; to accept: gtm proposal activate {proposal_id} {flags}", err=True)
+    raise typer.Exit(1)
+
+
 @proposal_app.command("activate")
 def proposal_activate(
     proposal_id: int,
     wait: Annotated[str, typer.Option("--wait", help="how long to wait for every node")] = "10s",
+    acknowledge_leak: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--acknowledge-leak",
+            help="a leak out of a jurisdiction you accept, as the refusal names it, e.g. "
+            "'eu-personal EU->US' (repeatable; each leak must be named)",
+        ),
+    ] = None,
 ) -> None:
     """Sign and publish an approved proposal, then wait until every live node reports it in
-    force (exit 1, naming the nodes that have not, if they do not within --wait)."""
+    force (exit 1, naming the nodes that have not, if they do not within --wait).
+
+    When the version would send answers out of their jurisdiction, the leaks are listed with
+    their counts and the activation needs each named with --acknowledge-leak (or, at a
+    terminal, a yes); the acknowledgement is recorded with the activation."""
     try:
         window = parse_duration(wait)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
-    _show(call("POST", f"/v1/proposals/{proposal_id}/activate"))
+    _show(_activate(proposal_id, acknowledge_leak or []))
     deadline = time.monotonic() + window
     while True:
         rollout = call("GET", f"/v1/proposals/{proposal_id}/rollout")

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from gtm.admin import impact as replay
 from gtm.admin.console.api import Reply
 from gtm.admin.console.web import Posted, SignedIn, View
 
@@ -117,17 +118,15 @@ async def create(posted: Posted) -> Response:
     return view.redirect(f"/console/policies/{reply.body['id']}")
 
 
-# The traffic an activation's leak check replays: the impact page's default day.
-LEAK_WINDOW_S = 86400.0
+# The traffic an activation's leak check replays: the same day the API replays.
+LEAK_WINDOW_S = replay.LEAK_WINDOW_S
 
 
 def leak_key(leaks: list[Mapping[str, Any]]) -> str:
     """What an acknowledgement names: each (class, from, to) that would leave, not the counts,
     which grow while the page is open; a new kind of leak asks again."""
-    return "; ".join(
-        sorted(
-            f"{x['residency_class']} {x['from_jurisdiction']}→{x['to_jurisdiction']}" for x in leaks
-        )
+    return replay.leak_key(
+        (x["residency_class"], x["from_jurisdiction"], x["to_jurisdiction"]) for x in leaks
     )
 
 
