@@ -51,11 +51,13 @@ def _cell(text: object) -> str:
 
 
 # typer builds click command trees with its own copy of click: read them by their attributes.
+# Groups are walked through list_commands/get_command: gtm's root loads its groups lazily.
 def _commands(group: Any, path: str) -> Iterator[tuple[str, Any]]:
     yield path, group
     if hasattr(group, "commands"):
-        for name in sorted(group.commands):
-            yield from _commands(group.commands[name], f"{path} {name}")
+        ctx = group.context_class(group, info_name=path)
+        for name in sorted(group.list_commands(ctx)):
+            yield from _commands(group.get_command(ctx, name), f"{path} {name}")
 
 
 def _annotation(annotation: Any) -> str:

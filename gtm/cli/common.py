@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from gtm.audit.checkpoints import CheckpointSink, open_sink
 from gtm.errors import ConfigError, GTMError
-from gtm.logs import configure as configure_logs
-from gtm.settings import Settings, load_settings
+
+# Imported where used: every command imports this module, `gtm --help` included.
+if TYPE_CHECKING:
+    from gtm.audit.checkpoints import CheckpointSink
+    from gtm.settings import Settings
 
 T = TypeVar("T")
 
@@ -35,6 +37,9 @@ def fail(exc: GTMError) -> typer.Exit:
 
 
 def cli_settings(**overrides: Any) -> Settings:
+    from gtm.logs import configure as configure_logs
+    from gtm.settings import load_settings
+
     if overrides.get("policies"):
         overrides["policies"] = tuple(overrides["policies"])
     try:
@@ -56,6 +61,8 @@ def checkpoint_sink(settings: Settings, where: str | None) -> CheckpointSink:
     """The checkpoint sink a command reads (``where``: a directory or ``s3://BUCKET/PREFIX``;
     None: the settings'); exit 2 with every problem when it cannot be used (loose credentials,
     say)."""
+    from gtm.audit.checkpoints import open_sink
+
     try:
         return open_sink(settings, where)
     except ConfigError as exc:
