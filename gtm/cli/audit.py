@@ -235,6 +235,13 @@ def audit_verify(
         typer.echo(f"CUT {cut.chain}#{cut.seq} at {cut.at:.3f}: {cut.detail}")
     for chain, rows in sorted(result.unanchored.items()):
         typer.echo(f"UNANCHORED {chain}: {rows} row(s) after its newest checkpoint")
+    if result.unanchored:
+        typer.echo(
+            "  (normal while a node runs: it checkpoints a chain that moved every "
+            f"{settings.audit_checkpoint_interval_s:g} s, GTM_AUDIT_CHECKPOINT_INTERVAL_S, and "
+            "when it stops; these rows' links were checked, and the next checkpoint vouches "
+            "for them. Not normal: a count that keeps growing past that interval.)"
+        )
     for chain, c in sorted(result.chains.items()):
         if c.started is not None and c.started.kind != "cut":
             typer.echo(
@@ -252,7 +259,9 @@ def audit_verify(
     else:
         typer.echo("control-log entries not checked: no GTM_DOCUMENT_KEYS to verify them with")
     if result.breaks:
+        typer.echo(f"NOT INTACT: {len(result.breaks)} break(s), each listed above with where")
         raise typer.Exit(1)
+    typer.echo("no break: every row read links to the one before it and matches the checkpoints")
 
 
 @audit_app.command("retain")

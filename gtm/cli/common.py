@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -34,6 +36,22 @@ def fail(exc: GTMError) -> typer.Exit:
     else:
         typer.echo(f"error: {exc}", err=True)
     return typer.Exit(2)
+
+
+def human_time(t: float, now: float | None = None) -> str:
+    """A unix time as people read it, with how long ago (or until):
+    ``2026-11-27 14:46:14 UTC (3 min ago)``."""
+    now = time.time() if now is None else now
+    stamp = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    delta = now - t
+    span = abs(delta)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if span >= size or unit == "s":
+            amount = f"{int(span // size)} {unit}"
+            break
+    if span < 1:
+        return f"{stamp} (now)"
+    return f"{stamp} ({amount} ago)" if delta > 0 else f"{stamp} (in {amount})"
 
 
 def cli_settings(**overrides: Any) -> Settings:

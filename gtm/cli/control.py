@@ -26,7 +26,15 @@ from gtm.admin.signer import load_signer
 from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.admin_client import call, call_or_refusal
-from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
+from gtm.cli.common import (
+    ConfigOpt,
+    DbOpt,
+    PoliciesOpt,
+    cli_settings,
+    fail,
+    human_time,
+    run_async,
+)
 from gtm.control.log import ControlLog
 from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
@@ -189,10 +197,16 @@ def _show(p: dict[str, Any]) -> None:
     typer.echo(
         f"#{p['id']} {p['state']} by {p['author']}: {p['reason']}\n"
         f"  version {p['version']}\n"
+        f"  created {human_time(p['created_at'])}\n"
         f"  approvals ({len(p['approvals'])} of {p['required_approvals']}): {approvals}"
         + (
-            f"\n  active since {p['activated_at']:.0f}, sequence {p['sequence']}"
+            f"\n  active since {human_time(p['activated_at'])}, sequence {p['sequence']}"
             if p["sequence"]
+            else ""
+        )
+        + (
+            f"\n  scheduled for {human_time(p['activate_at'])}"
+            if p.get("activate_at") and not p["sequence"]
             else ""
         )
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -153,3 +154,10 @@ async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged
         assert f"#{pid} active" in active.stdout
         [recorded] = await _acknowledgements(admin)
         assert recorded.startswith("bob: ") and "eu-personal EU→US (1000 answers)" in recorded
+        # Times as people read them, not unix seconds.
+        shown = await asyncio.to_thread(_gtm, ["proposal", "show", str(pid)], env)
+        assert shown.returncode == 0, shown.stderr
+        stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((now|\d+ (s|min) ago)\)"
+        assert re.search(rf"^  created {stamp}$", shown.stdout, re.M), shown.stdout
+        assert re.search(rf"^  active since {stamp}, sequence 1$", shown.stdout, re.M)
+        assert not re.search(r"\b1\d{9}\b", shown.stdout)  # no raw epoch
