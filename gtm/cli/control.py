@@ -14,17 +14,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gtm.admin import principals, signer
-from gtm.admin.app import create_app
-from gtm.admin.auth import AdminContext
 from gtm.admin.permissions import Role
-from gtm.admin.signer import load_signer
-from gtm.audit import migrate
-from gtm.audit.database import make_async_engine
 from gtm.cli.admin_client import call, call_or_refusal
 from gtm.cli.common import (
     ConfigOpt,
@@ -35,13 +29,13 @@ from gtm.cli.common import (
     human_time,
     run_async,
 )
-from gtm.control.log import ControlLog
-from gtm.decision.policy import policy_files
 from gtm.errors import ConfigError, GTMError
-from gtm.fleet.operator import parse_duration
-from gtm.fleet.signed_documents import load_public_keys
-from gtm.runtime import load_documents
-from gtm.settings import Settings
+
+# The admin service, the database and the documents are imported by the commands that use
+# them: `gtm proposal ...` is a client of the admin API and needs none of them to start.
+if TYPE_CHECKING:
+    from gtm.control.log import ControlLog
+    from gtm.settings import Settings
 
 token_app = typer.Typer(help="API tokens of the admin API.", no_args_is_help=True)
 admin_app = typer.Typer(help="The admin service: signing keys, OpenAPI.", no_args_is_help=True)
@@ -56,6 +50,10 @@ proposal_app = typer.Typer(
 def _control(settings: Settings) -> ControlLog:
     """Principals and tokens are entries of the control log, signed with the admin service's
     key: database access alone makes neither. The key file's holder writes as ``bootstrap``."""
+    from gtm.admin.signer import load_signer
+    from gtm.control.log import ControlLog
+    from gtm.fleet.signed_documents import load_public_keys
+
     if settings.document_signing_key is None:
         raise fail(
             GTMError(
@@ -80,6 +78,11 @@ def token_create(
 ) -> None:
     """Create principal NAME with its roles (or, if it exists with them, a new token for it)
     and print the token once."""
+    from gtm.admin import principals
+    from gtm.audit import migrate
+    from gtm.audit.database import make_async_engine
+    from gtm.fleet.operator import parse_duration
+
     settings = cli_settings(database_url=database_url)
     try:
         lifetime = None if expires is None else parse_duration(expires)
@@ -136,6 +139,10 @@ def token_create(
 @token_app.command("revoke")
 def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
     """Revoke token TOKEN_ID (the 16 hex digits after ``gtm_``)."""
+    from gtm.admin import principals
+    from gtm.audit import migrate
+    from gtm.audit.database import make_async_engine
+
     settings = cli_settings(database_url=database_url)
     control = _control(settings)
     migrate.upgrade(settings.database_url)
@@ -168,6 +175,8 @@ def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
 @admin_app.command("keygen")
 def admin_keygen(directory: Path) -> None:
     """Make the document signing key pair in DIRECTORY (the private key 0600)."""
+    from gtm.admin import signer
+
     try:
         private, public = signer.generate(directory)
     except FileExistsError as exc:
@@ -178,6 +187,11 @@ def admin_keygen(directory: Path) -> None:
 
 def openapi_document() -> dict[str, Any]:
     """The admin API's OpenAPI document (no database is touched to build it)."""
+    from gtm.admin.app import create_app
+    from gtm.admin.auth import AdminContext
+    from gtm.audit.database import make_async_engine
+    from gtm.control.log import ControlLog
+
     context = AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1, ControlLog({}))
     app = create_app(context)
     return app.openapi()
@@ -221,6 +235,9 @@ def proposal_create(
 ) -> None:
     """Draft the topology and policy files as a new version (validated here and again by the
     admin service), and propose it for approval."""
+    from gtm.decision.policy import policy_files
+    from gtm.runtime import load_documents
+
     settings = cli_settings(config=config, policies=policies)
     try:
         load_documents(settings.config, settings.policies)
@@ -322,6 +339,8 @@ def proposal_activate(
     When the version would send answers out of their jurisdiction, the leaks are listed with
     their counts and the activation needs each named with --acknowledge-leak (or, at a
     terminal, a yes); the acknowledgement is recorded with the activation."""
+    from gtm.fleet.operator import parse_duration
+
     try:
         window = parse_duration(wait)
     except ValueError as exc:
@@ -354,6 +373,8 @@ def proposal_impact(
 ) -> None:
     """Replay recorded traffic under the proposal: answers that would move, fail closed, or
     leave their jurisdiction (those first), per service, class and region."""
+    from gtm.fleet.operator import parse_duration
+
     try:
         window = parse_duration(since)
     except ValueError as exc:

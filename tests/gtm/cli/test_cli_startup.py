@@ -44,8 +44,12 @@ def test_help_loads_none_of_the_commands_machinery() -> None:
     loaded = _loaded_by("--help")
     heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
     assert heavy == [], heavy
-    # A group's own help loads that group, and only what it needs.
-    assert "gtm.cli.control" in _loaded_by("proposal", "--help")
+    # A group's own help loads that group, and only what it needs: the proposal commands are
+    # clients of the admin API, and load neither the admin service nor the database.
+    proposal = _loaded_by("proposal", "show", "--help")
+    assert "gtm.cli.control" in proposal
+    for module in ("sqlalchemy", "fastapi", "gtm.admin.app", "gtm.fleet", "gtm.runtime"):
+        assert module not in proposal, module
 
 
 def test_the_root_lists_each_group_with_its_own_help() -> None:
