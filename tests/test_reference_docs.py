@@ -40,6 +40,8 @@ def test_the_pages_name_every_setting_command_and_metric() -> None:
     for metric in ("gtm_audit_rows_written_total", "gtm_dns_responses_total",
                    "gtm_front_connections_open", "regional_lb_pick_seconds"):  # fmt: skip
         assert f"| `{metric}` |" in metrics, metric
+    schema = (REFERENCE / "policy-schema.md").read_text()
+    assert "| `trusted_resolvers` |" in schema and "## `Rule`" in schema
     api = (REFERENCE / "admin-api.md").read_text()
     assert "## `POST /v1/proposals/{proposal_id}/activate`" in api
 

@@ -11,6 +11,7 @@
 - ``metrics.md``: every Prometheus metric the global tier registers (each module of ``gtm``
   imported, the DNS collector built) and every one of a regional balancer's registry.
 - ``admin-api.md``: every operation of ``gtm/admin/openapi.json``, with the roles allowed.
+- ``policy-schema.md``: every field of a policy document, from its JSON Schema.
 
 ``tests/test_reference_docs.py`` fails when a committed page differs from what this writes.
 It lives outside the packages: it reads both tiers, which the import contracts keep apart.
@@ -317,11 +318,69 @@ def admin_api_page() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# -- policy schema -----------------------------------------------------------------------------
+
+
+def _schema_type(spec: dict[str, Any]) -> str:
+    if "$ref" in spec:
+        return "`" + str(spec["$ref"]).rsplit("/", 1)[-1] + "`"
+    if "enum" in spec:
+        return " or ".join(f"`{v}`" for v in spec["enum"])
+    if "anyOf" in spec:
+        return " or ".join(_schema_type(x) for x in spec["anyOf"])
+    if spec.get("type") == "array":
+        return f"list of {_schema_type(spec.get('items', {}))}"
+    if spec.get("type") == "object" and "additionalProperties" in spec:
+        extra = spec["additionalProperties"]
+        return f"map to {_schema_type(extra)}" if isinstance(extra, dict) else "object"
+    return str(spec.get("format") or spec.get("type") or "any")
+
+
+def _schema_table(name: str, schema: dict[str, Any]) -> list[str]:
+    out = [f"## `{name}`\n"]
+    if schema.get("description"):
+        out.append(schema["description"].strip() + "\n")
+    if "enum" in schema:
+        out.append("One of " + ", ".join(f"`{v}`" for v in schema["enum"]) + ".\n")
+    fields = schema.get("properties", {})
+    if fields:
+        required = set(schema.get("required", []))
+        out.append("| field | type | required | default | meaning |")
+        out.append("| --- | --- | --- | --- | --- |")
+        for field, spec in fields.items():
+            default = f"`{json.dumps(spec['default'])}`" if "default" in spec else ""
+            out.append(
+                f"| `{field}` | {_cell(_schema_type(spec))} | "
+                f"{'yes' if field in required else ''} | {_cell(default)} | "
+                f"{_cell(spec.get('description', ''))} |"
+            )
+        out.append("")
+    return out
+
+
+def policy_schema_page() -> str:
+    from gtm.decision.policy import json_schema
+
+    schema = json_schema()
+    out = [
+        "# Policy document reference\n",
+        _GENERATED,
+        "The JSON Schema of a residency policy document (YAML), as `gtm policy schema` prints it "
+        "and `gtm policy validate` checks it; the top level first, then each part it names.\n",
+    ]
+    top = {k: v for k, v in schema.items() if k != "$defs"}
+    out.extend(_schema_table(str(schema.get("title", "PolicyDocument")), top))
+    for name, part in sorted(schema.get("$defs", {}).items()):
+        out.extend(_schema_table(name, part))
+    return "\n".join(out).rstrip() + "\n"
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "cli.md": cli_page,
     "settings.md": settings_page,
     "metrics.md": metrics_page,
     "admin-api.md": admin_api_page,
+    "policy-schema.md": policy_schema_page,
 }
 
 
