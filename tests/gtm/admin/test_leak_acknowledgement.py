@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 
+from gtm.admin.console import policies as console_policies
 from gtm.admin.permissions import Role
 from gtm.audit.record import record_of
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.fleet import shared_state
 from tests.conftest import ROOT
 from tests.gtm.admin.conftest import Admin, AdminFactory, documents, loosen_eu
+from tests.gtm.admin.console_client import post_form, sign_in
 
 US = "203.0.113.10"  # Washington in the test GeoIP data
 
@@ -161,3 +163,25 @@ async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged
         assert re.search(rf"^  created {stamp}$", shown.stdout, re.M), shown.stdout
         assert re.search(rf"^  active since {stamp}, sequence 1$", shown.stdout, re.M)
         assert not re.search(r"\b1\d{9}\b", shown.stdout)  # no raw epoch
+
+
+async def test_the_console_asks_again_when_the_api_finds_a_leak_its_check_missed(
+    start_admin: AdminFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Traffic that moves between the console's check and the activation: the API refuses, and
+    the console names the leak and asks, rather than showing a refusal."""
+    async with start_admin() as admin:
+        await _record_eu_personal_from_the_us(admin, 1000)
+        pid, _ = await _approved_leaking_proposal(admin)
+        approver = await admin.token("ann", Role.POLICY_APPROVER)
+        # The console's own check sees no traffic (a window of a microsecond); the API's, a day.
+        monkeypatch.setattr(console_policies, "LEAK_WINDOW_S", 1e-6)
+        page_url = f"/console/policies/{pid}"
+        async with sign_in(admin.url, approver) as client:
+            asked = await post_form(client, page_url, page_url + "/activate", {"at": ""})
+            assert asked.status_code == 409, asked.text
+            confirm = asked.text.split('id="confirm-leak"', 1)[1].split("</section>", 1)[0]
+            assert "<strong>1000</strong> answers of class <code>eu-personal</code>" in confirm
+            assert re.search(r'name="acknowledge" value="eu-personal EU→US"', confirm)
+        async with admin.client(approver) as a:
+            assert (await a.get(f"/v1/proposals/{pid}")).json()["state"] == "approved"
