@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pty
 import re
 import subprocess
 import sys
@@ -185,3 +186,43 @@ async def test_the_console_asks_again_when_the_api_finds_a_leak_its_check_missed
             assert re.search(r'name="acknowledge" value="eu-personal EU→US"', confirm)
         async with admin.client(approver) as a:
             assert (await a.get(f"/v1/proposals/{pid}")).json()["state"] == "approved"
+
+
+def _gtm_at_a_terminal(
+    args: list[str], env: dict[str, str], answer: str
+) -> subprocess.CompletedProcess[str]:
+    """The CLI with a terminal on stdin (a pseudo-terminal), typed ``answer`` into."""
+    master, slave = pty.openpty()
+    try:
+        os.write(master, answer.encode())
+        return subprocess.run(
+            [sys.executable, "-m", "gtm", *args],
+            env=os.environ | env,
+            stdin=slave,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
+async def test_at_a_terminal_the_cli_asks_and_a_yes_acknowledges_the_leaks_it_listed(
+    start_admin: AdminFactory,
+) -> None:
+    async with start_admin() as admin:
+        await _record_eu_personal_from_the_us(admin, 1000)
+        pid, bob = await _approved_leaking_proposal(admin)
+        env = {"GTM_ADMIN_URL": admin.url, "GTM_ADMIN_TOKEN": bob}
+        args = ["proposal", "activate", str(pid)]
+        no = await asyncio.to_thread(_gtm_at_a_terminal, args, env, "n\n")
+        assert no.returncode == 1, no.stdout + no.stderr
+        assert "Activate anyway, acknowledging each of these?" in no.stderr
+        assert await _acknowledgements(admin) == []
+        yes = await asyncio.to_thread(_gtm_at_a_terminal, args, env, "y\n")
+        assert yes.returncode == 0, yes.stdout + yes.stderr
+        assert "eu-personal EU→US: 1000 answers" in yes.stderr and f"#{pid} active" in yes.stdout
+        [recorded] = await _acknowledgements(admin)
+        assert recorded.startswith("bob: ") and "eu-personal EU→US (1000 answers)" in recorded
