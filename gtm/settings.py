@@ -26,8 +26,13 @@ class Settings(BaseSettings):
     policies: tuple[Path, ...] = Field(
         default=(Path("policies"),), description="policy files or directories"
     )
+    # The SQL store of the audit log, the control log and the fleet's shared state:
+    # sqlite:///PATH (one machine) or postgresql://... (several nodes); brought to the current
+    # schema at start unless migrate_on_start is off (then `gtm db upgrade` does it).
     database_url: str = "sqlite:///var/gtm.sqlite3"
     migrate_on_start: bool = True
+    # The GeoIP database, and how often its file is checked for a new build (hot reload; a
+    # missing or corrupt file keeps the last good one and says so).
     geoip_path: Path | None = Field(
         default=None, description="GeoIP2/GeoLite2 City file; unset: the bundled GeoLite2-City"
     )
@@ -228,6 +233,7 @@ class Settings(BaseSettings):
     # bearer token they send (from the environment or a 0600 file, never a flag or YAML).
     admin_url: str | None = None
     admin_token: SecretStr | None = None
+    # How this process logs: "console" for people, "json" (one object a line) for collectors.
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Exceptions on an answering path (DNS, the HTTP front) are counted every one, and logged

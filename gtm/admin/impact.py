@@ -27,6 +27,7 @@ from gtm.decision.snapshot import Snapshot
 # Outcomes that answer no client: a refusal, or a name the documents no longer serve.
 _REFUSED = (Outcome.FAIL_CLOSED, Outcome.DENIED, Outcome.NO_SERVICE)
 _EXAMPLES = 20
+Leak = tuple[str, str, str]  # residency class, from jurisdiction(s), to jurisdiction(s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class Impact:
     by_move: Counter[str] = field(default_factory=Counter)  # "eu-west -> us-east": answers
     # (residency class, jurisdiction(s) it was answered in, jurisdiction(s) it would be): the
     # answers that would leave, named as an approver must acknowledge them.
-    leaks: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    leaks: Counter[Leak] = field(default_factory=Counter)
     examples: list[Change] = field(default_factory=list)
 
 
@@ -150,4 +151,40 @@ def analyse(
     return impact
 
 
-__all__ = ["Change", "Impact", "analyse"]
+# The traffic an activation's leak check replays (the impact page's default day).
+LEAK_WINDOW_S = 86400.0
+
+
+def leak_name(leak: Leak) -> str:
+    """How an acknowledgement names one leak: ``eu-personal EU→US``. Counts are not part of the
+    name: they grow while a reviewer reads, and the ones seen are recorded with the activation."""
+    cls, was, will = leak
+    return f"{cls} {was}→{will}"
+
+
+def leak_key(leaks: Iterable[Leak]) -> str:
+    """The acknowledgement that names every leak, as the console and the CLI send it."""
+    return "; ".join(sorted({leak_name(x) for x in leaks}))
+
+
+def unacknowledged(leaks: Iterable[Leak], acknowledgement: str) -> list[Leak]:
+    """The leaks ``acknowledgement`` does not name (``;``-separated names; ``->`` may stand for
+    ``→``, as a terminal types it). A name of no current leak is ignored: the leak went away."""
+    named = {
+        " ".join(part.replace("->", "→").split())
+        for part in acknowledgement.split(";")
+        if part.strip()
+    }
+    return sorted(x for x in set(leaks) if leak_name(x) not in named)
+
+
+__all__ = [
+    "LEAK_WINDOW_S",
+    "Change",
+    "Impact",
+    "Leak",
+    "analyse",
+    "leak_key",
+    "leak_name",
+    "unacknowledged",
+]

@@ -27,22 +27,51 @@ def _client() -> httpx.Client:
     )
 
 
-def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """The JSON of a successful response; anything else is printed and exits."""
+def _send(method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
     with _client() as client:
         try:
-            response = client.request(method, path, json=body)
+            return client.request(method, path, json=body)
         except httpx.HTTPError as exc:
             raise fail(GTMError(f"admin API unreachable: {exc}")) from exc
+
+
+def _error_of(response: httpx.Response) -> dict[str, Any]:
+    try:
+        error = response.json()
+    except ValueError:
+        error = None
+    if not isinstance(error, dict):
+        error = {"error": str(response.status_code), "message": response.text}
+    return error
+
+
+def _exit_with(response: httpx.Response) -> typer.Exit:
+    error = _error_of(response)
+    code, message = error.get("error"), error.get("message")
+    typer.echo(f"error: {response.status_code} {code}: {message}", err=True)
+    for problem in error.get("problems", []):
+        where = f"{problem['source']}: {problem['location']}"
+        typer.echo(f"  {where}: {problem['message']}", err=True)
+    return typer.Exit(1 if response.status_code in (403, 409) else 2)
+
+
+def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """The JSON of a successful response; anything else is printed and exits."""
+    response = _send(method, path, body)
     if response.status_code >= 400:
-        try:
-            error = response.json()
-        except ValueError:
-            error = {"error": str(response.status_code), "message": response.text}
-        code, message = error.get("error"), error.get("message")
-        typer.echo(f"error: {response.status_code} {code}: {message}", err=True)
-        for problem in error.get("problems", []):
-            where = f"{problem['source']}: {problem['location']}"
-            typer.echo(f"  {where}: {problem['message']}", err=True)
-        raise typer.Exit(1 if response.status_code in (403, 409) else 2)
+        raise _exit_with(response)
     return response.json() if response.content else None
+
+
+def call_or_refusal(
+    method: str, path: str, body: dict[str, Any] | None, code: str
+) -> tuple[Any, dict[str, Any] | None]:
+    """(JSON, None) on success; (None, the error) when the API refused with ``code``, which the
+    command answers itself (an acknowledgement to ask for, say); anything else exits."""
+    response = _send(method, path, body)
+    if response.status_code < 400:
+        return (response.json() if response.content else None), None
+    error = _error_of(response)
+    if error.get("error") == code:
+        return None, error
+    raise _exit_with(response)

@@ -9,22 +9,20 @@ import json
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from sqlalchemy import func, select
 
 from gtm.audit import query
-from gtm.audit.checkpoints import EVENTS_CHAIN
 from gtm.audit.database import make_async_engine
 from gtm.audit.decision_id import DecisionIdError, parse_id
-from gtm.audit.keys import KEY_NAME, load_or_create
-from gtm.audit.retention import Retained, retain
-from gtm.audit.schema import decisions
-from gtm.audit.verify import Verification, verify
 from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_async, run_with_sink
-from gtm.control.anchor import verify_control_log
-from gtm.fleet.signed_documents import load_public_keys
+
+# Verification and retention (the chains, their keys, the control log) are imported by those
+# commands: `gtm audit tail` and `show` read rows and need none of it.
+if TYPE_CHECKING:
+    from gtm.audit.retention import Retained
+    from gtm.audit.verify import Verification
 
 audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True)
 
@@ -205,6 +203,11 @@ def audit_verify(
 ) -> None:
     """Check every decision chain and the region events' chain against their links and the
     signed checkpoints outside the database; exit 1 at any break, each listed with where."""
+    from gtm.audit.checkpoints import EVENTS_CHAIN
+    from gtm.audit.verify import verify
+    from gtm.control.anchor import verify_control_log
+    from gtm.fleet.signed_documents import load_public_keys
+
     settings = cli_settings(database_url=database_url)
     sink = checkpoint_sink(settings, checkpoints)
     since_us = _time_us(since)
@@ -235,6 +238,13 @@ def audit_verify(
         typer.echo(f"CUT {cut.chain}#{cut.seq} at {cut.at:.3f}: {cut.detail}")
     for chain, rows in sorted(result.unanchored.items()):
         typer.echo(f"UNANCHORED {chain}: {rows} row(s) after its newest checkpoint")
+    if result.unanchored:
+        typer.echo(
+            "  (normal while a node runs: it checkpoints a chain that moved every "
+            f"{settings.audit_checkpoint_interval_s:g} s, GTM_AUDIT_CHECKPOINT_INTERVAL_S, and "
+            "when it stops; these rows' links were checked, and the next checkpoint vouches "
+            "for them. Not normal: a count that keeps growing past that interval.)"
+        )
     for chain, c in sorted(result.chains.items()):
         if c.started is not None and c.started.kind != "cut":
             typer.echo(
@@ -252,7 +262,9 @@ def audit_verify(
     else:
         typer.echo("control-log entries not checked: no GTM_DOCUMENT_KEYS to verify them with")
     if result.breaks:
+        typer.echo(f"NOT INTACT: {len(result.breaks)} break(s), each listed above with where")
         raise typer.Exit(1)
+    typer.echo("no break: every row read links to the one before it and matches the checkpoints")
 
 
 @audit_app.command("retain")
@@ -270,6 +282,13 @@ def audit_retain(
     """Remove each chain's rows that ended before --before, after signing a cut for each
     chain (to the sink outside the database first), so that verify knows they went on purpose.
     Needs a database role with DELETE (the owner's)."""
+    from sqlalchemy import func, select
+
+    from gtm.audit.keys import KEY_NAME, load_or_create
+    from gtm.audit.retention import retain
+    from gtm.audit.schema import decisions
+    from gtm.audit.verify import verify
+
     settings = cli_settings(database_url=database_url)
     before_us = _time_us(before)
     assert before_us is not None

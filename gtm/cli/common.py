@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from gtm.audit.checkpoints import CheckpointSink, open_sink
 from gtm.errors import ConfigError, GTMError
-from gtm.logs import configure as configure_logs
-from gtm.settings import Settings, load_settings
+
+# Imported where used: every command imports this module, `gtm --help` included.
+if TYPE_CHECKING:
+    from gtm.audit.checkpoints import CheckpointSink
+    from gtm.settings import Settings
 
 T = TypeVar("T")
 
@@ -34,7 +38,26 @@ def fail(exc: GTMError) -> typer.Exit:
     return typer.Exit(2)
 
 
+def human_time(t: float, now: float | None = None) -> str:
+    """A unix time as people read it, with how long ago (or until):
+    ``2026-11-27 14:46:14 UTC (3 min ago)``."""
+    now = time.time() if now is None else now
+    stamp = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    delta = now - t
+    span = abs(delta)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if span >= size or unit == "s":
+            amount = f"{int(span // size)} {unit}"
+            break
+    if span < 1:
+        return f"{stamp} (now)"
+    return f"{stamp} ({amount} ago)" if delta > 0 else f"{stamp} (in {amount})"
+
+
 def cli_settings(**overrides: Any) -> Settings:
+    from gtm.logs import configure as configure_logs
+    from gtm.settings import load_settings
+
     if overrides.get("policies"):
         overrides["policies"] = tuple(overrides["policies"])
     try:
@@ -56,6 +79,8 @@ def checkpoint_sink(settings: Settings, where: str | None) -> CheckpointSink:
     """The checkpoint sink a command reads (``where``: a directory or ``s3://BUCKET/PREFIX``;
     None: the settings'); exit 2 with every problem when it cannot be used (loose credentials,
     say)."""
+    from gtm.audit.checkpoints import open_sink
+
     try:
         return open_sink(settings, where)
     except ConfigError as exc:

@@ -11,29 +11,32 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gtm.admin import principals, signer
-from gtm.admin.app import create_app
-from gtm.admin.auth import AdminContext
 from gtm.admin.permissions import Role
-from gtm.admin.signer import load_signer
-from gtm.audit import migrate
-from gtm.audit.database import make_async_engine
-from gtm.cli.admin_client import call
-from gtm.cli.common import ConfigOpt, DbOpt, PoliciesOpt, cli_settings, fail, run_async
-from gtm.control.log import ControlLog
-from gtm.decision.policy import policy_files
+from gtm.cli.admin_client import call, call_or_refusal
+from gtm.cli.common import (
+    ConfigOpt,
+    DbOpt,
+    PoliciesOpt,
+    cli_settings,
+    fail,
+    human_time,
+    run_async,
+)
 from gtm.errors import ConfigError, GTMError
-from gtm.fleet.operator import parse_duration
-from gtm.fleet.signed_documents import load_public_keys
-from gtm.runtime import load_documents
-from gtm.settings import Settings
+
+# The admin service, the database and the documents are imported by the commands that use
+# them: `gtm proposal ...` is a client of the admin API and needs none of them to start.
+if TYPE_CHECKING:
+    from gtm.control.log import ControlLog
+    from gtm.settings import Settings
 
 token_app = typer.Typer(help="API tokens of the admin API.", no_args_is_help=True)
 admin_app = typer.Typer(help="The admin service: signing keys, OpenAPI.", no_args_is_help=True)
@@ -48,6 +51,10 @@ proposal_app = typer.Typer(
 def _control(settings: Settings) -> ControlLog:
     """Principals and tokens are entries of the control log, signed with the admin service's
     key: database access alone makes neither. The key file's holder writes as ``bootstrap``."""
+    from gtm.admin.signer import load_signer
+    from gtm.control.log import ControlLog
+    from gtm.fleet.signed_documents import load_public_keys
+
     if settings.document_signing_key is None:
         raise fail(
             GTMError(
@@ -72,6 +79,11 @@ def token_create(
 ) -> None:
     """Create principal NAME with its roles (or, if it exists with them, a new token for it)
     and print the token once."""
+    from gtm.admin import principals
+    from gtm.audit import migrate
+    from gtm.audit.database import make_async_engine
+    from gtm.fleet.operator import parse_duration
+
     settings = cli_settings(database_url=database_url)
     try:
         lifetime = None if expires is None else parse_duration(expires)
@@ -128,6 +140,10 @@ def token_create(
 @token_app.command("revoke")
 def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
     """Revoke token TOKEN_ID (the 16 hex digits after ``gtm_``)."""
+    from gtm.admin import principals
+    from gtm.audit import migrate
+    from gtm.audit.database import make_async_engine
+
     settings = cli_settings(database_url=database_url)
     control = _control(settings)
     migrate.upgrade(settings.database_url)
@@ -160,6 +176,8 @@ def token_revoke(token_id: str, database_url: DbOpt = None) -> None:
 @admin_app.command("keygen")
 def admin_keygen(directory: Path) -> None:
     """Make the document signing key pair in DIRECTORY (the private key 0600)."""
+    from gtm.admin import signer
+
     try:
         private, public = signer.generate(directory)
     except FileExistsError as exc:
@@ -170,6 +188,11 @@ def admin_keygen(directory: Path) -> None:
 
 def openapi_document() -> dict[str, Any]:
     """The admin API's OpenAPI document (no database is touched to build it)."""
+    from gtm.admin.app import create_app
+    from gtm.admin.auth import AdminContext
+    from gtm.audit.database import make_async_engine
+    from gtm.control.log import ControlLog
+
     context = AdminContext(make_async_engine("sqlite:///:memory:"), "openapi", 1, ControlLog({}))
     app = create_app(context)
     return app.openapi()
@@ -189,10 +212,16 @@ def _show(p: dict[str, Any]) -> None:
     typer.echo(
         f"#{p['id']} {p['state']} by {p['author']}: {p['reason']}\n"
         f"  version {p['version']}\n"
+        f"  created {human_time(p['created_at'])}\n"
         f"  approvals ({len(p['approvals'])} of {p['required_approvals']}): {approvals}"
         + (
-            f"\n  active since {p['activated_at']:.0f}, sequence {p['sequence']}"
+            f"\n  active since {human_time(p['activated_at'])}, sequence {p['sequence']}"
             if p["sequence"]
+            else ""
+        )
+        + (
+            f"\n  scheduled for {human_time(p['activate_at'])}"
+            if p.get("activate_at") and not p["sequence"]
             else ""
         )
     )
@@ -207,6 +236,9 @@ def proposal_create(
 ) -> None:
     """Draft the topology and policy files as a new version (validated here and again by the
     admin service), and propose it for approval."""
+    from gtm.decision.policy import policy_files
+    from gtm.runtime import load_documents
+
     settings = cli_settings(config=config, policies=policies)
     try:
         load_documents(settings.config, settings.policies)
@@ -263,19 +295,59 @@ def proposal_approve(
     )
 
 
+def _activate(proposal_id: int, acknowledged: list[str]) -> dict[str, Any]:
+    """Activate, naming the leaks accepted; a version that sends answers out of their
+    jurisdiction is shown leak by leak and activated only when each is acknowledged, by flag or,
+    at a terminal, by answering yes to the list."""
+    path = f"/v1/proposals/{proposal_id}/activate"
+    body = {"acknowledge": "; ".join(acknowledged)}
+    proposal, refusal = call_or_refusal("POST", path, body, "leak_not_acknowledged")
+    if refusal is None:
+        return dict(proposal)
+    leaks = [p["location"] for p in refusal.get("problems", [])]
+    typer.echo(
+        f"#{proposal_id} would send answers out of their jurisdiction (replayed over the last "
+        "day of recorded traffic):",
+        err=True,
+    )
+    for problem in refusal.get("problems", []):
+        typer.echo(f"  {problem['location']}: {problem['message']}", err=True)
+    if not acknowledged and sys.stdin.isatty():
+        if typer.confirm("Activate anyway, acknowledging each of these?", err=True):
+            return dict(call("POST", path, {"acknowledge": "; ".join(leaks)}))
+        raise typer.Exit(1)
+    flags = " ".join(f"--acknowledge-leak '{x.replace('→', '->')}'" for x in leaks)
+    typer.echo(f"not activated; to accept: gtm proposal activate {proposal_id} {flags}", err=True)
+    raise typer.Exit(1)
+
+
 @proposal_app.command("activate")
 def proposal_activate(
     proposal_id: int,
     wait: Annotated[str, typer.Option("--wait", help="how long to wait for every node")] = "10s",
+    acknowledge_leak: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--acknowledge-leak",
+            help="a leak out of a jurisdiction you accept, as the refusal names it, e.g. "
+            "'eu-personal EU->US' (repeatable; each leak must be named)",
+        ),
+    ] = None,
 ) -> None:
     """Sign and publish an approved proposal, then wait until every configured member of the
     fleet reports it in force (exit 1 if one has not within --wait, naming each member that is
-    pending and each that is fenced, since when)."""
+    pending and each that is fenced, since when).
+
+    When the version would send answers out of their jurisdiction, the leaks are listed with
+    their counts and the activation needs each named with --acknowledge-leak (or, at a
+    terminal, a yes); the acknowledgement is recorded with the activation."""
+    from gtm.fleet.operator import parse_duration
+
     try:
         window = parse_duration(wait)
     except ValueError as exc:
         raise fail(GTMError(str(exc))) from exc
-    _show(call("POST", f"/v1/proposals/{proposal_id}/activate"))
+    _show(_activate(proposal_id, acknowledge_leak or []))
     deadline = time.monotonic() + window
     while True:
         rollout = call("GET", f"/v1/proposals/{proposal_id}/rollout")
@@ -332,6 +404,8 @@ def proposal_impact(
 ) -> None:
     """Replay recorded traffic under the proposal: answers that would move, fail closed, or
     leave their jurisdiction (those first), per service, class and region."""
+    from gtm.fleet.operator import parse_duration
+
     try:
         window = parse_duration(since)
     except ValueError as exc:

@@ -11,6 +11,7 @@ import json
 import time
 from typing import Annotated, Any
 
+import httpx
 import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -197,18 +198,23 @@ def region_status(
         rows, entries = run_async(main)
     except ConfigError as exc:
         raise fail(exc) from exc
+    utilisation, why_not = _utilisation(settings)
+    for row in rows:
+        row["utilisation"] = utilisation.get(row["region"])
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
+    typer.echo(f"{'REGION':<16} {'STATE':<9} {'UTIL':>5}  {'OBSERVED (node=state)':<30} IN FORCE")
     for row in rows:
         nodes = " ".join(
             f"{n}={v['state']}{'' if v['fresh'] else '(stale)'}" for n, v in row["nodes"].items()
         )
         override = f"  [{row['override']} — {row['override_by']}]" if row["override"] else ""
         serving = " ".join(f"{n}:{s}" for n, s in row["in_force"].items())
+        util = "-" if row["utilisation"] is None else f"{row['utilisation']:.0%}"
         typer.echo(
-            f"{row['region']:<16} {row['state']:<9} {nodes or '-'}{override}"
-            f"  in force: {serving or 'no live node'}"
+            f"{row['region']:<16} {row['state']:<9} {util:>5}  {nodes or '-':<30} "
+            f"{serving or 'no live node'}{override}"
         )
     for e in entries:
         last = "never" if e.last_report is None else f"{time.time() - e.last_report:.1f} s ago"
@@ -218,6 +224,23 @@ def region_status(
             f"  documents {e.document_sequence if e.document_sequence is not None else 'files'}"
             f"{'' if e.configured else '  (not a configured member)'}"
         )
+    if why_not:
+        typer.echo(f"UTIL -: {why_not}", err=True)
+
+
+def _utilisation(settings: Settings) -> tuple[dict[str, float | None], str | None]:
+    """Each region's utilisation from its last fresh capacity report, as the admin API's node
+    holds it (reports are pushed to nodes, not kept in the database); ({}, why) without one."""
+    if not settings.admin_url or settings.admin_token is None:
+        return {}, "utilisation needs GTM_ADMIN_URL and GTM_ADMIN_TOKEN (the admin API's node)"
+    headers = {"authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    try:
+        reply = httpx.get(f"{settings.admin_url}/v1/regions", headers=headers, timeout=3)
+        reply.raise_for_status()
+        regions = reply.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {}, f"the admin API did not answer /v1/regions: {exc}"
+    return {r["region"]: r.get("utilisation") for r in regions}, None
 
 
 @region_app.command("events")

@@ -11,29 +11,40 @@ import time
 from dataclasses import asdict
 from ipaddress import ip_address, ip_network
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gtm.audit import migrate
-from gtm.cli.audit import audit_app
 from gtm.cli.common import ConfigOpt, DbOpt, GeoOpt, PoliciesOpt, cli_settings, fail
-from gtm.cli.control import admin_app, proposal_app, token_app
-from gtm.cli.dnssec import dnssec_app
-from gtm.cli.fleet import config_app, region_app
-from gtm.cli.report import report_app
-from gtm.cli.whatif import apply_state, choose_snapshot
-from gtm.decision.policy import json_schema, load_policy
-from gtm.decision.routing import Channel, Decision, DecisionRequest, decide
-from gtm.decision.topology import load_topology, normalise_dns_name
+from gtm.cli.lazy import Lazy, lazy_group
 from gtm.errors import ConfigError, GTMError
-from gtm.geodns.dnssec_keys import load_keys
-from gtm.listen import parse_listen
-from gtm.node import serve_forever, serve_workers
-from gtm.runtime import build_snapshot
-from regional_lb.capacity_report import region_secret
+
+# What a command needs is imported when it runs: `gtm --help` (and a typo) answers without
+# loading the node, the admin service, SQLAlchemy or the decision code (bench/cli_startup.py).
+if TYPE_CHECKING:
+    from gtm.decision.model import Decision
+
+# The other groups live in their own modules, imported only when one of their commands runs
+# (their help here is checked against the modules' own by tests/gtm/cli/test_cli_startup.py).
+LAZY_GROUPS: Lazy = {
+    "audit": ("gtm.cli.audit:audit_app", "The audit log of decisions."),
+    "region": ("gtm.cli.fleet:region_app", "Region state and operator controls."),
+    "config": ("gtm.cli.fleet:config_app", "Documents published to every node."),
+    "token": ("gtm.cli.control:token_app", "API tokens of the admin API."),
+    "admin": ("gtm.cli.control:admin_app", "The admin service: signing keys, OpenAPI."),
+    "proposal": (
+        "gtm.cli.control:proposal_app",
+        "Policy and topology changes through the admin API (four-eyes).",
+    ),
+    "report": ("gtm.cli.report:report_app", "Reports for compliance teams and regulators."),
+    "dnssec": (
+        "gtm.cli.dnssec:dnssec_app",
+        "DNSSEC online signing: keys, and the DS record for the parent zone.",
+    ),
+}
 
 app = typer.Typer(
+    cls=lazy_group(LAZY_GROUPS),
     help="GTM: global traffic manager for AI inference fleets.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -42,14 +53,6 @@ db_app = typer.Typer(help="Database schema (alembic migrations).", no_args_is_he
 policy_app = typer.Typer(help="Residency policy documents.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(policy_app, name="policy")
-app.add_typer(audit_app, name="audit")
-app.add_typer(region_app, name="region")
-app.add_typer(config_app, name="config")
-app.add_typer(token_app, name="token")
-app.add_typer(admin_app, name="admin")
-app.add_typer(proposal_app, name="proposal")
-app.add_typer(report_app, name="report")
-app.add_typer(dnssec_app, name="dnssec")
 
 # -- serve -------------------------------------------------------------------------------------
 
@@ -85,6 +88,10 @@ def serve(
         workers=workers,
         node_id=node_id,
     )
+    from gtm.geodns.dnssec_keys import load_keys
+    from gtm.listen import parse_listen
+    from gtm.node import serve_forever, serve_workers
+
     try:
         listens = [settings.metrics_listen, settings.http_listen, settings.admin_listen]
         for listen in (*settings.dns_listen, *filter(None, listens)):
@@ -194,6 +201,10 @@ def explain(
 
     The documents are the version in force, as every node serves it (``--files``: the local
     files); a note on stderr says when the two differ."""
+    from gtm.cli.whatif import apply_state, choose_snapshot
+    from gtm.decision.routing import Channel, DecisionRequest, decide
+    from gtm.decision.topology import normalise_dns_name
+
     settings = cli_settings(
         config=config, policies=policies, geoip_path=geoip_path, database_url=database_url
     )
@@ -285,6 +296,8 @@ def db_upgrade(
     database_url: DbOpt = None, revision: Annotated[str, typer.Option("--revision")] = "head"
 ) -> None:
     """Bring the schema up to ``revision`` (default: the newest)."""
+    from gtm.audit import migrate
+
     settings = cli_settings(database_url=database_url)
     migrate.upgrade(settings.database_url, revision)
     typer.echo(f"database at revision {migrate.current_revision(settings.database_url)}")
@@ -293,6 +306,8 @@ def db_upgrade(
 @db_app.command("downgrade")
 def db_downgrade(revision: str, database_url: DbOpt = None) -> None:
     """Take the schema down to ``revision`` ("base" removes every table)."""
+    from gtm.audit import migrate
+
     settings = cli_settings(database_url=database_url)
     migrate.downgrade(settings.database_url, revision)
     typer.echo(f"database at revision {migrate.current_revision(settings.database_url)}")
@@ -300,6 +315,8 @@ def db_downgrade(revision: str, database_url: DbOpt = None) -> None:
 
 @db_app.command("current")
 def db_current(database_url: DbOpt = None) -> None:
+    from gtm.audit import migrate
+
     settings = cli_settings(database_url=database_url)
     current = migrate.current_revision(settings.database_url)
     head = migrate.head_revision(settings.database_url)
@@ -315,6 +332,9 @@ def policy_validate(
     config: ConfigOpt = None,
 ) -> None:
     """Validate policy documents (and, with --config, their references to the topology)."""
+    from gtm.decision.policy import load_policy
+    from gtm.decision.topology import load_topology
+
     paths = files or [Path("policies")]
     try:
         topology = load_topology(config) if config is not None else None
@@ -330,6 +350,8 @@ def policy_validate(
 @policy_app.command("schema")
 def policy_schema() -> None:
     """Print the JSON Schema of a policy document."""
+    from gtm.decision.policy import json_schema
+
     typer.echo(json.dumps(json_schema(), indent=2, sort_keys=True))
 
 
@@ -341,6 +363,9 @@ def report_key(region: str) -> None:
     """Print REGION's capacity-report key, derived from GTM_REPORT_SECRET: give it to that
     region's balancers only (REGIONAL_LB_REPORT_SECRET, from a 0600 file or the environment).
     A balancer with one region's key cannot sign another region's reports."""
+    from gtm.runtime import build_snapshot
+    from regional_lb.capacity_report import region_secret
+
     settings = cli_settings()
     if settings.report_secret is None:
         typer.echo("error: GTM_REPORT_SECRET is unset: no fleet secret to derive from", err=True)

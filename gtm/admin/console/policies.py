@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from gtm.admin import impact as replay
 from gtm.admin.console.api import Reply
 from gtm.admin.console.web import Posted, SignedIn, View
 
@@ -117,17 +118,15 @@ async def create(posted: Posted) -> Response:
     return view.redirect(f"/console/policies/{reply.body['id']}")
 
 
-# The traffic an activation's leak check replays: the impact page's default day.
-LEAK_WINDOW_S = 86400.0
+# The traffic an activation's leak check replays: the same day the API replays.
+LEAK_WINDOW_S = replay.LEAK_WINDOW_S
 
 
 def leak_key(leaks: list[Mapping[str, Any]]) -> str:
     """What an acknowledgement names: each (class, from, to) that would leave, not the counts,
     which grow while the page is open; a new kind of leak asks again."""
-    return "; ".join(
-        sorted(
-            f"{x['residency_class']} {x['from_jurisdiction']}→{x['to_jurisdiction']}" for x in leaks
-        )
+    return replay.leak_key(
+        (x["residency_class"], x["from_jurisdiction"], x["to_jurisdiction"]) for x in leaks
     )
 
 
@@ -174,6 +173,29 @@ async def _proposal_page(
     )
 
 
+def _refused_for_a_leak(reply: Reply) -> bool:
+    return isinstance(reply.body, dict) and reply.body.get("error") == "leak_not_acknowledged"
+
+
+async def _ask_about_leaks(
+    view: View, proposal_id: int, form: Mapping[str, str], window_s: float
+) -> tuple[Response | None, str]:
+    """(the confirmation page, "") when the last ``window_s`` of traffic shows answers leaving
+    their jurisdiction that the form has not acknowledged; else (None, the acknowledgement to
+    send with the activation)."""
+    check = await view.api.post(f"/v1/proposals/{proposal_id}/impact", {"since_s": window_s})
+    if not check.ok:
+        return view.refused(check), ""
+    leaks = check.body.get("leaks") or []
+    key = leak_key(leaks) if leaks else ""
+    acknowledged = form.get("acknowledge") == key and form.get("understood") == "on"
+    if leaks and not acknowledged:
+        confirm = {"leaks": leaks, "key": key, "at": form.get("at", "")}
+        confirm["total"] = sum(int(x["answers"]) for x in leaks)
+        return await _proposal_page(view, proposal_id, confirm=confirm, status=409), ""
+    return None, key
+
+
 @router.get("/policies/{proposal_id}")
 async def proposal(view: SignedIn, proposal_id: int) -> Response:
     return await _proposal_page(view, proposal_id)
@@ -196,17 +218,16 @@ async def act(proposal_id: int, action: str, posted: Posted) -> Response:
         except ValueError:
             return view.render("error.html", status=422, message="not a date and time")
         # Answers that would leave their jurisdiction are named, and acknowledged, first.
-        check = await view.api.post(f"{path}/impact", {"since_s": LEAK_WINDOW_S})
-        if not check.ok:
-            return view.refused(check)
-        leaks = check.body.get("leaks") or []
-        acknowledged = form.get("acknowledge") == leak_key(leaks) and form.get("understood") == "on"
-        if leaks and not acknowledged:
-            confirm = {"leaks": leaks, "key": leak_key(leaks), "at": form.get("at", "")}
-            confirm["total"] = sum(int(x["answers"]) for x in leaks)
-            return await _proposal_page(view, proposal_id, confirm=confirm, status=409)
-        ack = leak_key(leaks) if leaks else ""
+        asked, ack = await _ask_about_leaks(view, proposal_id, form, LEAK_WINDOW_S)
+        if asked is not None:
+            return asked
         reply = await view.api.post(f"{path}/activate", {"at": at, "acknowledge": ack})
+        if reply.status == 409 and _refused_for_a_leak(reply):
+            # Traffic moved between the check and the activation: the API found a leak this
+            # page did not name. Asked again, with the API's own window.
+            asked, _ = await _ask_about_leaks(view, proposal_id, form, replay.LEAK_WINDOW_S)
+            if asked is not None:
+                return asked
     elif action == "impact":
         try:
             hours = float(form.get("since_h", "24"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
@@ -20,7 +21,7 @@ from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
 from gtm.admin.routes.regions import fleet_roster
 from gtm.audit import query
-from gtm.errors import ConfigError
+from gtm.errors import ConfigError, Problem
 from gtm.fleet import roster
 from gtm.runtime import parse_documents
 
@@ -46,22 +47,58 @@ class ActivateIn(BaseModel):
     acknowledge: str = Field(
         default="",
         max_length=2000,
-        description="the answers leaving their jurisdiction the activator was shown and "
-        "accepted (the console names them from the impact's leaks); recorded in the event log "
-        "with the activation",
+        description="when the version would send answers out of their jurisdiction (replayed "
+        "over the last day, as the impact's leaks), every leak named, ';'-separated, as "
+        "'<class> <from>→<to>' ('->' also accepted), e.g. 'eu-personal EU→US'; without it the "
+        "activation is refused (409 leak_not_acknowledged, the leaks and their counts in "
+        "problems). The leaks and counts are recorded in the event log with the activation",
     )
 
 
+class LeakNotAcknowledged(Conflict):
+    """An activation that would send answers out of their jurisdiction, without the activator
+    naming each such leak: refused with every leak and its count, so a client can show them."""
+
+    code = "leak_not_acknowledged"
+
+
+def _leak_problems(leaks: Counter[impact.Leak]) -> list[Problem]:
+    return [
+        Problem(
+            "impact",
+            impact.leak_name(leak),
+            f"{n} answers of class {leak[0]} answered in {leak[1]} would be answered in {leak[2]}",
+        )
+        for leak, n in leaks.most_common()
+    ]
+
+
+def _check_leaks(leaks: Counter[impact.Leak], body: ActivateIn | None) -> None:
+    missing = impact.unacknowledged(leaks, body.acknowledge if body is not None else "")
+    if missing:
+        total = sum(leaks.values())
+        raise LeakNotAcknowledged(
+            f"activating this sends {total} answers of the last day out of their jurisdiction; "
+            f"activate with acknowledge={impact.leak_key(leaks)!r} to accept",
+            _leak_problems(leaks),
+        )
+
+
 async def _acknowledged(
-    conn: AsyncConnection, proposal_id: int, who: Principal, body: ActivateIn | None, ctx: Any
+    conn: AsyncConnection,
+    proposal_id: int,
+    who: Principal,
+    leaks: Counter[impact.Leak],
+    ctx: Any,
 ) -> None:
     """The acknowledgement lands in the activation's transaction: evidence of who accepted
-    which leak, with the change it let through."""
-    if body is not None and body.acknowledge:
+    which leak, and how many answers it stood for, with the change it let through."""
+    if leaks:
+        named = "; ".join(f"{impact.leak_name(x)} ({n} answers)" for x, n in leaks.most_common())
         await events.record(
             conn,
             "proposal",
-            f"#{proposal_id}: answers leaving their jurisdiction acknowledged: {body.acknowledge}",
+            f"#{proposal_id}: answers leaving their jurisdiction acknowledged: {named}",
             actor=who.name,
             now=ctx.clock(),
             node=ctx.node,
@@ -425,14 +462,21 @@ async def activate_proposal(
     body: ActivateIn | None = None,
 ) -> ProposalOut:
     """Sign and publish an approved proposal now, or, with a future ``at``, schedule it: an
-    admin node with the signing key activates it then, once, with every check made then."""
+    admin node with the signing key activates it then, once, with every check made then.
+
+    A version whose replay shows answers leaving their jurisdiction is activated (or
+    scheduled) only with each leak named in ``acknowledge`` (409 ``leak_not_acknowledged``
+    otherwise); the leaks and their counts are recorded with it."""
+    *_, report = await _replay(ctx, proposal_id, impact.LEAK_WINDOW_S)
+    leaks = report.leaks
+    _check_leaks(leaks, body)
     if body is not None and body.at is not None and body.at > ctx.clock():
         async with ctx.engine.begin() as conn:
             scheduled = await lifecycle.schedule(
                 conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node,
                 control=ctx.control,
             )  # fmt: skip
-            await _acknowledged(conn, proposal_id, approver, body, ctx)
+            await _acknowledged(conn, proposal_id, approver, leaks, ctx)
         return _out(scheduled)
     if ctx.signer is None:
         raise Conflict(
@@ -452,7 +496,7 @@ async def activate_proposal(
             control=ctx.control,
             min_approvals=ctx.required_approvals,
         )
-        await _acknowledged(conn, proposal_id, approver, body, ctx)
+        await _acknowledged(conn, proposal_id, approver, leaks, ctx)
         return activated
 
     try:
@@ -460,6 +504,30 @@ async def activate_proposal(
     except IntegrityError:
         # Two activations at once took the same sequence number: one of them lost.
         raise Conflict("another activation happened at the same time; try again") from None
+
+
+async def _replay(
+    ctx: AdminContext, proposal_id: int, since_s: float
+) -> tuple[Proposal, float, float, impact.Impact]:
+    """The proposal's impact over the last ``since_s``: (proposal, since, until, impact)."""
+    if ctx.snapshot is None:
+        raise Conflict("this admin service has no snapshot to replay against")
+    until = ctx.clock()
+    since = until - since_s
+    async with ctx.engine.connect() as conn:
+        proposal = await lifecycle.get(conn, proposal_id, ctx.control)
+        version = await versions.get_version(conn, proposal.version)
+    inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
+    before = ctx.snapshot()
+    try:
+        docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
+    except ConfigError as exc:  # stored before a change of the schema, say
+        raise Invalid("the proposal's documents no longer validate", exc.problems) from None
+    after = before.evolve(until, topology=docs.topology, policy=docs.policy)
+    # A replay of a day's traffic takes seconds of CPU: off the event loop, which the node's
+    # answering listeners share (DESIGN.md rule 3).
+    report = await asyncio.to_thread(impact.analyse, inputs, before, after, until)
+    return proposal, since, until, report
 
 
 @router.post(
@@ -475,24 +543,8 @@ async def get_proposal_impact(
 ) -> ImpactOut:
     """Replay the last ``since_s`` of recorded traffic under the proposal and under what is in
     force on this node: which answers would move, fail closed, or leave their jurisdiction."""
-    if ctx.snapshot is None:
-        raise Conflict("this admin service has no snapshot to replay against")
-    until = ctx.clock()
-    since = until - body.since_s
-    async with ctx.engine.connect() as conn:
-        proposal = await lifecycle.get(conn, proposal_id, ctx.control)
-        version = await versions.get_version(conn, proposal.version)
     started = time.perf_counter()
-    inputs = await query.decision_inputs(ctx.engine, round(since * 1e6))
-    before = ctx.snapshot()
-    try:
-        docs = parse_documents(version.topology, version.policies, f"version {version.id[:12]}")
-    except ConfigError as exc:  # stored before a change of the schema, say
-        raise Invalid("the proposal's documents no longer validate", exc.problems) from None
-    after = before.evolve(until, topology=docs.topology, policy=docs.policy)
-    # A replay of a day's traffic takes seconds of CPU: off the event loop, which the node's
-    # answering listeners share (DESIGN.md rule 3).
-    report = await asyncio.to_thread(impact.analyse, inputs, before, after, until)
+    proposal, since, until, report = await _replay(ctx, proposal_id, body.since_s)
     return ImpactOut(
         proposal=proposal_id,
         version=proposal.version,

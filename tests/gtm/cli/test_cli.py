@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,39 @@ def test_audit_tail_and_export(env: dict[str, str], tmp_path: Path) -> None:
     assert future.stdout == ""
     assert "exported 0 row(s)" in future.stderr
     assert run(["audit", "verify"], env).returncode == 0
+
+
+def test_verify_says_unanchored_rows_are_normal_and_what_it_concluded(
+    env: dict[str, str],
+) -> None:
+    """Rows a running node wrote after its last checkpoint: listed, said to be normal, and the
+    verdict said in words. (A node killed before it checkpointed leaves them; its sealed rows
+    are in the database.)"""
+    seed = (
+        "import asyncio, os\n"
+        "from ipaddress import ip_address\n"
+        "from gtm.settings import load_settings\nfrom gtm.runtime import Runtime\n"
+        "from gtm.audit.record import record_of\n"
+        "from gtm.decision.routing import DecisionRequest, Channel, decide\n"
+        "async def main():\n"
+        "    rt = Runtime(load_settings()); await rt.start()\n"
+        "    req = DecisionRequest(Channel.HTTP, ip_address('198.51.100.1'), 'chat', 'c')\n"
+        "    rt.count(record_of(decide(req, rt.store.current, 0.0), channel='http',"
+        " name='chat.gtm.example'))\n"
+        "    await rt.writer.flush()\n"
+        "    os._exit(0)  # no stop: no checkpoint after the row\n"
+        "asyncio.run(main())\n"
+    )
+    subprocess.run([sys.executable, "-c", seed], env=env, cwd=ROOT, check=True, timeout=60)
+    verify = run(["audit", "verify"], env | {"GTM_AUDIT_CHECKPOINT_INTERVAL_S": "10"})
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert re.search(
+        r"^UNANCHORED \S+: 1 row\(s\) after its newest checkpoint$", verify.stdout, re.M
+    )
+    assert "(normal while a node runs: it checkpoints a chain that moved every 10 s" in (
+        verify.stdout
+    )
+    assert verify.stdout.rstrip().splitlines()[-1].startswith("no break: ")
 
 
 def test_a_what_if_state_file_gets_every_problem_with_its_path(
