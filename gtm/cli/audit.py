@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,6 +25,7 @@ from gtm.audit.schema import decisions
 from gtm.audit.verify import Verification, verify
 from gtm.cli.common import DbOpt, checkpoint_sink, cli_settings, run_async, run_with_sink
 from gtm.control.anchor import verify_control_log
+from gtm.fleet import roster
 from gtm.fleet.signed_documents import load_public_keys
 
 audit_app = typer.Typer(help="The audit log of decisions.", no_args_is_help=True)
@@ -204,7 +206,9 @@ def audit_verify(
     ] = None,
 ) -> None:
     """Check every decision chain and the region events' chain against their links and the
-    signed checkpoints outside the database; exit 1 at any break, each listed with where."""
+    signed checkpoints outside the database; exit 1 at any break, each listed with where.
+    Exit 3 when nothing is broken but a live node's spool still holds rows its checkpoints
+    vouch for (late, not gone: run it again once the node has drained)."""
     settings = cli_settings(database_url=database_url)
     sink = checkpoint_sink(settings, checkpoints)
     since_us = _time_us(since)
@@ -214,7 +218,14 @@ def audit_verify(
     async def main() -> Verification:
         engine = make_async_engine(settings.database_url)
         try:
-            found = await verify(engine, sink, since=None if since_us is None else since_us / 1e6)
+            found = await verify(
+                engine,
+                sink,
+                since=None if since_us is None else since_us / 1e6,
+                # A missing tail a node reported within the liveness bound as still spooled.
+                spools_since=time.time()
+                - roster.live_bound_s(settings.node_live_within_s, settings.state_sync_interval_s),
+            )
             if document_keys:
                 # Every control-log entry's link and signature (its checkpoints were checked
                 # above, against the entries they name).
@@ -233,6 +244,13 @@ def audit_verify(
         typer.echo(f"GAP {gap.chain}#{gap.seq} at {gap.at:.3f}: {gap.detail}")
     for cut in result.cuts:
         typer.echo(f"CUT {cut.chain}#{cut.seq} at {cut.at:.3f}: {cut.detail}")
+    for chain, c in sorted(result.spooled.items()):
+        assert c.spool is not None  # spooled rows always come with the report that holds them
+        typer.echo(
+            f"SPOOLED {chain}#{c.last_seq + 1}: {c.spooled} row(s) still spooled on node "
+            f"{c.spool.node} (reported at {c.spool.at:.3f}: sealed through {c.spool.sealed}, "
+            f"drained through {c.spool.drained}); not yet arrived, not gone"
+        )
     for chain, rows in sorted(result.unanchored.items()):
         typer.echo(f"UNANCHORED {chain}: {rows} row(s) after its newest checkpoint")
     for chain, c in sorted(result.chains.items()):
@@ -245,7 +263,8 @@ def audit_verify(
     typer.echo(
         f"{result.rows} decision row(s) and {events.rows if events else 0} region event(s) "
         f"checked in {len(result.chains)} chain(s) against {result.checkpoints} checkpoint(s) "
-        f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s)"
+        f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s), "
+        f"{sum(c.spooled for c in result.spooled.values())} row(s) still spooled"
     )
     if control_entries:
         typer.echo(f"control-log entries checked with the document keys: {control_entries[0]}")
@@ -253,6 +272,8 @@ def audit_verify(
         typer.echo("control-log entries not checked: no GTM_DOCUMENT_KEYS to verify them with")
     if result.breaks:
         raise typer.Exit(1)
+    if result.spooled:
+        raise typer.Exit(3)
 
 
 @audit_app.command("retain")
