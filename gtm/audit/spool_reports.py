@@ -10,10 +10,11 @@ newest it knows the database holds.
 A missing tail ``store_end + 1 .. vouched`` is *spooled* only when a report no older than the
 liveness bound says the node still holds all of it: it has drained nothing past the store's end
 (``drained <= store_end``: rows it wrote and that are not there were removed) and has sealed at
-least what the checkpoint vouches for (a node whose spool was lost starts again from the
-database's head, and says so). Anything else stays a break. The report is a database row, so an
-attacker who deletes a tail could write one too: that buys "incomplete", never "clean", and only
-until the node's next report (every state-sync round) says what it really drained.
+least what the checkpoint vouches for, unless the report predates that checkpoint (a node whose
+spool was lost starts again from the database's head, and says so after its old checkpoints).
+Anything else stays a break. The report is a database row, so an attacker who deletes a tail
+could write one too: that buys "incomplete", never "clean", and only until the node's next report
+(every state-sync round) says what it really drained.
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ class SpoolReport:
     sealed: int
     drained: int
 
-    def holds(self, store_end: int, vouched: int) -> bool:
+    def holds(self, store_end: int, vouched: int, vouched_at: float) -> bool:
         """Whether this report accounts for rows ``store_end + 1 .. vouched`` as still
-        spooled (see the module docstring)."""
-        return self.drained <= store_end and self.sealed >= vouched
+        spooled; ``vouched_at``: when the first checkpoint of ``vouched`` was signed. A report
+        from before it cannot have sealed that far yet (the node reports every state-sync
+        round, checkpoints every few seconds): its drained end is what counts. One from after
+        it that sealed less is a node that lost its spool."""
+        if self.drained > store_end:
+            return False
+        return self.sealed >= vouched or self.at < vouched_at
 
 
 async def read_spool_reports(engine: AsyncEngine, newer_than: float) -> dict[str, SpoolReport]:

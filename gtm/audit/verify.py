@@ -351,7 +351,8 @@ class _Checker:
                 )
             return
         if self._newest > r.last_seq:
-            if self._spool is not None and self._spool.holds(r.last_seq, self._newest):
+            vouched_at = min(cp.at for cp, _ in self._by_seq[self._newest])
+            if self._spool is not None and self._spool.holds(r.last_seq, self._newest, vouched_at):
                 r.spooled, r.spool = self._newest - r.last_seq, self._spool
                 return
             where = next(loc for cp, loc in self._by_seq[self._newest])

@@ -133,6 +133,28 @@ async def test_a_missing_tail_no_recent_report_holds_is_still_broken(
     await _stop(node)
 
 
+async def test_a_report_from_before_the_checkpoint_holds_a_lost_spool_does_not(
+    store: Store, snapshot: Snapshot, database_url: str
+) -> None:
+    """The node reports every state-sync round and checkpoints every few seconds: its last
+    report may predate the checkpoint of rows it sealed since, and still holds them. A report
+    after the checkpoint that sealed less is a node whose spool was lost: broken."""
+    node = await _sealed_while_away(store, snapshot, database_url)
+    behind = NodeStatus("node-a", "node-a", time.time() - LIVE / 2, None, 1, "t", "p", {},
+                        audit_sealed=6, audit_drained=6)  # fmt: skip
+    await write_node_status(store.engine, behind)
+    result = await verify(store.engine, store.sink, spools_since=time.time() - LIVE)
+    assert result.breaks == [], _problems(result)
+    assert result.spooled["node-a"].spooled == 3
+    lost = NodeStatus("node-a", "node-a", time.time(), None, 1, "t", "p", {},
+                      audit_sealed=6, audit_drained=6)  # fmt: skip
+    await write_node_status(store.engine, lost)
+    result = await verify(store.engine, store.sink, spools_since=time.time() - LIVE)
+    assert result.spooled == {}
+    assert "node-a#7: the tail is gone" in _problems(result)
+    await _stop(node)
+
+
 async def _after_report(store: Store, node: Node, at: float) -> Verification:
     await _report(store.engine, node.writer, at)
     return await verify(store.engine, store.sink, spools_since=time.time() - LIVE)
