@@ -202,6 +202,7 @@ async def serve_admin(
             settings.database_url,
             runtime.checkpoint_sink,
             full_every_s=settings.audit_verify_full_every_s,
+            live_within_s=ctx.live_within_s,
         )
         # GET /v1/audit/chains shows this node's latest pass (kept in memory, not in a table).
         app.state.audit_watch = watch

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from prometheus_client import REGISTRY
 from sqlalchemy import delete
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -23,6 +24,7 @@ from gtm.audit.anchor import Anchor
 from gtm.audit.database import make_async_engine
 from gtm.audit.schema import decisions
 from gtm.audit.verify import Verification, verify
+from gtm.audit.watch import VerificationWatch
 from gtm.audit.writer import AuditWriter
 from gtm.decision.snapshot import Snapshot
 from gtm.fleet.shared_state import NodeStatus, write_node_status
@@ -175,3 +177,22 @@ async def test_rows_the_node_drained_and_the_database_lost_are_broken(
     assert "node-a#7: the tail is gone" in _problems(result)
     await a.writer.stop()
     await a.anchor.stop()
+
+
+async def test_the_scheduled_pass_counts_a_spooled_tail_as_late_not_broken(
+    store: Store, snapshot: Snapshot, database_url: str
+) -> None:
+    """The admin node's scheduled verification (gtm.audit.watch) sets gtm_audit_verify_breaks,
+    which a critical alert reads: a drain that lags must not raise it. It does not move its
+    verified-through time past a tail it could not read either."""
+    node = await _sealed_while_away(store, snapshot, database_url)
+    await _report(store.engine, node.writer, time.time())
+    blind = VerificationWatch(database_url, store.sink)
+    assert (await blind.once()).breaks != [] and blind.failures == 1  # as before: "gone"
+    watch = VerificationWatch(database_url, store.sink, live_within_s=LIVE)
+    result = await watch.once()
+    assert result.breaks == [] and watch.failures == 0
+    assert result.spooled["node-a"].spooled == 3
+    assert REGISTRY.get_sample_value("gtm_audit_verify_breaks") == 0
+    assert watch.verified_through is None and watch.full_at is None
+    await _stop(node)
