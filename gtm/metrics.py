@@ -174,3 +174,24 @@ ANSWER_FAILURES = Counter(
     "error), by answering path and exception type (gtm.failures)",
     ["path", "error"],
 )
+
+# The fleet as an admin service sees it (gtm.admin.fleet_watch): the alerts on a silent member
+# and on a rollout left pending read these.
+FLEET_MEMBER_SILENCE = Gauge(
+    "gtm_fleet_member_silence_seconds",
+    "Seconds since each fleet member's last status report (a member that never reported: since "
+    "this admin service began watching)",
+    ["member"],
+)
+FLEET_LIVE_BOUND = Gauge(
+    "gtm_fleet_live_bound_seconds",
+    "The liveness bound: a member silent longer than this is not live (GTM_NODE_LIVE_WITHIN_S)",
+)
+FLEET_ROLLOUT_PENDING = Gauge(
+    "gtm_fleet_rollout_pending_members",
+    "Members that have not acknowledged the newest activation (pending or fenced)",
+)
+FLEET_ROLLOUT_AGE = Gauge(
+    "gtm_fleet_rollout_age_seconds",
+    "Seconds since the newest activation (0: none yet)",
+)

@@ -447,6 +447,7 @@ class Runtime:
     def _own_status(self, now: float) -> NodeStatus:
         current = self.store.current
         versions = current.versions
+        spool = self.writer.spool_range()
         return NodeStatus(
             self.settings.node_id,
             self.settings.observer_id or self.settings.node_id,
@@ -461,6 +462,8 @@ class Runtime:
                 else "unknown"
                 for region in current.regions
             },
+            audit_sealed=None if spool is None else spool[1],
+            audit_drained=None if spool is None else spool[0],
         )
 
     def _must_exceed(self) -> int | None:

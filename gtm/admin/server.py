@@ -17,7 +17,7 @@ import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
-from gtm.admin import oidc, scheduler
+from gtm.admin import fleet_watch, oidc, scheduler
 from gtm.admin.app import create_app
 from gtm.admin.auth import AdminContext
 from gtm.admin.console.oidc_signin import ConsoleOidc
@@ -192,13 +192,17 @@ async def serve_admin(
         ctx.control, runtime.checkpoint_sink, runtime.spool.key, runtime.spool.bound_store
     )
     anchored = asyncio.ensure_future(_anchor_control_log(ctx, anchor, stop))
-    background = [scheduled, anchored]
+    # The fleet's liveness and newest rollout as gauges (the alerts on a silent member and on
+    # a rollout left pending read them).
+    watched = asyncio.ensure_future(fleet_watch.run(app.state.admin, stop))
+    background = [scheduled, anchored, watched]
     settings = runtime.settings
     if settings.audit_verify_interval_s > 0:
         watch = VerificationWatch(
             settings.database_url,
             runtime.checkpoint_sink,
             full_every_s=settings.audit_verify_full_every_s,
+            live_within_s=ctx.live_within_s,
         )
         # GET /v1/audit/chains shows this node's latest pass (kept in memory, not in a table).
         app.state.audit_watch = watch

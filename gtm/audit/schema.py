@@ -191,6 +191,10 @@ node_status = Table(
     Column("topology_version", String(32), nullable=False),
     Column("policy_version", String(32), nullable=False),
     Column("regions", JSON, nullable=False),  # {region: state in force}
+    # The node's audit spool: the newest decision row it sealed, and the newest it knows the
+    # database holds (rows between are still on its disk; gtm.audit.verify). NULL: no report.
+    Column("audit_sealed_seq", BigInteger),
+    Column("audit_drained_seq", BigInteger),
 )
 
 # The control plane (gtm.admin): principals, their API tokens, document versions and the

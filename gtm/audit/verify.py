@@ -41,6 +41,10 @@ the first row after it must follow that hash. That is how the scheduled verifica
 (:mod:`gtm.audit.watch`) goes on from where its last pass ended, and ``gtm audit verify --since``
 checks a recent window of a large store.
 
+A tail the checkpoints vouch for but the database does not hold yet is *spooled*, not a break,
+when a node reporting within the liveness bound says its spool still holds it
+(:mod:`gtm.audit.spool_reports`): rows sealed during an outage are late, not gone.
+
 Rows after a chain's newest checkpoint are reported as not yet anchored (a running node
 checkpoints every few seconds and at shutdown), and ``gap`` checkpoints (unclean stops) are
 listed. A checkpoint line that does not parse or whose signature does not verify is a break
@@ -72,6 +76,7 @@ from gtm.audit.event_chain import PublicKeys, event_hash, signature_problem
 from gtm.audit.query import distinct
 from gtm.audit.record import GENESIS, ChainBreak, row_hash
 from gtm.audit.schema import audit_store, control_log, decisions, region_events
+from gtm.audit.spool_reports import SpoolReport, read_spool_reports
 
 _PAGE = 5000
 _NAMED = 20  # rows outside the event chain named one by one (the count is always whole)
@@ -92,6 +97,10 @@ class ChainResult:
     anchored: Checkpoint | None = None  # that checkpoint (where a later pass can start)
     checkpoints: int = 0
     started: Checkpoint | None = None  # where verification started (a cut, or ``start``)
+    # Rows the checkpoints vouch for that are not in the store yet, and the node's report that
+    # its spool still holds them (0 / None: nothing missing, or missing and a break).
+    spooled: int = 0
+    spool: SpoolReport | None = None
 
 
 @dataclass
@@ -107,6 +116,11 @@ class Verification:
     @property
     def rows(self) -> int:
         return sum(c.rows for c in self.chains.values() if c.chain != EVENTS_CHAIN)
+
+    @property
+    def spooled(self) -> dict[str, ChainResult]:
+        """The chains whose tail is still in a live node's spool: incomplete, not broken."""
+        return {c.chain: c for c in self.chains.values() if c.spooled}
 
     @property
     def unanchored(self) -> dict[str, int]:
@@ -217,8 +231,10 @@ class _Checker:
         counted: bool,
         start: Checkpoint | None = None,
         attest: Callable[[dict[str, Any]], str | None] | None = None,
+        spool: SpoolReport | None = None,
     ) -> None:
         self.result = ChainResult(chain, checkpoints=len(anchors))
+        self._spool = spool  # the chain's node's report of what its spool still holds
         # Who wrote each row (event signatures): a row nobody's key vouches for is a break
         # at that row, however well it hashes.
         self._attest = attest
@@ -335,6 +351,10 @@ class _Checker:
                 )
             return
         if self._newest > r.last_seq:
+            vouched_at = min(cp.at for cp, _ in self._by_seq[self._newest])
+            if self._spool is not None and self._spool.holds(r.last_seq, self._newest, vouched_at):
+                r.spooled, r.spool = self._newest - r.last_seq, self._spool
+                return
             where = next(loc for cp, loc in self._by_seq[self._newest])
             what = "every row of the chain is gone" if r.rows == 0 else "the tail is gone"
             self._break(
@@ -388,12 +408,15 @@ async def verify_store(
     *,
     keys: PublicKeys | None = None,
     foreign: Iterable[tuple[Signed, str]] = (),
+    spools: Mapping[str, SpoolReport] | None = None,
 ) -> Verification:
     """Every chain of the store checked against ``checkpoints`` (the store's own); each chain
     named in ``start`` from that checkpoint on. ``keys`` (the sink's published keys) check
     each event's signature; ``foreign`` are the sink's checkpoints of other stores, each a
-    break (see :func:`store_breaks`)."""
+    break (see :func:`store_breaks`); ``spools`` (by node) are live nodes' reports of rows
+    still in their spools, read before the rows (a node drains only forwards)."""
     start = start or {}
+    spools = spools or {}
     out = Verification(store)
     for b in bad:
         out.breaks.append(ChainBreak("checkpoint", 0, f"{b.location}: {b.problem}"))
@@ -412,7 +435,13 @@ async def verify_store(
     chains = sorted(set(nodes) | (set(anchors) - {EVENTS_CHAIN, CONTROL_CHAIN}))
     for chain in chains:
         checker = _Checker(
-            chain, anchors.get(chain, []), row_hash, "node_seq", True, start.get(chain)
+            chain,
+            anchors.get(chain, []),
+            row_hash,
+            "node_seq",
+            True,
+            start.get(chain),
+            spool=spools.get(chain),
         )
         if checker.resumes is not None:
             checker.check_resumed(
@@ -547,10 +576,13 @@ async def verify(
     *,
     start: Mapping[str, Checkpoint] | None = None,
     since: float | None = None,
+    spools_since: float | None = None,
 ) -> Verification:
     """The store of ``engine`` verified against the checkpoints in ``sink`` (what
     ``gtm audit verify`` runs): the store's id, its trusted checkpoints, every chain; from
-    ``start`` (per chain), or from the newest checkpoint at or before ``since``."""
+    ``start`` (per chain), or from the newest checkpoint at or before ``since``. With
+    ``spools_since``, the spool reports of nodes that reported since then count a missing tail
+    they still hold as spooled rather than broken."""
     store = await read_store_id(engine)
     # Every checkpoint in the sink, whichever store it names: one of another store is a break.
     trusted, bad = await asyncio.to_thread(read_checkpoints, sink, None)
@@ -558,7 +590,11 @@ async def verify(
     good, foreign = foreign_checkpoints(trusted, store)
     if since is not None:
         start = {**starts_at(good, since), **(start or {})}
-    out = await verify_store(engine, good, bad, store, start, keys=keys, foreign=foreign)
+    # Read after the checkpoints and before the rows: what a node drained since is in the rows.
+    spools = None if spools_since is None else await read_spool_reports(engine, spools_since)
+    out = await verify_store(
+        engine, good, bad, store, start, keys=keys, foreign=foreign, spools=spools
+    )
     async with engine.connect() as conn:
         ids = (await conn.execute(select(audit_store.c.id))).scalars().all()
     if len(ids) > 1:

@@ -95,6 +95,9 @@ class VerificationWatch:
     # through clean.
     full_every_s: float = 6 * 3600.0
     full_at: float | None = None
+    # The fleet's liveness bound: a missing tail a node reported within it as still in its
+    # spool is late, not a break (gtm.audit.spool_reports). None: no spool counts.
+    live_within_s: float | None = None
 
     halt: threading.Event = field(default_factory=threading.Event)
 
@@ -106,7 +109,10 @@ class VerificationWatch:
     async def _verify(self, start: dict[str, Checkpoint]) -> Verification:
         engine = make_async_engine(self.database_url)
         try:
-            task = asyncio.create_task(verify(engine, self.sink, start=start))
+            spools_since = None if self.live_within_s is None else self.clock() - self.live_within_s
+            task = asyncio.create_task(
+                verify(engine, self.sink, start=start, spools_since=spools_since)
+            )
             # A node stopping must not wait for a long pass: it sets ``halt``.
             while not task.done():
                 await asyncio.wait({task}, timeout=0.1)
@@ -148,6 +154,13 @@ class VerificationWatch:
         for chain, checked in result.chains.items():
             if checked.anchored is not None:
                 self.starts[chain] = checked.anchored
+        if result.spooled:
+            # Not broken, not verified through either: a tail still in a node's spool is read
+            # by a later pass (from the checkpoint each chain matched), which then moves on.
+            self.last_pass = self._record(started, result, full)
+            log.info("audit.verify_spooled",
+                     chains={c: r.spooled for c, r in sorted(result.spooled.items())})  # fmt: skip
+            return result
         if result.newest_at is not None:
             self.verified_through = result.newest_at
             metrics.AUDIT_VERIFIED_THROUGH.set(result.newest_at)

@@ -383,6 +383,14 @@ class AuditWriter:
         """The end of the chain as sealed so far (spooled, if not yet in the database)."""
         return ChainHead(self._seq, self._last_hash, self._answers)
 
+    def spool_range(self) -> tuple[int, int] | None:
+        """(drained, sealed): the newest row the database is known to hold and the newest
+        sealed; the rows between are only in the spool. None until the writer knows what the
+        database holds. The node reports it with its status (gtm.audit.verify reads it)."""
+        if self._db_seq is None:
+            return None
+        return min(self._db_seq, self._seq), self._seq
+
     async def start(self) -> None:
         """Continue this node's chain and replay anything a previous run left in the spool."""
         if self._seq == 0:

@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -202,10 +203,13 @@ def audit_verify(
     ] = None,
 ) -> None:
     """Check every decision chain and the region events' chain against their links and the
-    signed checkpoints outside the database; exit 1 at any break, each listed with where."""
+    signed checkpoints outside the database; exit 1 at any break, each listed with where.
+    Exit 3 when nothing is broken but a live node's spool still holds rows its checkpoints
+    vouch for (late, not gone: run it again once the node has drained)."""
     from gtm.audit.checkpoints import EVENTS_CHAIN
     from gtm.audit.verify import verify
     from gtm.control.anchor import verify_control_log
+    from gtm.fleet import roster
     from gtm.fleet.signed_documents import load_public_keys
 
     settings = cli_settings(database_url=database_url)
@@ -217,7 +221,14 @@ def audit_verify(
     async def main() -> Verification:
         engine = make_async_engine(settings.database_url)
         try:
-            found = await verify(engine, sink, since=None if since_us is None else since_us / 1e6)
+            found = await verify(
+                engine,
+                sink,
+                since=None if since_us is None else since_us / 1e6,
+                # A missing tail a node reported within the liveness bound as still spooled.
+                spools_since=time.time()
+                - roster.live_bound_s(settings.node_live_within_s, settings.state_sync_interval_s),
+            )
             if document_keys:
                 # Every control-log entry's link and signature (its checkpoints were checked
                 # above, against the entries they name).
@@ -236,6 +247,13 @@ def audit_verify(
         typer.echo(f"GAP {gap.chain}#{gap.seq} at {gap.at:.3f}: {gap.detail}")
     for cut in result.cuts:
         typer.echo(f"CUT {cut.chain}#{cut.seq} at {cut.at:.3f}: {cut.detail}")
+    for chain, c in sorted(result.spooled.items()):
+        assert c.spool is not None  # spooled rows always come with the report that holds them
+        typer.echo(
+            f"SPOOLED {chain}#{c.last_seq + 1}: {c.spooled} row(s) still spooled on node "
+            f"{c.spool.node} (reported at {c.spool.at:.3f}: sealed through {c.spool.sealed}, "
+            f"drained through {c.spool.drained}); not yet arrived, not gone"
+        )
     for chain, rows in sorted(result.unanchored.items()):
         typer.echo(f"UNANCHORED {chain}: {rows} row(s) after its newest checkpoint")
     if result.unanchored:
@@ -255,7 +273,8 @@ def audit_verify(
     typer.echo(
         f"{result.rows} decision row(s) and {events.rows if events else 0} region event(s) "
         f"checked in {len(result.chains)} chain(s) against {result.checkpoints} checkpoint(s) "
-        f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s)"
+        f"from {sink.location}: {len(result.breaks)} break(s), {len(result.gaps)} gap(s), "
+        f"{sum(c.spooled for c in result.spooled.values())} row(s) still spooled"
     )
     if control_entries:
         typer.echo(f"control-log entries checked with the document keys: {control_entries[0]}")
@@ -264,6 +283,12 @@ def audit_verify(
     if result.breaks:
         typer.echo(f"NOT INTACT: {len(result.breaks)} break(s), each listed above with where")
         raise typer.Exit(1)
+    if result.spooled:
+        typer.echo(
+            "INCOMPLETE: no break, but rows listed SPOOLED have not reached the database yet; "
+            "run verify again once their node has drained"
+        )
+        raise typer.Exit(3)
     typer.echo("no break: every row read links to the one before it and matches the checkpoints")
 
 

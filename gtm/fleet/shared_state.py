@@ -405,6 +405,11 @@ class NodeStatus:
     topology_version: str
     policy_version: str
     regions: Mapping[str, str]  # region -> state in force
+    # Its audit spool (None: not reported): the newest decision row sealed, and the newest the
+    # database is known to hold. Rows after ``audit_drained`` up to ``audit_sealed`` are
+    # still only on the node's disk (gtm.audit.verify tells them from rows that are gone).
+    audit_sealed: int | None = None
+    audit_drained: int | None = None
 
 
 async def write_node_status(engine: AsyncEngine, status: NodeStatus) -> None:
@@ -417,6 +422,8 @@ async def write_node_status(engine: AsyncEngine, status: NodeStatus) -> None:
         "topology_version": status.topology_version,
         "policy_version": status.policy_version,
         "regions": dict(status.regions),
+        "audit_sealed_seq": status.audit_sealed,
+        "audit_drained_seq": status.audit_drained,
     }
     stmt = upsert(engine, node_status)
     stmt = stmt.on_conflict_do_update(
@@ -445,6 +452,8 @@ async def read_node_status(engine: AsyncEngine, newer_than: float) -> list[NodeS
             r.topology_version,
             r.policy_version,
             r.regions,
+            r.audit_sealed_seq,
+            r.audit_drained_seq,
         )
         for r in rows
     ]

@@ -71,3 +71,26 @@ async def test_geoip_file_change_swaps_a_new_snapshot(tmp_path: Path) -> None:
         assert runtime.geoip.last_error
     finally:
         await runtime.stop()
+
+
+async def test_a_node_reports_its_audit_spool_with_its_status(tmp_path: Path) -> None:
+    """What gtm audit verify reads to tell a late tail from a lost one (issue 33): the newest
+    row sealed and the newest the database holds, in the node's status row."""
+    from gtm.fleet import shared_state
+
+    geoip = build_city_db(tmp_path / "city.mmdb")
+    runtime = Runtime(settings_for(tmp_path, geoip))
+    await runtime.start()
+    try:
+        snap = runtime.store.current
+        for i in range(5):
+            req = DecisionRequest(Channel.DNS, ip_address(f"198.51.100.{i}"), "chat", "chat")
+            runtime.count(record_of(decide(req, snap, 0.0), channel="dns", name="chat"))
+        await runtime.writer.flush()  # sealed and drained: the database holds every row
+        sealed = runtime.writer.head().seq
+        assert sealed > 0
+        await runtime.sync.sync_once()
+        (status,) = await shared_state.read_node_status(runtime.engine, 0.0)
+        assert (status.audit_sealed, status.audit_drained) == (sealed, sealed)
+    finally:
+        await runtime.stop()
