@@ -1,0 +1,121 @@
+"""Admission of the DNS slow path: fair queues per sender network for the queries no cache
+answers (DESIGN.md rule 9: work that misses every cache is admitted per sender after cached
+answers, so a flood costs its sender, not other clients).
+
+The UDP listener (:mod:`gtm.geodns.server`) answers every query a cache holds as it reads it;
+one that would need parsing, a GeoIP lookup or a rendering (a new client subnet, a new name) is
+offered here under its sender's network (/24, /56) instead, and a drain that runs once per loop
+turn takes a bounded batch, one query per network in turn (round robin). So a network flooding
+new subnets or names gets the slow path's capacity only in its share, however fast it sends;
+queries beyond a network's queue bound, or the bound of all queues together, are dropped and
+counted by reason, never silently. A large resolver alone on an idle node is not capped: its
+queue drains at the slow path's full speed; only when others wait too does it get a share.
+
+Pure logic: no socket, no clock. Queue memory is bounded by ``total`` queries (each its bytes
+and the sender's address).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+# Reasons a query waiting for the slow path is dropped (the label of gtm_dns_slow_dropped).
+NETWORK_FULL = "network_full"  # its sender network's queue was at its bound
+TOTAL_FULL = "total_full"  # all queues together were at their bound
+SHUTDOWN = "shutdown"  # still queued when the listener stopped
+
+
+class LaneCounts:
+    """Counters of every lane of a DNS server, summed (the stats' ``lane``; plain integers on
+    the answering path, turned into metrics when Prometheus scrapes)."""
+
+    __slots__ = ("admitted", "deferred", "dropped", "peak", "queued")
+
+    def __init__(self) -> None:
+        self.deferred = 0  # queries queued for the slow path
+        self.admitted = 0  # queries taken from the queues and answered the slow way
+        self.dropped: Counter[str] = Counter()  # by reason
+        self.queued = 0  # waiting now
+        self.peak = 0  # the most ever waiting at once in one lane
+
+
+class SlowLane(Generic[T]):
+    """Per-network FIFO queues drained round robin, bounded per network and in all.
+
+    >>> lane: SlowLane[str] = SlowLane(per_network=2, total=3)
+    >>> [lane.offer(k, q) for k, q in [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1")]]
+    [True, True, False, True]
+    >>> lane.take(3)
+    ['a1', 'b1', 'a2']
+    """
+
+    __slots__ = ("_queues", "_turns", "counts", "per_network", "size", "total")
+
+    def __init__(self, per_network: int, total: int, counts: LaneCounts | None = None) -> None:
+        if per_network < 1 or total < 1:
+            raise ValueError("queue bounds must be positive")
+        self.per_network = per_network
+        self.total = total
+        self.counts = counts if counts is not None else LaneCounts()
+        self._queues: dict[Hashable, deque[T]] = {}
+        # The networks with queries waiting, in the order they are served next.
+        self._turns: deque[Hashable] = deque()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def networks(self) -> int:
+        """How many sender networks have queries waiting."""
+        return len(self._queues)
+
+    def offer(self, network: Hashable, item: T) -> bool:
+        """Queue ``item`` under its sender ``network``; False (counted) when it is dropped."""
+        counts = self.counts
+        if self.size >= self.total:
+            counts.dropped[TOTAL_FULL] += 1
+            return False
+        queue = self._queues.get(network)
+        if queue is None:
+            queue = self._queues[network] = deque()
+            self._turns.append(network)
+        elif len(queue) >= self.per_network:
+            counts.dropped[NETWORK_FULL] += 1
+            return False
+        queue.append(item)
+        self.size += 1
+        counts.deferred += 1
+        counts.queued += 1
+        if self.size > counts.peak:
+            counts.peak = self.size
+        return True
+
+    def take(self, n: int) -> list[T]:
+        """Up to ``n`` queued items, one per network in turn."""
+        out: list[T] = []
+        turns, queues = self._turns, self._queues
+        while turns and len(out) < n:
+            network = turns.popleft()
+            queue = queues[network]
+            out.append(queue.popleft())
+            if queue:
+                turns.append(network)
+            else:
+                del queues[network]
+        self.size -= len(out)
+        self.counts.queued -= len(out)
+        return out
+
+    def clear(self) -> int:
+        """Drop everything queued (counted as :data:`SHUTDOWN`); how many were dropped."""
+        n = self.size
+        self._queues.clear()
+        self._turns.clear()
+        self.size = 0
+        self.counts.queued -= n
+        self.counts.dropped[SHUTDOWN] += n
+        return n
