@@ -73,6 +73,11 @@ class SlowLane(Generic[T]):
         """How many sender networks have queries waiting."""
         return len(self._queues)
 
+    def full(self, network: Hashable) -> bool:
+        """Whether ``network``'s queue is at its bound (an offer would be dropped)."""
+        queue = self._queues.get(network)
+        return queue is not None and len(queue) >= self.per_network
+
     def offer(self, network: Hashable, item: T) -> bool:
         """Queue ``item`` under its sender ``network``; False (counted) when it is dropped."""
         counts = self.counts

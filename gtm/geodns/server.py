@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from gtm.errors import ConfigError, Problem
-from gtm.geodns.admission import SlowLane
+from gtm.geodns.admission import NETWORK_FULL, SlowLane
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.identity import ServerIdentity
@@ -97,7 +97,8 @@ class _FairUdp:
     buffer cannot hold meanwhile is dropped whoever sent it. Here every datagram waiting is read
     in one turn (up to :data:`READ_BATCH`), those a cache holds answered at once; the others are
     queued per sender /24 (/56) and drained round robin, ``slow_batch`` a turn, so each loop
-    turn reads and answers the cached queries first and gives the slow path a bounded slice."""
+    turn reads and answers the cached queries first and gives the slow path a bounded slice;
+    one query a turn while the reader is behind (datagrams still waiting after a full batch)."""
 
     def __init__(
         self, sock: socket.socket, responder: Responder, lane: SlowLane[_Queued], slow_batch: int
@@ -109,6 +110,10 @@ class _FairUdp:
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
         self._closed = False
+        # The last read stopped at READ_BATCH with datagrams still waiting: the reader is
+        # behind, so the slow path gets one query a turn until it catches up (cached answers
+        # first; what the kernel's buffer cannot hold it drops whoever sent it).
+        self._behind = False
         # Sender host string -> its network (the queue it waits in); a memo, cleared when full.
         self._networks: dict[str, Hashable] = {}
 
@@ -139,12 +144,15 @@ class _FairUdp:
         r = self.responder
         sock = self.sock
         lane = self.lane
+        networks = self._networks
+        self._behind = True
         for _ in range(READ_BATCH):
             try:
                 data, addr = sock.recvfrom(65535)
             except InterruptedError:
                 continue
             except OSError:  # nothing more waiting (BlockingIOError), or an ICMP error
+                self._behind = False
                 break
             if r.rrl is None:
                 # Responder._repeat inline (no call), as in _UdpProtocol: nearly every query.
@@ -164,6 +172,17 @@ class _FairUdp:
                             exact.last = now
                             self._send(data[:2] + exact.tail, addr)
                             continue
+                # Not a first-level answer, from a network whose queue is at its bound: it
+                # would be dropped anyway, so the other caches are not even looked at (a flood
+                # then costs the read and two lookups a datagram). With the rate limiter on,
+                # each datagram goes through it first (answer_cached): a flooding network is
+                # limited there.
+                network = networks.get(addr[0])
+                if network is None:
+                    network = self._network(addr[0])
+                if lane.full(network):
+                    lane.counts.dropped[NETWORK_FULL] += 1
+                    continue
             try:
                 out = r.answer_cached(data, addr[0])
             except Exception as exc:  # a bug a packet reached: counted, logged once an interval
@@ -185,7 +204,7 @@ class _FairUdp:
             return
         r = self.responder
         counts = self.lane.counts
-        for data, addr in self.lane.take(self.slow_batch):
+        for data, addr in self.lane.take(1 if self._behind else self.slow_batch):
             counts.admitted += 1
             try:
                 out = r.answer_udp(data, addr[0], checked=True)
