@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,14 @@ def legit_dnsperf(
         # the paced sending back (it is counted as lost, at the timeout, in the p99).
         argv += ["-Q", str(rate), "-v", "-q", str(int(rate * (TIMEOUT_S + 1)))]
     with out.open("w") as f:
-        subprocess.run(pinned(CLIENT_CPU, argv), stdout=f, timeout=seconds + 30, check=False)
+        # stderr: a warning per answer that came after its query timed out; they are counted.
+        subprocess.run(
+            pinned(CLIENT_CPU, argv),
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+            timeout=seconds + 30,
+            check=False,
+        )
     text = out.read_text()
     figures = {
         "sent": field(text, "Queries sent"),
@@ -121,6 +129,27 @@ class DropSampler:
         self._thread.join()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def admission_metrics(metrics_port: int | None) -> dict[str, float]:
+    """The server's slow-path admission counters (gtm.geodns.admission) from its metrics."""
+    if metrics_port is None:
+        return {}
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("gtm_dns_slow_", "gtm_dns_send_dropped_total")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def read_set(path: Path) -> list[bytes]:
     blob = path.read_bytes()
     out, i = [], 0
@@ -131,9 +160,10 @@ def read_set(path: Path) -> list[bytes]:
     return out
 
 
-def flood(port: int, data: Path, seconds: float, senders: int) -> dict[str, float]:
-    """Send ``data``'s queries in a loop, as fast as this process can, for ``seconds``; count
-    the answers. Run in its own process (the ``flood`` mode)."""
+def flood(port: int, data: Path, seconds: float, senders: int, rate: float) -> dict[str, float]:
+    """Send ``data``'s queries in a loop, as fast as this process can (or at ``rate`` a second
+    when positive), for ``seconds``; count the answers. Run in its own process (the ``flood``
+    mode)."""
     queries = read_set(data)
     socks = []
     for i in range(senders):
@@ -145,8 +175,12 @@ def flood(port: int, data: Path, seconds: float, senders: int) -> dict[str, floa
     target = ("127.0.0.1", port)
     sent = answered = refused = 0
     n, j = len(queries), 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + seconds
+    while (now := time.monotonic()) < deadline:
+        if rate > 0 and sent > (now - start) * rate:
+            time.sleep(0.001)
+            continue
         for k in range(len(socks)):
             sock = socks[k]
             for _ in range(16):
@@ -173,8 +207,11 @@ def flood(port: int, data: Path, seconds: float, senders: int) -> dict[str, floa
     return {"sent": sent, "answered": answered, "send_refused": refused, "seconds": seconds}
 
 
-def start_flood(port: int, data: Path, seconds: float, senders: int, out: Path) -> Any:
+def start_flood(
+    port: int, data: Path, seconds: float, senders: int, out: Path, rate: float = 0
+) -> Any:
     argv = [sys.executable, __file__, "flood", str(port), str(data), str(seconds), str(senders)]
+    argv.append(str(rate))
     return subprocess.Popen(
         pinned(CLIENT_CPU, ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
     )
@@ -203,19 +240,28 @@ def one_server(
                 server.port, legit, args.seconds, work / f"{name}-alone.out", rate
             )
             flood_out = work / f"{name}-flood.json"
-            proc = start_flood(server.port, flood_set, args.seconds + 2, senders, flood_out)
+            proc = start_flood(
+                server.port, flood_set, args.seconds + 2, senders, flood_out, args.flood_rate
+            )
             time.sleep(1)  # the flood under way before the legitimate load starts
             server_drops = udp_drops(port=server.port)
+            cpu_before, wall_before = cpu_seconds(server.pid), time.monotonic()
             with DropSampler() as client_drops:
                 row["flood"] = legit_dnsperf(
                     server.port, legit, args.seconds, work / f"{name}-with.out", rate
                 )
+            # The server's share of a core meanwhile: below 1, it waited for the CPU (the
+            # machine is shared), not for work.
+            row["flood"]["server_cpu"] = (cpu_seconds(server.pid) - cpu_before) / (
+                time.monotonic() - wall_before
+            )
             # Where legitimate queries were lost: the server's buffer (everyone's, shared
             # with the flood) or the client's own.
             row["flood"]["server_buffer_drops"] = udp_drops(port=server.port) - server_drops
             row["flood"]["client_buffer_drops"] = client_drops.peak
             proc.wait(timeout=args.seconds + 60)
         row["flooder"] = json.loads(flood_out.read_text())
+        row["admission"] = admission_metrics(server.metrics_port)
         row["rss_mb"] = peak_rss_mb(server.pid)
         row["heap_growth_mb"] = anon.peak - anon.start
     return row
@@ -223,8 +269,8 @@ def one_server(
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "flood":
-        port, data, seconds, senders = sys.argv[2:6]
-        print(json.dumps(flood(int(port), Path(data), float(seconds), int(senders))))
+        port, data, seconds, senders, rate = sys.argv[2:7]
+        print(json.dumps(flood(int(port), Path(data), float(seconds), int(senders), float(rate))))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=6)
@@ -233,6 +279,9 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.2, help="of the legit capacity")
     parser.add_argument("--legit-rate", type=int, help="queries/s (default: --share of capacity)")
     parser.add_argument("--budget-mb", type=float, default=64)
+    parser.add_argument(
+        "--flood-rate", type=float, default=0, help="flood queries/s (default 0: full speed)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     geoip = default_database_path()
@@ -269,13 +318,14 @@ def report(
     print(
         f"\n{args.seconds:g} s per run; legitimate load {rate}/s "
         f"({args.share:.0%} of {capacity:.0f}/s measured) from {LEGIT_FROM}, 5,000 known /24s; "
-        f"server on CPU 0, clients on CPU 1; DNS budget {args.budget_mb:g} MiB\n"
+        f"server on CPU 0, clients on CPU 1; DNS budget {args.budget_mb:g} MiB; flood "
+        f"{f'{args.flood_rate:g}/s' if args.flood_rate else 'at full speed'}\n"
     )
     print(
         "| flood | senders | admission | legit answered/sent alone | legit answered/sent "
         "flooded | p99 alone ms | p99 flooded ms | p99 ratio | flood sent/s | flood goodput/s "
-        "| peak RSS MiB | heap growth MiB |\n"
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| lost in server buffer | peak RSS MiB | heap growth MiB |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for r in results:
         alone, flooded, f = r["alone"], r["flood"], r["flooder"]
@@ -286,6 +336,7 @@ def report(
             f"| {alone['p99_ms']:.2f} | {flooded['p99_ms']:.2f} "
             f"| {flooded['p99_ms'] / alone['p99_ms']:.2f} "
             f"| {f['sent'] / f['seconds']:.0f} | {f['answered'] / f['seconds']:.0f} "
+            f"| {flooded['server_buffer_drops']:.0f} "
             f"| {r['rss_mb']:.0f} | {r['heap_growth_mb']:.0f} |"
         )
     print("\ntargets: legitimate answered >= 95% of sent; p99 flooded <= 2x p99 alone")
