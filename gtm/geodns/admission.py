@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Hashable
+from ipaddress import IPv6Address, ip_address
 from typing import Generic, TypeVar
+
+from gtm.geodns.ratelimit import network_key
 
 T = TypeVar("T")
 
@@ -27,6 +30,25 @@ T = TypeVar("T")
 NETWORK_FULL = "network_full"  # its sender network's queue was at its bound
 TOTAL_FULL = "total_full"  # all queues together were at their bound
 SHUTDOWN = "shutdown"  # still queued when the listener stopped
+
+
+def sender_network(host: str) -> Hashable:
+    """The network a UDP sender's queries wait under, from the host string its socket gives:
+    an IPv4 /24 (as its first three octets), an IPv6 /56 (gtm.geodns.ratelimit.network_key);
+    an IPv4 sender on a dual-stack socket under its own /24, not one /56 for them all.
+
+    >>> sender_network("192.0.2.7") == sender_network("::ffff:192.0.2.9")
+    True
+    >>> sender_network("2001:db8:0:ff::1") == sender_network("2001:db8::1%eth0")
+    True
+    """
+    if ":" not in host:
+        return host[: host.rfind(".")]
+    address = ip_address(host.split("%", 1)[0])
+    mapped = address.ipv4_mapped if isinstance(address, IPv6Address) else None
+    if mapped is not None:
+        return sender_network(str(mapped))
+    return network_key(address)
 
 
 class LaneCounts:

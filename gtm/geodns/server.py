@@ -16,17 +16,17 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable, Hashable
-from ipaddress import ip_address, ip_network
+from ipaddress import ip_network
 from typing import Any
 
 import structlog
 
 from gtm.errors import ConfigError, Problem
-from gtm.geodns.admission import NETWORK_FULL, SlowLane
+from gtm.geodns.admission import NETWORK_FULL, SlowLane, sender_network
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.identity import ServerIdentity
-from gtm.geodns.ratelimit import ResponseRateLimiter, network_key
+from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import SLOW, Responder
 from gtm.geodns.stats import DnsStats
 from gtm.geodns.wire import bound_memos, peer_address
@@ -133,11 +133,7 @@ class _FairUdp:
         if network is None:
             if len(self._networks) >= _NETWORK_MEMO:
                 self._networks.clear()
-            if ":" in host:
-                network = network_key(ip_address(host.split("%", 1)[0]))
-            else:
-                network = host[: host.rfind(".")]  # the /24, as its first three octets
-            self._networks[host] = network
+            network = self._networks[host] = sender_network(host)
         return network
 
     def _readable(self) -> None:
@@ -238,8 +234,6 @@ def _bind_udp(
         sock.setblocking(False)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
     except BaseException:
         sock.close()

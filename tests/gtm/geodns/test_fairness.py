@@ -19,7 +19,7 @@ from typing import Any
 import dns.message
 import pytest
 
-from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, SlowLane
+from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, SlowLane, sender_network
 from gtm.geodns.stats import DnsCollector
 from gtm.node import Node
 
@@ -209,3 +209,13 @@ def test_lane_round_robin_bounds_and_shutdown_count() -> None:
     assert lane.counts.queued == 0 and lane.counts.peak == 5
     with pytest.raises(ValueError, match="positive"):
         SlowLane[Any](per_network=0, total=1)
+
+
+def test_sender_networks_are_slash_24s_and_slash_56s_mapped_ipv4_included() -> None:
+    assert sender_network("192.0.2.7") == sender_network("192.0.2.200")
+    assert sender_network("192.0.2.7") != sender_network("192.0.3.7")
+    # On a dual-stack socket IPv4 senders come as mapped addresses: each keeps its /24.
+    assert sender_network("::ffff:192.0.2.9") == sender_network("192.0.2.7")
+    assert sender_network("::ffff:192.0.2.9") != sender_network("::ffff:198.51.100.9")
+    assert sender_network("2001:db8:0:ff::1") == sender_network("2001:db8::1%eth0")
+    assert sender_network("2001:db8:0:100::1") != sender_network("2001:db8::1")
