@@ -9,7 +9,9 @@ turn takes a bounded batch, one query per network in turn (round robin). So a ne
 new subnets or names gets the slow path's capacity only in its share, however fast it sends;
 queries beyond a network's queue bound, or the bound of all queues together, are dropped and
 counted by reason, never silently. A large resolver alone on an idle node is not capped: its
-queue drains at the slow path's full speed; only when others wait too does it get a share.
+queue may grow past its bound while no other network waits, and drains at the slow path's full
+speed; only when others wait too does it get a share (and gives up its oldest queries past its
+bound to make room for them).
 
 Pure logic: no socket, no clock. Queue memory is bounded by ``total`` queries (each its bytes
 and the sender's address).
@@ -58,7 +60,9 @@ class LaneCounts:
     __slots__ = ("admitted", "deferred", "dropped", "peak", "queued")
 
     def __init__(self) -> None:
-        self.deferred = 0  # queries queued for the slow path
+        # Queries queued for the slow path: each is then admitted, pushed out (a drop counted
+        # as NETWORK_FULL), dropped at shutdown, or still queued.
+        self.deferred = 0
         self.admitted = 0  # queries taken from the queues and answered the slow way
         self.dropped: Counter[str] = Counter()  # by reason
         self.queued = 0  # waiting now
@@ -68,14 +72,19 @@ class LaneCounts:
 class SlowLane(Generic[T]):
     """Per-network FIFO queues drained round robin, bounded per network and in all.
 
+    A network alone in the lane may queue past its bound, up to the total (a large resolver on
+    an otherwise idle node is not capped); once others wait, it takes no more, and a newcomer
+    that finds the total full takes the place of its oldest query (counted as
+    :data:`NETWORK_FULL`: it was past its network's bound).
+
     >>> lane: SlowLane[str] = SlowLane(per_network=2, total=3)
     >>> [lane.offer(k, q) for k, q in [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1")]]
-    [True, True, False, True]
-    >>> lane.take(3)
-    ['a1', 'b1', 'a2']
+    [True, True, True, True]
+    >>> lane.offer("a", "a4"), lane.take(3)
+    (False, ['a2', 'b1', 'a3'])
     """
 
-    __slots__ = ("_queues", "_turns", "counts", "per_network", "size", "total")
+    __slots__ = ("_borrower", "_queues", "_turns", "counts", "per_network", "size", "total")
 
     def __init__(self, per_network: int, total: int, counts: LaneCounts | None = None) -> None:
         if per_network < 1 or total < 1:
@@ -86,6 +95,8 @@ class SlowLane(Generic[T]):
         self._queues: dict[Hashable, deque[T]] = {}
         # The networks with queries waiting, in the order they are served next.
         self._turns: deque[Hashable] = deque()
+        # The network whose queue is past its bound (it grew so while alone): at most one.
+        self._borrower: Hashable | None = None
         self.size = 0
 
     def __len__(self) -> int:
@@ -96,29 +107,53 @@ class SlowLane(Generic[T]):
         return len(self._queues)
 
     def full(self, network: Hashable) -> bool:
-        """Whether ``network``'s queue is at its bound (an offer would be dropped)."""
+        """Whether an offer from ``network`` would be dropped for its own queue: at its bound
+        while other networks wait, or at the total alone."""
         queue = self._queues.get(network)
-        return queue is not None and len(queue) >= self.per_network
+        if queue is None or len(queue) < self.per_network:
+            return False
+        return len(self._queues) > 1 or len(queue) >= self.total
 
     def offer(self, network: Hashable, item: T) -> bool:
         """Queue ``item`` under its sender ``network``; False (counted) when it is dropped."""
         counts = self.counts
-        if self.size >= self.total:
-            counts.dropped[TOTAL_FULL] += 1
-            return False
-        queue = self._queues.get(network)
-        if queue is None:
-            queue = self._queues[network] = deque()
-            self._turns.append(network)
-        elif len(queue) >= self.per_network:
+        queues = self._queues
+        queue = queues.get(network)
+        waiting = 0 if queue is None else len(queue)
+        if waiting >= self.per_network and (len(queues) > 1 or waiting >= self.total):
             counts.dropped[NETWORK_FULL] += 1
             return False
+        if self.size >= self.total:
+            if not self._push_out(network):
+                counts.dropped[TOTAL_FULL] += 1
+                return False
+            queue = queues.get(network)
+        if queue is None:
+            queue = queues[network] = deque()
+            self._turns.append(network)
         queue.append(item)
+        if len(queue) > self.per_network:
+            self._borrower = network
         self.size += 1
         counts.deferred += 1
         counts.queued += 1
         if self.size > counts.peak:
             counts.peak = self.size
+        return True
+
+    def _push_out(self, network: Hashable) -> bool:
+        """Make room for ``network`` (within its bound) by dropping the oldest query of the
+        network past its bound, if any; whether room was made."""
+        borrower = self._borrower
+        if borrower is None or borrower == network:
+            return False
+        queue = self._queues[borrower]
+        queue.popleft()
+        if len(queue) <= self.per_network:
+            self._borrower = None
+        self.size -= 1
+        self.counts.queued -= 1
+        self.counts.dropped[NETWORK_FULL] += 1
         return True
 
     def take(self, n: int) -> list[T]:
@@ -133,6 +168,8 @@ class SlowLane(Generic[T]):
                 turns.append(network)
             else:
                 del queues[network]
+            if network == self._borrower and len(queue) <= self.per_network:
+                self._borrower = None
         self.size -= len(out)
         self.counts.queued -= len(out)
         return out
@@ -142,6 +179,7 @@ class SlowLane(Generic[T]):
         n = self.size
         self._queues.clear()
         self._turns.clear()
+        self._borrower = None
         self.size = 0
         self.counts.queued -= n
         self.counts.dropped[SHUTDOWN] += n
