@@ -59,6 +59,15 @@ class Settings(BaseSettings):
     dns_server_id: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_server_version: str | None = Field(default=None, min_length=1, max_length=1000)
     dns_tcp_max_connections: int = Field(default=1000, gt=0)
+    # Fair admission of the UDP slow path (gtm.geodns.admission): queries no cache holds wait
+    # in queues per sender /24 (/56), at most this many per network and in all (per listener;
+    # each a datagram and an address, some 200 bytes), and a loop turn answers at most
+    # dns_slow_batch of them, one per network in turn, after every cached answer waiting.
+    # Off: every datagram is answered in the order read, one per loop turn.
+    dns_fair_admission: bool = True
+    dns_slow_queue_per_network: int = Field(default=256, gt=0)
+    dns_slow_queue_total: int = Field(default=4096, gt=0)
+    dns_slow_batch: int = Field(default=32, gt=0)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
     # in the DNSKEY RRset for a rollover. A configured file that is missing, loose or malformed

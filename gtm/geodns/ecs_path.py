@@ -82,10 +82,13 @@ class EcsPath:
             ecs: bool = True,
         ) -> Exact: ...
 
-    def _shaped(self, shapes: dict[bytes, Shape], wire: bytes, host: str) -> bytes | None:
+    def _shaped(
+        self, shapes: dict[bytes, Shape], wire: bytes, host: str, known_only: bool = False
+    ) -> bytes | None:
         """The ECS path (:mod:`gtm.geodns.shapes`): the response to a query of a shape this
         sender has sent before, from the answer rendered for its GeoIP place; None to answer it
-        the long way."""
+        the long way. ``known_only``: None too for a subnet the memo does not hold (its GeoIP
+        lookup is slow-path work, admitted per sender: gtm.geodns.admission)."""
         for size in self._sizes:
             shape = shapes.get(wire[2:-size])
             # The shape's own address length only: a query of a shorter one with bytes
@@ -106,6 +109,8 @@ class EcsPath:
         face = self._subnets.map.get(shape.tag + subnet)
         known = face is not None
         if face is None:
+            if known_only:
+                return None
             face = self._face(shape, wire, subnet, snapshot, now)
         if face is _NO_FACE:
             return None

@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
+from enum import Enum
 from ipaddress import IPv4Address, IPv6Address
 from typing import Any
 
@@ -60,6 +61,15 @@ from gtm.runtime import Runtime
 log = structlog.get_logger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
+
+
+class Slow(Enum):
+    """:meth:`Responder.answer_cached`'s verdict when no cache holds the answer."""
+
+    SLOW = "slow"
+
+
+SLOW = Slow.SLOW
 DEFAULT_BUDGET = Budget.from_mb(DEFAULT_BUDGET_MB)
 _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from each query
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
@@ -187,7 +197,29 @@ class Responder(EcsPath):
                 stats.truncated += n
             yield entry.record, n, entry.first, entry.last
 
-    def answer_udp(self, wire: bytes, host: str, exact_missed: bool = False) -> bytes | None:
+    def answer_cached(self, wire: bytes, host: str) -> bytes | Slow | None:
+        """The response to a datagram from ``host`` if a cache holds it (or the rate limiter
+        decides it), else :data:`SLOW`: the query needs the slow path (parsing, a GeoIP lookup,
+        a rendering), which :mod:`gtm.geodns.admission` admits per sender network. Never
+        raises on input. Run on every datagram as it is read, so only cheap work is done here:
+        the first level, and the ECS path for a subnet its memo holds."""
+        rrl = self.rrl
+        if rrl is not None:
+            verdict = rrl.check_host(host)
+            if verdict is not _ANSWER:
+                return self._limited(wire, host, verdict)
+        out = self._repeat(self._udp.get(host), wire)
+        if out is None and self._promote(True, host, wire):
+            out = self._repeat(self._udp.get(host), wire)
+        if out is None and self._shape_count:
+            shapes = self._shapes.get(host)
+            if shapes is not None:
+                out = self._shaped(shapes, wire, host, known_only=True)
+        return SLOW if out is None else out
+
+    def answer_udp(
+        self, wire: bytes, host: str, exact_missed: bool = False, checked: bool = False
+    ) -> bytes | None:
         """The response to a datagram from ``host`` (the address as the transport gives it), or
         None to send nothing. Never raises on input.
 
@@ -195,9 +227,10 @@ class Responder(EcsPath):
         before, in this snapshot. Answering then is a dictionary lookup, a tally on the entry
         (the audit writer drains it) and the ID put in front of the stored response.
         ``exact_missed``: the caller looked these bytes up in the young generation already
-        (:mod:`gtm.geodns.server` does, inline) and found nothing."""
+        (:mod:`gtm.geodns.server` does, inline) and found nothing. ``checked``: the rate
+        limiter passed this datagram already (:meth:`answer_cached` did, when it was read)."""
         rrl = self.rrl
-        if rrl is not None:
+        if rrl is not None and not checked:
             verdict = rrl.check_host(host)
             if verdict is not _ANSWER:
                 return self._limited(wire, host, verdict)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
+from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, LaneCounts
+
 
 class DnsStats:
     def __init__(self) -> None:
@@ -33,6 +35,10 @@ class DnsStats:
         # Queries that raised on the answering path (a bug): sent nothing (gtm.failures counts
         # them by exception type too).
         self.failed = 0
+        # The slow path's admission per sender network (gtm.geodns.admission).
+        self.lane = LaneCounts()
+        # UDP responses the kernel would not take (send buffer full): not sent.
+        self.send_dropped = 0
 
 
 class DnsCollector(Collector):
@@ -57,8 +63,30 @@ class DnsCollector(Collector):
             ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
             ("gtm_dns_folded", "answers counted on folded audit rows (a client bucket)", s.folded),
             ("gtm_dns_failed", "queries that raised while answered: nothing sent", s.failed),
+            (
+                "gtm_dns_slow_deferred",
+                "UDP queries no cache held, queued for the slow path per sender network",
+                s.lane.deferred,
+            ),
+            (
+                "gtm_dns_slow_admitted",
+                "queued UDP queries taken from the queues and answered the slow way",
+                s.lane.admitted,
+            ),
+            ("gtm_dns_send_dropped", "UDP responses the send buffer refused", s.send_dropped),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        dropped = CounterMetricFamily(
+            "gtm_dns_slow_dropped",
+            "UDP queries dropped before the slow path, by reason (gtm.geodns.admission)",
+            labels=["reason"],
+        )
+        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN):
+            dropped.add_metric([reason], s.lane.dropped[reason])
+        yield dropped
+        yield GaugeMetricFamily(
+            "gtm_dns_slow_queued", "UDP queries waiting for the slow path", value=s.lane.queued
+        )
         yield GaugeMetricFamily(
             "gtm_dns_tcp_connections", "open TCP connections", value=s.tcp_connections
         )

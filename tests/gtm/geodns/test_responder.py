@@ -101,8 +101,7 @@ async def test_the_udp_receive_buffer_is_widened(start_node: StartNode) -> None:
         pytest.skip("Linux only")
     # The kernel caps the request at rmem_max and reports twice what it grants.
     expected = 2 * min(UDP_RECEIVE_BUFFER, RMEM_MAX)
-    for transport in node.dns._udp:
-        sock = transport.get_extra_info("socket")
+    for sock in node.dns.udp_sockets():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= expected
     # ...and still answers on both families.
     assert port_of(node, 4) and port_of(node, 6)

@@ -1,0 +1,348 @@
+"""What legitimate clients get while a cache-busting flood runs: fair admission on and off.
+
+    python bench/dns/fairness.py [--seconds 6] [--floods ecs-200k names-200k ecs-2m]
+                                 [--senders 1 256] [--share 0.2] [--budget-mb 64]
+                                 [--legit-rate N] [--json FILE]
+
+Legitimate clients: dnsperf from their own sender (127.0.2.1), chat.gtm.example A with ECS
+from 5,000 known /24s (warmed first: every answer cached), paced at ``--share`` of the
+capacity measured for that load at the start of the run (closed loop, fair admission on),
+every reply timed (``-v``). The flood: this script's ``flood`` mode, an open loop sending as
+fast as one Python process can (nice 10, so it does not take the core from dnsperf) from
+``--senders`` sender networks (1: one resolver; 256: spoofed-looking senders, one /24 each,
+127.1.x.1), looping over a ``bench/dns/flood.py`` query set (``ecs-200k``, ``ecs-2m``: random
+/24s; ``names-200k``: random names), and counting the answers it gets back.
+
+For each flood set and each admission mode (``fair``: GTM_DNS_FAIR_ADMISSION=true, the
+default; ``off``: false, every datagram answered in the order read, as before), a fresh server
+(pinned to CPU 0; both clients on CPU 1) serves, in one run: the legitimate load alone, then
+the same load with the flood. Reported: legitimate answers / sent, their p99 with the flood as
+a ratio of the p99 alone (targets, from the issue: >= 95% and <= 2x), the flood's sending
+rate and goodput (answers/s it got), the server's peak RSS and heap growth against the DNS
+budget. dnsperf times a reply when its receiving thread gets to it, on a core shared with the
+flooder: its tail is partly the client's, in both modes alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.dns.flood import AnonSampler, peak_rss_mb, write_set  # noqa: E402
+from bench.dns.run import (  # noqa: E402
+    CLIENT_CPU,
+    TIMEOUT_S,
+    field,
+    gtm_server,
+    percentiles,
+    pinned,
+    running,
+)
+from gtm.decision.geoip import default_database_path  # noqa: E402
+
+LEGIT_FROM = "127.0.2.1"
+FLOODS = ("ecs-200k", "names-200k", "ecs-2m")
+SIZES = {"ecs-200k": 200_000, "names-200k": 200_000, "ecs-2m": 2_000_000}
+
+
+def legit_dnsperf(
+    port: int, data: Path, seconds: float, out: Path, rate: int | None
+) -> dict[str, float]:
+    """dnsperf from the legitimate sender: closed loop (``rate`` None) or paced and timed."""
+    argv = [
+        "dnsperf",
+        *("-s", "127.0.0.1", "-p", str(port), "-a", LEGIT_FROM, "-d", str(data), "-B"),
+        *("-l", str(seconds), "-T", "1", "-c", "4", "-q", "200", "-t", str(TIMEOUT_S)),
+    ]
+    if rate is not None:
+        # Room for every query of a timeout's worth outstanding: a lost query must not hold
+        # the paced sending back (it is counted as lost, at the timeout, in the p99).
+        argv += ["-Q", str(rate), "-v", "-q", str(int(rate * (TIMEOUT_S + 1)))]
+    with out.open("w") as f:
+        # stderr: a warning per answer that came after its query timed out; they are counted.
+        subprocess.run(
+            pinned(CLIENT_CPU, argv),
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+            timeout=seconds + 30,
+            check=False,
+        )
+    text = out.read_text()
+    figures = {
+        "sent": field(text, "Queries sent"),
+        "answered": field(text, "Queries completed"),
+        "qps": field(text, "Queries per second"),
+    }
+    if rate is not None:
+        figures["p50_ms"], figures["p99_ms"], _ = percentiles(text)
+    return figures
+
+
+def udp_drops(local_ip: str | None = None, port: int | None = None) -> int:
+    """Datagrams the kernel dropped at full receive buffers, summed over the UDP sockets bound
+    to ``local_ip`` (any port) or to ``port`` (/proc/net/udp's last column)."""
+    total = 0
+    for line in Path("/proc/net/udp").read_text().splitlines()[1:]:
+        parts = line.split()
+        address, hex_port = parts[1].split(":")
+        ip = ".".join(str(b) for b in reversed(bytes.fromhex(address)))
+        if (local_ip is not None and ip == local_ip) or (
+            port is not None and int(hex_port, 16) == port
+        ):
+            total += int(parts[-1])
+    return total
+
+
+class DropSampler:
+    """The largest drop count seen on the legitimate client's sockets while a run lasts (they
+    are gone when dnsperf exits)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, udp_drops(local_ip=LEGIT_FROM))
+
+    def __enter__(self) -> DropSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def admission_metrics(metrics_port: int | None) -> dict[str, float]:
+    """The server's slow-path admission counters (gtm.geodns.admission) from its metrics."""
+    if metrics_port is None:
+        return {}
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("gtm_dns_slow_", "gtm_dns_send_dropped_total")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def read_set(path: Path) -> list[bytes]:
+    blob = path.read_bytes()
+    out, i = [], 0
+    while i < len(blob):
+        (n,) = struct.unpack_from("!H", blob, i)
+        out.append(blob[i + 2 : i + 2 + n])
+        i += 2 + n
+    return out
+
+
+def flood(port: int, data: Path, seconds: float, senders: int, rate: float) -> dict[str, float]:
+    """Send ``data``'s queries in a loop, as fast as this process can (or at ``rate`` a second
+    when positive), for ``seconds``; count the answers. Run in its own process (the ``flood``
+    mode)."""
+    queries = read_set(data)
+    socks = []
+    for i in range(senders):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.bind(("127.0.1.1" if senders == 1 else f"127.1.{i}.1", 0))
+        socks.append(sock)
+    target = ("127.0.0.1", port)
+    sent = answered = refused = 0
+    n, j = len(queries), 0
+    start = time.monotonic()
+    deadline = start + seconds
+    while (now := time.monotonic()) < deadline:
+        if rate > 0 and sent > (now - start) * rate:
+            time.sleep(0.001)
+            continue
+        for k in range(len(socks)):
+            sock = socks[k]
+            for _ in range(16):
+                try:
+                    sock.sendto(queries[j], target)
+                    sent += 1
+                except BlockingIOError:
+                    refused += 1
+                j = j + 1 if j + 1 < n else 0
+            while True:
+                try:
+                    sock.recv(4096)
+                    answered += 1
+                except BlockingIOError:
+                    break
+    time.sleep(TIMEOUT_S)  # answers still on their way
+    for sock in socks:
+        while True:
+            try:
+                sock.recv(4096)
+                answered += 1
+            except BlockingIOError:
+                break
+    return {"sent": sent, "answered": answered, "send_refused": refused, "seconds": seconds}
+
+
+def start_flood(
+    port: int, data: Path, seconds: float, senders: int, out: Path, rate: float = 0
+) -> Any:
+    argv = [sys.executable, __file__, "flood", str(port), str(data), str(seconds), str(senders)]
+    argv.append(str(rate))
+    return subprocess.Popen(
+        pinned(CLIENT_CPU, ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
+    )
+
+
+def one_server(
+    work: Path,
+    geoip: Path,
+    name: str,
+    fair: bool,
+    legit: Path,
+    flood_set: Path,
+    senders: int,
+    rate: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    server = gtm_server(work, geoip, name)
+    assert server.env is not None
+    server.env["GTM_DNS_CACHE_BUDGET_MB"] = str(args.budget_mb)
+    server.env["GTM_DNS_FAIR_ADMISSION"] = "true" if fair else "false"
+    row: dict[str, Any] = {}
+    with running(server):
+        legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
+        with AnonSampler(server.pid) as anon:
+            row["alone"] = legit_dnsperf(
+                server.port, legit, args.seconds, work / f"{name}-alone.out", rate
+            )
+            flood_out = work / f"{name}-flood.json"
+            proc = start_flood(
+                server.port, flood_set, args.seconds + 2, senders, flood_out, args.flood_rate
+            )
+            time.sleep(1)  # the flood under way before the legitimate load starts
+            server_drops = udp_drops(port=server.port)
+            cpu_before, wall_before = cpu_seconds(server.pid), time.monotonic()
+            with DropSampler() as client_drops:
+                row["flood"] = legit_dnsperf(
+                    server.port, legit, args.seconds, work / f"{name}-with.out", rate
+                )
+            # The server's share of a core meanwhile: below 1, it waited for the CPU (the
+            # machine is shared), not for work.
+            row["flood"]["server_cpu"] = (cpu_seconds(server.pid) - cpu_before) / (
+                time.monotonic() - wall_before
+            )
+            # Where legitimate queries were lost: the server's buffer (everyone's, shared
+            # with the flood) or the client's own.
+            row["flood"]["server_buffer_drops"] = udp_drops(port=server.port) - server_drops
+            row["flood"]["client_buffer_drops"] = client_drops.peak
+            proc.wait(timeout=args.seconds + 60)
+        row["flooder"] = json.loads(flood_out.read_text())
+        row["admission"] = admission_metrics(server.metrics_port)
+        row["rss_mb"] = peak_rss_mb(server.pid)
+        row["heap_growth_mb"] = anon.peak - anon.start
+    return row
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "flood":
+        port, data, seconds, senders, rate = sys.argv[2:7]
+        print(json.dumps(flood(int(port), Path(data), float(seconds), int(senders), float(rate))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=6)
+    parser.add_argument("--floods", nargs="*", default=list(FLOODS[:2]), choices=list(FLOODS))
+    parser.add_argument("--senders", nargs="*", type=int, default=[1, 256])
+    parser.add_argument("--share", type=float, default=0.2, help="of the legit capacity")
+    parser.add_argument("--legit-rate", type=int, help="queries/s (default: --share of capacity)")
+    parser.add_argument("--budget-mb", type=float, default=64)
+    parser.add_argument(
+        "--flood-rate", type=float, default=0, help="flood queries/s (default 0: full speed)"
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    geoip = default_database_path()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="gtm-fairness-") as tmp:
+        work = Path(tmp)
+        legit = write_set(work / "legit.bin", "ecs-5k", 5_000, seed=29)
+        rate = args.legit_rate
+        capacity = 0.0
+        if rate is None:
+            server = gtm_server(work, geoip, "capacity")
+            with running(server):
+                legit_dnsperf(server.port, legit, 3, work / "cap-warm.out", None)
+                capacity = legit_dnsperf(server.port, legit, 5, work / "cap.out", None)["qps"]
+            rate = max(100, int(capacity * args.share))
+        print(f"legitimate load paced at {rate}/s", flush=True)
+        for flood_name in args.floods:
+            flood_set = write_set(work / f"{flood_name}.bin", flood_name, SIZES[flood_name])
+            for senders in args.senders:
+                for fair in (True, False):
+                    name = f"{flood_name}-{senders}-{'fair' if fair else 'off'}"
+                    row = one_server(work, geoip, name, fair, legit, flood_set, senders, rate, args)
+                    row |= {"flood_set": flood_name, "senders": senders, "fair": fair}
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+    report(results, rate, capacity, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def report(
+    results: list[dict[str, Any]], rate: int, capacity: float, args: argparse.Namespace
+) -> None:
+    print(
+        f"\n{args.seconds:g} s per run; legitimate load {rate}/s "
+        + (f"({args.share:.0%} of {capacity:.0f}/s measured)" if capacity else "(as given)")
+        + f" from {LEGIT_FROM}, 5,000 known /24s; "
+        f"server on CPU 0, clients on CPU 1; DNS budget {args.budget_mb:g} MiB; flood "
+        f"{f'{args.flood_rate:g}/s' if args.flood_rate else 'at full speed'}\n"
+    )
+    print(
+        "| flood | senders | admission | legit answered/sent alone | legit answered/sent "
+        "flooded | p99 alone ms | p99 flooded ms | p99 ratio | flood sent/s | flood goodput/s "
+        "| lost in server buffer | server CPU share | peak RSS MiB | heap growth MiB |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for r in results:
+        alone, flooded, f = r["alone"], r["flood"], r["flooder"]
+        print(
+            f"| {r['flood_set']} | {r['senders']} | {'fair' if r['fair'] else 'off'} "
+            f"| {alone['answered'] / alone['sent']:.1%} "
+            f"| {flooded['answered'] / flooded['sent']:.1%} "
+            f"| {alone['p99_ms']:.2f} | {flooded['p99_ms']:.2f} "
+            f"| {flooded['p99_ms'] / alone['p99_ms']:.2f} "
+            f"| {f['sent'] / f['seconds']:.0f} | {f['answered'] / f['seconds']:.0f} "
+            f"| {flooded['server_buffer_drops']:.0f} | {flooded['server_cpu']:.2f} "
+            f"| {r['rss_mb']:.0f} | {r['heap_growth_mb']:.0f} |"
+        )
+    print("\ntargets: legitimate answered >= 95% of sent; p99 flooded <= 2x p99 alone")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()

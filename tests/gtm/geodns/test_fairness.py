@@ -1,0 +1,240 @@
+"""Fair admission of the UDP slow path (gtm.geodns.admission) over real sockets on loopback.
+
+Senders on other 127.x.y.z addresses stand for other networks (/24s). Starvation is made
+observable by order, not time: the test runs in the node's own event loop and sends a whole
+flood and then the legitimate queries without yielding, so all of them wait in the kernel's
+buffer before the server reads the first. Answered in the order read (the old listener, and
+``dns_fair_admission=False``), every flood answer is out before the first legitimate one; with
+fair admission the legitimate answers arrive while flood queries still wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import dns.message
+import pytest
+
+from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, SlowLane, sender_network
+from gtm.geodns.stats import DnsCollector
+from gtm.node import Node
+
+from .conftest import StartNode, port_of, udp
+
+DEADLINE_S = 60.0  # generous: a busy 2-core machine; nothing here measures time
+CACHED = dns.message.make_query("chat.gtm.example.", "A").to_wire()
+
+
+def with_id(wire: bytes, qid: int) -> bytes:
+    return qid.to_bytes(2, "big") + wire[2:]
+
+
+def missing_name(i: int) -> bytes:
+    """A query no cache holds: a new name each (NXDOMAIN, parsed and answered the slow way)."""
+    return dns.message.make_query(f"flood{i}.gtm.example.", "A").to_wire()
+
+
+@contextmanager
+def sender(address: str) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    # Room for every answer a test waits for (the default holds some 200 small datagrams).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sock.bind((address, 0))
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def waiting(sock: socket.socket) -> int:
+    """How many datagrams wait in the socket now (read and discarded)."""
+    n = 0
+    while True:
+        try:
+            sock.recv(65535)
+        except BlockingIOError:
+            return n
+        n += 1
+
+
+async def receive(sock: socket.socket, count: int) -> list[bytes]:
+    loop = asyncio.get_running_loop()
+
+    async def take() -> list[bytes]:
+        return [await loop.sock_recv(sock, 65535) for _ in range(count)]
+
+    return await asyncio.wait_for(take(), DEADLINE_S)
+
+
+async def prime(node: Node, source: str) -> None:
+    """The legitimate sender's query answered once: from then on a first-level cache hit."""
+    assert (await udp(node, dns.message.from_wire(CACHED), source=source)).answer
+
+
+async def flood_then(
+    node: Node, flood: list[bytes], legit: list[bytes], flood_from: str, legit_from: str
+) -> tuple[int, int, list[bytes]]:
+    """Send ``flood`` then ``legit`` without yielding to the loop; return how many flood
+    answers had arrived when the last legitimate one did, how many arrived in all, and the
+    legitimate answers."""
+    target = ("127.0.0.1", port_of(node))
+    with sender(flood_from) as f, sender(legit_from) as g:
+        for wire in flood:
+            f.sendto(wire, target)
+        for wire in legit:
+            g.sendto(wire, target)
+        answers = await receive(g, len(legit))
+        before = waiting(f)
+        later = await receive(f, len(flood) - before)
+    return before, before + len(later), answers
+
+
+async def test_cached_answers_are_not_queued_behind_a_flood_of_misses(
+    start_node: StartNode,
+) -> None:
+    # One flood query admitted per loop turn: the flood takes 300 turns to answer.
+    node = await start_node(
+        dns_listen=("127.0.0.1:0",), dns_slow_batch=1, dns_slow_queue_per_network=1000
+    )
+    await prime(node, "127.0.2.1")
+    flood = [missing_name(i) for i in range(300)]
+    legit = [with_id(CACHED, 1000 + i) for i in range(20)]
+    before, total, answers = await flood_then(node, flood, legit, "127.0.1.1", "127.0.2.1")
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(1000, 1020))
+    assert total == len(flood)  # the queue held the whole flood: every query answered
+    # In the order read, all 300 flood answers would be out before the first legitimate one.
+    assert before < len(flood)
+    assert node.dns is not None
+    lane = node.dns.responder.stats.lane
+    assert lane.deferred >= len(flood) and lane.admitted == lane.deferred
+    assert lane.dropped.total() == 0
+
+
+async def test_queries_that_miss_get_their_networks_share_of_the_slow_path(
+    start_node: StartNode,
+) -> None:
+    """A client whose queries all miss (new names) is served round robin with the flood's
+    network, not after it."""
+    node = await start_node(
+        dns_listen=("127.0.0.1:0",), dns_slow_batch=1, dns_slow_queue_per_network=1000
+    )
+    flood = [missing_name(i) for i in range(300)]
+    legit = [with_id(missing_name(10_000 + i), 2000 + i) for i in range(10)]
+    before, total, answers = await flood_then(node, flood, legit, "127.0.1.1", "127.0.3.1")
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(2000, 2010))
+    assert total == len(flood)
+    # Round robin: the ten are answered within the first twenty slow-path answers or so.
+    assert before < len(flood)
+
+
+async def test_in_the_order_read_the_flood_is_answered_first(start_node: StartNode) -> None:
+    """The same flood with fair admission off (the listener as it was): the legitimate answers
+    come only after every flood answer. What the two tests above guard against."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_fair_admission=False)
+    await prime(node, "127.0.2.1")
+    flood = [missing_name(i) for i in range(300)]
+    legit = [with_id(CACHED, 1000 + i) for i in range(20)]
+    before, total, answers = await flood_then(node, flood, legit, "127.0.1.1", "127.0.2.1")
+    assert len(answers) == len(legit)
+    assert before == total == len(flood)
+
+
+async def test_queues_are_bounded_and_every_drop_is_counted(start_node: StartNode) -> None:
+    node = await start_node(
+        dns_listen=("127.0.0.1:0",), dns_slow_queue_per_network=8, dns_slow_queue_total=20
+    )
+    assert node.dns is not None
+    stats = node.dns.responder.stats
+    target = ("127.0.0.1", port_of(node))
+    # One network floods 50 queries; then five spoofed-looking networks send 5 each. All wait in
+    # the kernel's buffer before the server reads one (no await in between), and it reads them
+    # in one turn: 20 of the first network's are queued (alone, it may fill the total), 30
+    # dropped; the next networks' push its oldest out down to its bound of 8 (12 more
+    # dropped), then the bound of 20 in all drops the rest (13).
+    with (
+        sender("127.0.1.1") as a,
+        sender("127.0.11.1") as b,
+        sender("127.0.12.1") as c,
+        sender("127.0.13.1") as d,
+        sender("127.0.14.1") as e,
+        sender("127.0.15.1") as f,
+    ):
+        for i in range(50):
+            a.sendto(missing_name(i), target)
+        others = [b, c, d, e, f]
+        for n, sock in enumerate(others):
+            for i in range(5):
+                sock.sendto(missing_name(100 * (n + 1) + i), target)
+        got = [await receive(a, 8)]
+        got += [await receive(s, k) for s, k in zip(others[:3], [5, 5, 2], strict=True)]
+        assert [len(x) for x in got] == [8, 5, 5, 2]
+        assert stats.lane.dropped[NETWORK_FULL] == 42
+        assert stats.lane.dropped[TOTAL_FULL] == 13
+        assert stats.lane.peak == 20
+        # Queued: the 20 answered and the 12 pushed out after they were queued.
+        assert stats.lane.deferred == 32 and stats.lane.admitted == 20
+        assert stats.lane.queued == 0
+        # Nothing else arrives: what was dropped was dropped, and counted. (A query answered
+        # after them, through the same queues, shows the server read everything sent before.)
+        check = dns.message.make_query("chat.gtm.example.", "A")
+        assert (await udp(node, check, source="127.0.13.1")).answer
+        assert all(waiting(s) == 0 for s in [a, *others])
+    metrics = {
+        (m.name, tuple(s.labels.values())): s.value
+        for m in DnsCollector(stats).collect()
+        for s in m.samples
+    }
+    assert metrics[("gtm_dns_slow_dropped", ("network_full",))] == 42
+    assert metrics[("gtm_dns_slow_dropped", ("total_full",))] == 13
+    assert metrics[("gtm_dns_slow_admitted", ())] == 21  # with the check
+    assert metrics[("gtm_dns_slow_deferred", ())] == 33
+    assert metrics[("gtm_dns_slow_queued", ())] == 0
+
+
+def test_lane_round_robin_bounds_and_shutdown_count() -> None:
+    lane: SlowLane[tuple[str, int]] = SlowLane(per_network=3, total=5)
+    for i in range(5):
+        lane.offer("flood", ("flood", i))
+    lane.offer("a", ("a", 0))
+    lane.offer("b", ("b", 0))
+    lane.offer("b", ("b", 1))
+    assert lane.counts.dropped[NETWORK_FULL] == 2  # the flood's two oldest, pushed out
+    assert lane.counts.dropped[TOTAL_FULL] == 1  # b's second: five waiting, none past a bound
+    assert len(lane) == 5 and lane.networks() == 3
+    # The flood queued five while alone; a and b each took the place of its oldest.
+    assert lane.take(4) == [("flood", 2), ("a", 0), ("b", 0), ("flood", 3)]
+    assert lane.clear() == 1 and lane.counts.dropped[SHUTDOWN] == 1
+    assert lane.counts.queued == 0 and lane.counts.peak == 5
+    with pytest.raises(ValueError, match="positive"):
+        SlowLane[Any](per_network=0, total=1)
+
+
+def test_sender_networks_are_slash_24s_and_slash_56s_mapped_ipv4_included() -> None:
+    assert sender_network("192.0.2.7") == sender_network("192.0.2.200")
+    assert sender_network("192.0.2.7") != sender_network("192.0.3.7")
+    # On a dual-stack socket IPv4 senders come as mapped addresses: each keeps its /24.
+    assert sender_network("::ffff:192.0.2.9") == sender_network("192.0.2.7")
+    assert sender_network("::ffff:192.0.2.9") != sender_network("::ffff:198.51.100.9")
+    assert sender_network("2001:db8:0:ff::1") == sender_network("2001:db8::1%eth0")
+    assert sender_network("2001:db8:0:100::1") != sender_network("2001:db8::1")
+
+
+async def test_a_large_resolver_alone_is_not_capped_at_its_networks_bound(
+    start_node: StartNode,
+) -> None:
+    """600 queries that miss from one network at once, on an idle node with a per-network bound
+    of 64: queued past the bound while no other network waits, every one answered."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_slow_queue_per_network=64)
+    assert node.dns is not None
+    target = ("127.0.0.1", port_of(node))
+    with sender("127.0.5.1") as big:
+        for i in range(600):
+            big.sendto(with_id(missing_name(i), i), target)
+        answers = await receive(big, 600)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(600))
+    assert node.dns.responder.stats.lane.dropped.total() == 0
