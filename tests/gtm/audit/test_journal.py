@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -502,5 +503,8 @@ async def test_a_node_killed_under_load_loses_at_most_what_came_after_its_last_j
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "GAP node-k#" in verify.stdout and "unclean stop" in verify.stdout
-    # The gap starts where the journal ends, not at the last seal.
-    assert f"after {through:.3f}" in verify.stdout, verify.stdout
+    # The gap starts where the journal ends, not at the last seal (to the printed millisecond:
+    # the two sides round the same instant on their own, so one may print the next digit).
+    found = re.search(r"unclean stop: answers counted after (\d+\.\d{3})", verify.stdout)
+    assert found is not None, verify.stdout
+    assert abs(float(found.group(1)) - through) <= 0.0015, (found.group(1), through)
