@@ -21,6 +21,7 @@ from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
 from gtm.admin.routes.regions import fleet_roster
 from gtm.audit import query
+from gtm.control.state import APPROVED
 from gtm.errors import ConfigError, Problem
 from gtm.fleet import roster
 from gtm.runtime import parse_documents
@@ -467,8 +468,14 @@ async def activate_proposal(
     A version whose replay shows answers leaving their jurisdiction is activated (or
     scheduled) only with each leak named in ``acknowledge`` (409 ``leak_not_acknowledged``
     otherwise); the leaks and their counts are recorded with it."""
-    *_, report = await _replay(ctx, proposal_id, impact.LEAK_WINDOW_S)
-    leaks = report.leaks
+    async with ctx.engine.connect() as conn:
+        current = await lifecycle.get(conn, proposal_id, ctx.control)
+    leaks: Counter[impact.Leak] = Counter()
+    if current.state == APPROVED:
+        # Only a proposal that may be activated is replayed (a day's traffic, seconds of CPU):
+        # any other gets the lifecycle's own refusal below, not a leak to acknowledge first.
+        *_, report = await _replay(ctx, proposal_id, impact.LEAK_WINDOW_S)
+        leaks = report.leaks
     _check_leaks(leaks, body)
     if body is not None and body.at is not None and body.at > ctx.clock():
         async with ctx.engine.begin() as conn:

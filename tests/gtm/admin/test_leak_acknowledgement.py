@@ -95,6 +95,26 @@ async def test_the_api_refuses_an_unacknowledged_leak_and_records_the_acknowledg
         )
 
 
+async def test_a_proposal_not_approved_is_refused_for_what_it_is_before_any_leak(
+    start_admin: AdminFactory,
+) -> None:
+    """Activating a submitted proposal is refused because it is not approved (no day's replay
+    first, and no leak to acknowledge for a version that cannot be activated anyway)."""
+    async with start_admin() as admin:
+        await _record_eu_personal_from_the_us(admin, 40)
+        alice = await admin.token("alice", Role.POLICY_AUTHOR)
+        bob = await admin.token("bob", Role.POLICY_APPROVER)
+        async with admin.client(alice) as a, admin.client(bob) as b:
+            p = (await a.post("/v1/proposals", json={**documents(loosen_eu), "reason": "x"})).json()
+            assert (await a.post(f"/v1/proposals/{p['id']}/submit")).status_code == 200
+            for body in ({}, {"at": time.time() + 3600}):
+                r = await b.post(f"/v1/proposals/{p['id']}/activate", json=body)
+                assert r.status_code == 409, r.text
+                assert r.json()["error"] != "leak_not_acknowledged", r.text
+                assert "not approved" in r.json()["message"], r.text
+        assert await _acknowledgements(admin) == []
+
+
 async def test_a_scheduled_activation_needs_the_acknowledgement_too(
     start_admin: AdminFactory,
 ) -> None:
