@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from gtm.admin.server import bind, serve_admin
 from gtm.control.log import ControlLog
 from gtm.runtime import Runtime
 from gtm.settings import Settings
-from tests.conftest import DEMO, POLICIES
+from tests.conftest import DEMO, POLICIES, ROOT
 from tests.support.browser import browser  # noqa: F401 (the console tests' fixture)
 
 
@@ -56,6 +59,20 @@ class Admin:
     def client(self, token: str | None) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=20)
+
+
+def run_gtm(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``gtm ARGS`` in a process of its own with ``env`` over this one's. stdin is no
+    terminal: the CLI must not wait on a question nobody can answer."""
+    return subprocess.run(
+        [sys.executable, "-m", "gtm", *args],
+        env=os.environ | env,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def documents(edit: Callable[[str, str], str] | None = None) -> dict[str, Any]:

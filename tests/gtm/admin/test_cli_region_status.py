@@ -5,28 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 from gtm.admin.permissions import Role
 from regional_lb.capacity_report import CapacityReport
-from tests.conftest import ROOT
-from tests.gtm.admin.conftest import AdminFactory
-
-
-def _gtm(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gtm", *args],
-        env=os.environ | env,
-        capture_output=True,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+from tests.gtm.admin.conftest import AdminFactory, run_gtm
 
 
 async def test_region_status_has_a_header_and_each_regions_utilisation(
@@ -53,7 +37,7 @@ async def test_region_status_has_a_header_and_each_regions_utilisation(
             "GTM_ADMIN_URL": admin.url,
             "GTM_ADMIN_TOKEN": viewer,
         }
-        out = await asyncio.to_thread(_gtm, ["region", "status"], env)
+        out = await asyncio.to_thread(run_gtm, ["region", "status"], env)
         assert out.returncode == 0, out.stderr
         header, *lines = out.stdout.splitlines()
         assert header.split()[:3] == ["REGION", "STATE", "UTIL"] and "IN FORCE" in header
@@ -62,11 +46,11 @@ async def test_region_status_has_a_header_and_each_regions_utilisation(
         assert rows["us-east"][2] == "-"  # no report from it
         # Without the admin API: the table still, and why the column is empty.
         bare = {k: v for k, v in env.items() if not k.startswith("GTM_ADMIN")}
-        alone = await asyncio.to_thread(_gtm, ["region", "status"], bare | {"GTM_ADMIN_URL": ""})
+        alone = await asyncio.to_thread(run_gtm, ["region", "status"], bare | {"GTM_ADMIN_URL": ""})
         assert alone.returncode == 0, alone.stderr
         assert re.search(r"^eu-west\s+\S+\s+-\s", alone.stdout, re.M), alone.stdout
         assert "utilisation needs GTM_ADMIN_URL and GTM_ADMIN_TOKEN" in alone.stderr
         as_json = json.loads(
-            (await asyncio.to_thread(_gtm, ["region", "status", "--json"], env)).stdout
+            (await asyncio.to_thread(run_gtm, ["region", "status", "--json"], env)).stdout
         )
         assert {r["region"]: r["utilisation"] for r in as_json}["eu-west"] == 0.42

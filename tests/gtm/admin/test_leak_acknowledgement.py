@@ -22,7 +22,7 @@ from gtm.audit.record import record_of
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.fleet import shared_state
 from tests.conftest import ROOT
-from tests.gtm.admin.conftest import Admin, AdminFactory, documents, loosen_eu
+from tests.gtm.admin.conftest import Admin, AdminFactory, documents, loosen_eu, run_gtm
 from tests.gtm.admin.console_client import post_form, sign_in
 
 US = "203.0.113.10"  # Washington in the test GeoIP data
@@ -134,19 +134,6 @@ async def test_a_scheduled_activation_needs_the_acknowledgement_too(
         assert len(await _acknowledgements(admin)) == 1
 
 
-def _gtm(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # stdin is no terminal: the CLI must not wait on a question nobody can answer.
-    return subprocess.run(
-        [sys.executable, "-m", "gtm", *args],
-        env=os.environ | env,
-        capture_output=True,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-
-
 async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged(
     start_admin: AdminFactory,
 ) -> None:
@@ -154,14 +141,14 @@ async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged
         await _record_eu_personal_from_the_us(admin, 1000)
         pid, bob = await _approved_leaking_proposal(admin)
         env = {"GTM_ADMIN_URL": admin.url, "GTM_ADMIN_TOKEN": bob}
-        refused = await asyncio.to_thread(_gtm, ["proposal", "activate", str(pid)], env)
+        refused = await asyncio.to_thread(run_gtm, ["proposal", "activate", str(pid)], env)
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert "would send answers out of their jurisdiction" in refused.stderr
         assert "eu-personal EU→US: 1000 answers of class eu-personal" in refused.stderr
         hint = f"gtm proposal activate {pid} --acknowledge-leak 'eu-personal EU->US'"
         assert hint in refused.stderr
         wrong = await asyncio.to_thread(
-            _gtm,
+            run_gtm,
             ["proposal", "activate", str(pid), "--acknowledge-leak", "eu-personal EU->JP"],
             env,
         )
@@ -169,7 +156,7 @@ async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged
         assert await _acknowledgements(admin) == []
         # The command the refusal printed, as printed, activates.
         active = await asyncio.to_thread(
-            _gtm,
+            run_gtm,
             ["proposal", "activate", str(pid), "--acknowledge-leak", "eu-personal EU->US"],
             env,
         )
@@ -178,7 +165,7 @@ async def test_the_cli_shows_the_leak_and_activates_only_when_it_is_acknowledged
         [recorded] = await _acknowledgements(admin)
         assert recorded.startswith("bob: ") and "eu-personal EU→US (1000 answers)" in recorded
         # Times as people read them, not unix seconds.
-        shown = await asyncio.to_thread(_gtm, ["proposal", "show", str(pid)], env)
+        shown = await asyncio.to_thread(run_gtm, ["proposal", "show", str(pid)], env)
         assert shown.returncode == 0, shown.stderr
         stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((now|\d+ (s|min) ago)\)"
         assert re.search(rf"^  created {stamp}$", shown.stdout, re.M), shown.stdout

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,18 @@ async def raw_udp(
             return await asyncio.wait_for(loop.sock_recv(sock, 65535), wait)
         except TimeoutError:
             return None
+
+
+async def raw_tcp(node: Node, wire: bytes) -> bytes:
+    """Send any bytes as one TCP message (length-prefixed); the one message that comes back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
+    try:
+        writer.write(struct.pack("!H", len(wire)) + wire)
+        (length,) = struct.unpack("!H", await reader.readexactly(2))
+        return await reader.readexactly(length)
+    finally:
+        writer.close()
+        await writer.wait_closed()
 
 
 def write_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:

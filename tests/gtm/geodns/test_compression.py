@@ -9,7 +9,6 @@ truncated to a client of 512.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import struct
 import time
@@ -29,21 +28,9 @@ from gtm.geodns.render import compress, name_wire
 from gtm.geodns.responder import udp_limit
 from gtm.geodns.wire import Query, parse_query
 from gtm.geodns.zone import answer
-from gtm.node import Node
 
-from .conftest import StartNode, port_of, raw_udp, write_topology
+from .conftest import StartNode, raw_tcp, raw_udp, write_topology
 from .test_dnssec import validate
-
-
-async def _raw_tcp(node: Node, wire: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
-    try:
-        writer.write(struct.pack("!H", len(wire)) + wire)
-        (length,) = struct.unpack("!H", await reader.readexactly(2))
-        return await reader.readexactly(length)
-    finally:
-        writer.close()
-        await writer.wait_closed()
 
 
 def _uncompressed_size(message: dns.message.Message) -> int:
@@ -78,7 +65,7 @@ async def test_names_are_compressed_and_mean_what_they_meant(start_node: StartNo
         query = dns.message.make_query("gtm.example.", "NS", use_edns=edns)
         for raw in (
             await raw_udp(node, query.to_wire(), wait=10),
-            await _raw_tcp(node, query.to_wire()),
+            await raw_tcp(node, query.to_wire()),
         ):
             assert raw is not None and len(raw) == ns_size  # Knot's size for the same data
     for name, rdtype in QUERIES:
@@ -88,7 +75,7 @@ async def test_names_are_compressed_and_mean_what_they_meant(start_node: StartNo
             raw = (
                 await raw_udp(node, wire, wait=10)
                 if transport == "udp"
-                else await _raw_tcp(node, wire)
+                else await raw_tcp(node, wire)
             )
             assert raw is not None
             parsed = parse_query(wire)
@@ -122,7 +109,7 @@ async def test_names_that_do_not_exist_of_other_lengths_get_their_own_pointers(
             query = dns.message.make_query(name, "A", use_edns=use_edns)
             for raw in (
                 await raw_udp(node, query.to_wire(), wait=10),
-                await _raw_tcp(node, query.to_wire()),
+                await raw_tcp(node, query.to_wire()),
             ):
                 assert raw is not None
                 reply = dns.message.from_wire(raw)
@@ -156,7 +143,7 @@ async def test_a_signed_answer_that_fits_512_octets_compressed_is_not_truncated(
     )
     query = dns.message.make_query("gtm.example.", "NS", use_edns=0, want_dnssec=True, payload=512)
     wire = query.to_wire()
-    raw = await raw_udp(node, wire, wait=10) if transport == "udp" else await _raw_tcp(node, wire)
+    raw = await raw_udp(node, wire, wait=10) if transport == "udp" else await raw_tcp(node, wire)
     assert raw is not None
     reply = dns.message.from_wire(raw)
     assert not reply.flags & dns.flags.TC

@@ -24,7 +24,7 @@ import pytest
 
 from gtm.node import Node
 
-from .conftest import StartNode, port_of, raw_udp, tcp, udp
+from .conftest import StartNode, port_of, raw_tcp, raw_udp, tcp, udp
 
 TRANSPORTS = ("udp", "tcp")
 
@@ -167,21 +167,10 @@ async def test_refused_transfers_are_counted_in_the_audit(start_node: StartNode)
     assert node.dns_stats.queries["udp", "MAILA", "NOTIMP"] == 1
 
 
-async def _raw_tcp(node: Node, wire: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(node))
-    try:
-        writer.write(struct.pack("!H", len(wire)) + wire)
-        (length,) = struct.unpack("!H", await reader.readexactly(2))
-        return await reader.readexactly(length)
-    finally:
-        writer.close()
-        await writer.wait_closed()
-
-
 async def _both(node: Node, wire: bytes) -> list[bytes]:
     udp_reply = await raw_udp(node, wire, wait=10)
     assert udp_reply is not None
-    return [udp_reply, await _raw_tcp(node, wire)]
+    return [udp_reply, await raw_tcp(node, wire)]
 
 
 @pytest.mark.parametrize("qdcount", [0, 2])
