@@ -7,22 +7,23 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gtm.admin import events, impact, lifecycle, versions
+from gtm.admin import impact, lifecycle, versions
 from gtm.admin.auth import AdminContext, Ctx, require
 from gtm.admin.errors import Conflict, Invalid, LifecycleError, NotFound, Refused
+from gtm.admin.leaks import record_acknowledged, refuse_unacknowledged
 from gtm.admin.lifecycle import Proposal
 from gtm.admin.principals import Principal
 from gtm.admin.routes.regions import fleet_roster
 from gtm.audit import query
 from gtm.control.state import APPROVED
-from gtm.errors import ConfigError, Problem
+from gtm.errors import ConfigError
 from gtm.fleet import roster
 from gtm.runtime import parse_documents
 
@@ -54,56 +55,6 @@ class ActivateIn(BaseModel):
         "activation is refused (409 leak_not_acknowledged, the leaks and their counts in "
         "problems). The leaks and counts are recorded in the event log with the activation",
     )
-
-
-class LeakNotAcknowledged(Conflict):
-    """An activation that would send answers out of their jurisdiction, without the activator
-    naming each such leak: refused with every leak and its count, so a client can show them."""
-
-    code = "leak_not_acknowledged"
-
-
-def _leak_problems(leaks: Counter[impact.Leak]) -> list[Problem]:
-    return [
-        Problem(
-            "impact",
-            impact.leak_name(leak),
-            f"{n} answers of class {leak[0]} answered in {leak[1]} would be answered in {leak[2]}",
-        )
-        for leak, n in leaks.most_common()
-    ]
-
-
-def _check_leaks(leaks: Counter[impact.Leak], body: ActivateIn | None) -> None:
-    missing = impact.unacknowledged(leaks, body.acknowledge if body is not None else "")
-    if missing:
-        total = sum(leaks.values())
-        raise LeakNotAcknowledged(
-            f"activating this sends {total} answers of the last day out of their jurisdiction; "
-            f"activate with acknowledge={impact.leak_key(leaks)!r} to accept",
-            _leak_problems(leaks),
-        )
-
-
-async def _acknowledged(
-    conn: AsyncConnection,
-    proposal_id: int,
-    who: Principal,
-    leaks: Counter[impact.Leak],
-    ctx: Any,
-) -> None:
-    """The acknowledgement lands in the activation's transaction: evidence of who accepted
-    which leak, and how many answers it stood for, with the change it let through."""
-    if leaks:
-        named = "; ".join(f"{impact.leak_name(x)} ({n} answers)" for x, n in leaks.most_common())
-        await events.record(
-            conn,
-            "proposal",
-            f"#{proposal_id}: answers leaving their jurisdiction acknowledged: {named}",
-            actor=who.name,
-            now=ctx.clock(),
-            node=ctx.node,
-        )
 
 
 class ApprovalIn(BaseModel):
@@ -476,14 +427,14 @@ async def activate_proposal(
         # any other gets the lifecycle's own refusal below, not a leak to acknowledge first.
         *_, report = await _replay(ctx, proposal_id, impact.LEAK_WINDOW_S)
         leaks = report.leaks
-    _check_leaks(leaks, body)
+    refuse_unacknowledged(leaks, body.acknowledge if body is not None else "")
     if body is not None and body.at is not None and body.at > ctx.clock():
         async with ctx.engine.begin() as conn:
             scheduled = await lifecycle.schedule(
                 conn, proposal_id, approver, body.at, now=ctx.clock(), node=ctx.node,
                 control=ctx.control,
             )  # fmt: skip
-            await _acknowledged(conn, proposal_id, approver, leaks, ctx)
+            await record_acknowledged(conn, proposal_id, approver, leaks, ctx)
         return _out(scheduled)
     if ctx.signer is None:
         raise Conflict(
@@ -503,7 +454,7 @@ async def activate_proposal(
             control=ctx.control,
             min_approvals=ctx.required_approvals,
         )
-        await _acknowledged(conn, proposal_id, approver, leaks, ctx)
+        await record_acknowledged(conn, proposal_id, approver, leaks, ctx)
         return activated
 
     try:
