@@ -52,16 +52,16 @@ from gtm.audit import migrate  # noqa: E402
 from gtm.audit.anchor import read_store_id  # noqa: E402
 from gtm.audit.database import make_async_engine  # noqa: E402
 from gtm.audit.record import AuditRecord, record_of, row_form  # noqa: E402
+from gtm.audit.rows import (  # noqa: E402
+    COLUMNS,
+    COPY_SQL,
+    insert_sql,
+    spooled_params,
+    static_params,
+)
 from gtm.audit.schema import decisions  # noqa: E402
 from gtm.audit.spool import Spool  # noqa: E402
-from gtm.audit.writer import (  # noqa: E402
-    _COLUMNS,
-    _COPY_SQL,
-    AuditWriter,
-    _insert_sql,
-    _params,
-    _static_params,
-)
+from gtm.audit.writer import AuditWriter  # noqa: E402
 from gtm.decision.routing import Channel, DecisionRequest, decide  # noqa: E402
 from gtm.runtime import build_snapshot  # noqa: E402
 from gtm.settings import Settings  # noqa: E402
@@ -72,7 +72,7 @@ _BINARY_TYPES = [
     "int8" if isinstance(decisions.c[c].type, BigInteger)
     else "int4" if isinstance(decisions.c[c].type, Integer)
     else "text"
-    for c in _COLUMNS
+    for c in COLUMNS
 ]  # fmt: skip
 
 
@@ -169,7 +169,7 @@ async def baseline(url: str, params: list[tuple[Any, ...]], binary: bool = False
         if conn.dialect.name == "postgresql":
             pg = (await conn.get_raw_connection()).driver_connection
             assert pg is not None
-            sql = f"{_COPY_SQL} (FORMAT BINARY)" if binary else _COPY_SQL
+            sql = f"{COPY_SQL} (FORMAT BINARY)" if binary else COPY_SQL
             for i in range(0, len(params), WINDOW):
                 async with pg.cursor() as cursor, cursor.copy(sql) as copy:
                     if binary:
@@ -178,7 +178,7 @@ async def baseline(url: str, params: list[tuple[Any, ...]], binary: bool = False
                         await copy.write_row(row)
                 await pg.commit()
         else:
-            sql = _insert_sql(conn.dialect.paramstyle)
+            sql = insert_sql(conn.dialect.paramstyle)
             for j in range(0, len(params), 64):  # the writer's insert batch
                 await conn.exec_driver_sql(sql, params[j : j + 64])
                 await conn.commit()
@@ -200,10 +200,10 @@ async def round_of(
                 pool = records(rows, salt=salt)
                 if mix == "warm":
                     for record in pool:
-                        row_form(record, _static_params)
+                        row_form(record, static_params)
                 if how == "flush":
                     rate, stored = await by_flush(url, pool, work)
-                    params = [_params(r) for r in stored]
+                    params = [spooled_params(r) for r in stored]
                 else:
                     rate = await in_background(url, pool, work)
                 out[(name, f"GTM writer, {mix}, {how}")] = rate

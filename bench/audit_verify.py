@@ -40,10 +40,11 @@ from gtm.audit.anchor import Anchor, read_store_id  # noqa: E402
 from gtm.audit.checkpoints import DirectorySink  # noqa: E402
 from gtm.audit.database import make_async_engine  # noqa: E402
 from gtm.audit.record import row_form  # noqa: E402
+from gtm.audit.rows import static_params  # noqa: E402
 from gtm.audit.schema import decisions  # noqa: E402
 from gtm.audit.spool import Spool  # noqa: E402
 from gtm.audit.verify import _pages, verify  # noqa: E402
-from gtm.audit.writer import AuditWriter, _static_params  # noqa: E402
+from gtm.audit.writer import AuditWriter  # noqa: E402
 
 WINDOW = 5000
 CHECKPOINT_EVERY = 100_000
@@ -59,7 +60,7 @@ class Grower:
         self.done = 0
         self.pool = records(100_000)
         for record in self.pool:
-            row_form(record, _static_params)  # templates once: the writer is not what is timed
+            row_form(record, static_params)  # templates once: the writer is not what is timed
         # A day per million rows, all of them past (PostgreSQL: a partition each).
         self.start = (time.time() // DAY - 12) * DAY
 

@@ -50,9 +50,9 @@ import structlog
 from gtm import metrics
 from gtm.audit.checkpoints import Checkpoint, CheckpointSink
 from gtm.audit.database import make_async_engine
+from gtm.audit.pacing import run_in_background
 from gtm.audit.record import ChainBreak
 from gtm.audit.verify import Verification, verify
-from gtm.audit.writer import run_in_background
 
 log = structlog.get_logger(__name__)
 

@@ -416,11 +416,11 @@ def test_row_forms_of_one_answer_for_many_client_networks_share_its_text(
     all of them, not a copy each (memray: 20 MiB of a node's heap under a flood were forms)."""
     import dataclasses
 
-    from gtm.audit.writer import _static_params
+    from gtm.audit.rows import static_params
 
     base = records(snapshot)[0]
     forms = [
-        row_form(dataclasses.replace(base, client_network=f"10.0.{i}.0/24"), _static_params)
+        row_form(dataclasses.replace(base, client_network=f"10.0.{i}.0/24"), static_params)
         for i in range(3)
     ]
     for a, b in itertools.pairwise(forms):
