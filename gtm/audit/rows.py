@@ -9,6 +9,7 @@ these, the drain (:mod:`gtm.audit.drain`) writes them out.
 from __future__ import annotations
 
 import operator
+import time
 from array import array
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import orjson
 from sqlalchemy import JSON
 
+from gtm.audit.pacing import Slices
 from gtm.audit.record import AuditRecord, RowForm, row_body, shared
 from gtm.audit.schema import decisions
 from gtm.audit.spool import Spool
@@ -146,6 +148,48 @@ class Window:
             if last > times[2 * i + 1]:
                 times[2 * i + 1] = last
         return i
+
+    async def gather(
+        self, tallies: Iterator[tuple[AuditRecord, int, float, float]], slices: Slices
+    ) -> None:
+        """Merge ``tallies`` (identical decisions share a row), handing the loop back between
+        slices."""
+        add = self.add
+        clock = time.perf_counter
+        for record, n, first, last in tallies:
+            add(record, n, first, last)
+            if clock() > slices.deadline:
+                await slices.next()
+
+    async def take_in(
+        self, tallies: Iterator[tuple[AuditRecord, int, float, float]], slices: Slices
+    ) -> tuple[array[int], array[float]]:
+        """Merge a journal tick's ``tallies``; returns, per decision answered since the last
+        tick, its index in the window and answers, and its first and last answer: what the
+        tick's journal line holds. Arrays, written out in one call each: this loop runs for
+        every such decision ten times a second, so it is kept to the merge and four appends."""
+        numbers = array("q")
+        spans = array("d")
+        index, counts, times = self.index, self.counts, self.times
+        clock = time.perf_counter
+        for record, n, first, last in tallies:
+            if n > 0:
+                i = index.get(record)
+                if i is None:
+                    i = self.add(record, n, first, last)
+                else:
+                    counts[i] += n
+                    if first < times[2 * i]:
+                        times[2 * i] = first
+                    if last > times[2 * i + 1]:
+                        times[2 * i + 1] = last
+                numbers.append(i)
+                numbers.append(n)
+                spans.append(first)
+                spans.append(last)
+            if clock() > slices.deadline:
+                await slices.next()
+        return numbers, spans
 
 
 def append_batch(spool: Spool, batch: Batch, node_json: bytes, journal: int) -> int:

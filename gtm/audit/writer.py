@@ -366,30 +366,7 @@ class AuditWriter:
                 self._wake.set()
                 return False
         at = self._clock()  # every answer counted before this instant is in this tick
-        # Per decision answered since the last tick: its index in the window and answers, and
-        # its first and last answer. Arrays, written out in one call each: this loop runs for
-        # every such decision ten times a second, so it is kept to the merge and four appends.
-        numbers = array("q")
-        spans = array("d")
-        index, counts, times = window.index, window.counts, window.times
-        clock = time.perf_counter
-        for record, n, first, last in self._take():
-            if n > 0:
-                i = index.get(record)
-                if i is None:
-                    i = window.add(record, n, first, last)
-                else:
-                    counts[i] += n
-                    if first < times[2 * i]:
-                        times[2 * i] = first
-                    if last > times[2 * i + 1]:
-                        times[2 * i + 1] = last
-                numbers.append(i)
-                numbers.append(n)
-                spans.append(first)
-                spans.append(last)
-            if clock() > slices.deadline:
-                await slices.next()
+        numbers, spans = await window.take_in(self._take(), slices)
         if not numbers or not journaling:
             return False
         store = self.spool.bound_store()
@@ -450,7 +427,7 @@ class AuditWriter:
                 generation = self._generation
                 self._generation += 1
             if not journaled:
-                await self._gather(self._take(), slices, window)
+                await window.gather(self._take(), slices)
             batch = await self._seal(window.records, window.counts, window.times, slices)
             if len(batch):
                 # The rows and, with the chain's end, the journal generation they seal.
@@ -521,15 +498,6 @@ class AuditWriter:
             for tally in source():
                 self.counted += tally[1]
                 yield tally
-
-    async def _gather(self, tallies: Iterator[Tally], slices: Slices, window: Window) -> None:
-        """The tallies merged by record into ``window`` (identical decisions share a row)."""
-        add = window.add
-        clock = time.perf_counter
-        for record, n, first, last in tallies:
-            add(record, n, first, last)
-            if clock() > slices.deadline:
-                await slices.next()
 
     async def _seal(
         self, records: list[AuditRecord], counts: array[int], times: array[float], slices: Slices
