@@ -19,7 +19,8 @@ Every one of those responses is counted in the audit store, and the decision id 
 back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). ``gtm serve --http``
 runs the front, alone or beside the DNS responder.
 
-``server``          uvicorn in the caller's loop; cached redirects answered in the protocol
+``server``          uvicorn in the caller's loop, and the TLS gate in front of the protocol
+``protocol``        the HTTP protocol: bounded heads, deadlines, cached redirects answered in it
 ``connections``     the connection caps (total, per client) and the request-head deadline
 ``tls``             TLS from certificate and key files (the key 0600), reloaded on change
 ``app``             ``FrontApp``: the units put together, and the general path (decide, redirect,
