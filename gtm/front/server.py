@@ -27,6 +27,7 @@ import uvloop
 import uvloop.loop
 
 from gtm.errors import ConfigError, Problem
+from gtm.front.affinity import AffinitySettings, load_key
 from gtm.front.app import FrontApp
 from gtm.front.client_address import TrustedProxies, parse_peer
 from gtm.front.connections import ConnectionBudget, ConnectionLimits, peer_host
@@ -139,10 +140,11 @@ class FrontServer:
         reuse_port: bool = False,
         graceful_timeout_s: float = 30.0,
         keep_alive_s: float | None = None,
+        affinity: AffinitySettings | None = None,
     ) -> None:
-        """``connection_limits``, ``tls`` and ``keep_alive_s``: the settings' when not given. A
-        TLS key or certificate that cannot be used is a :class:`ConfigError` here, before
-        anything listens."""
+        """``connection_limits``, ``tls``, ``keep_alive_s`` and ``affinity``: the settings'
+        when not given. A TLS key or certificate, or an affinity key
+        file, that cannot be used is a :class:`ConfigError` here, before anything listens."""
         settings = runtime.settings
         self.runtime = runtime
         self.host, self.port = parse_listen(listen)
@@ -152,6 +154,7 @@ class FrontServer:
         tls = tls or tls_files_of(settings)
         self.tls = TlsContexts(tls) if tls is not None else None
         self.tls_reload_interval_s = tls_reload_interval_s
+        self.affinity = affinity or affinity_of(settings)
         trusted = TrustedProxies(settings.trusted_proxies)
         # Every client behind a trusted proxy shares its address: no per-client cap for it.
         self.budget = ConnectionBudget(
@@ -193,7 +196,7 @@ class FrontServer:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         sock = self.bind()
         forwarder = Forwarder(self.proxy_limits)
-        app = self.app = FrontApp(self.runtime, forwarder)
+        app = self.app = FrontApp(self.runtime, forwarder, self.affinity)
         app.stats.connections = self.budget
         front_protocol = protocol_for(app, self.head_limits, self.budget)
         http: type[asyncio.Protocol] = front_protocol
@@ -280,6 +283,17 @@ def connection_limits_of(settings: Settings) -> ConnectionLimits:
     )
 
 
+def affinity_of(settings: Settings) -> AffinitySettings | None:
+    """Session affinity as the settings have it; None when it is off."""
+    if not settings.http_affinity:
+        return None
+    return AffinitySettings(
+        load_key(settings.http_affinity_key_file),
+        ttl_s=settings.http_affinity_ttl_s,
+        min_spare=settings.http_affinity_min_spare,
+    )
+
+
 def tls_files_of(settings: Settings) -> TlsFiles | None:
     if settings.http_tls_cert is None or settings.http_tls_key is None:
         return None
@@ -291,6 +305,7 @@ __all__ = [
     "FrontServer",
     "HeadLimits",
     "TlsFiles",
+    "affinity_of",
     "connection_limits_of",
     "parse_listen",
     "serve_front",
