@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from gtm.admin.replay import replay
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
 from gtm.cli.audit import explain_row
@@ -179,6 +180,10 @@ async def test_a_follow_up_stays_in_the_region_that_served_it(start_front: Front
         assert verdicts["us-east"]["reason"] == "residency"  # still outside the allowed set
         explained = explain_row(found[0])
         assert "session-affinity (kept for session affinity; fresh choice eu-central)" in explained
+        # A replay decides afresh (the session is not recorded), and says so.
+        replayed = replay(found[0], front.runtime.store.current, time.time())
+        assert replayed.replayed["region"] == "eu-central"
+        assert any("session region" in note for note in replayed.notes)
 
         metrics = await client.http.get("/metrics", headers={"host": "127.0.0.1"})
         assert 'gtm_front_affinity_total{outcome="kept"}' in metrics.text
