@@ -160,7 +160,9 @@ class Affinity:
         if len(value) > _MAX_COOKIE or len(parts) != 5 or parts[0] != _VERSION:
             return Session(Verdict.FORGED, None, tag, secure)
         _, region, issued, cookie_tag, mac = parts
-        if not hmac.compare_digest(mac, self._mac(value[: -len(mac) - 1], 16)):
+        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError).
+        expected = self._mac(value[: -len(mac) - 1], 16).encode("ascii")
+        if not hmac.compare_digest(mac.encode("latin-1"), expected):
             return Session(Verdict.FORGED, None, tag, secure)
         try:
             at = int(issued)
@@ -168,7 +170,7 @@ class Affinity:
             return Session(Verdict.FORGED, None, tag, secure)
         if not at <= now + _SKEW_S or now - at > self.settings.ttl_s:
             return Session(Verdict.EXPIRED, None, tag, secure)
-        if not hmac.compare_digest(cookie_tag, tag):
+        if not hmac.compare_digest(cookie_tag.encode("latin-1"), tag.encode("ascii")):
             return Session(Verdict.MISMATCH, None, tag, secure)
         return Session(Verdict.SAME, region, tag, secure)
 

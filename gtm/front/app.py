@@ -336,8 +336,12 @@ class FrontApp:
         if self.affinity is not None:
             now = self.ledger.clock()
             secure = scope.get("scheme") == "https"
-            session = self.affinity.read(scope["headers"], decision, tenant, now, secure)
-            decision, session = self.affinity.keep(decision, session, snapshot, now)
+            try:
+                session = self.affinity.read(scope["headers"], decision, tenant, now, secure)
+                decision, session = self.affinity.keep(decision, session, snapshot, now)
+            except Exception as exc:  # a bug, not input: the fresh decision serves (counted)
+                self.runtime.failures.record("front.affinity", exc, host=host)
+                session = None
         targets = proxy_targets(decision, snapshot)
         if not targets:
             await self._refuse(scope, send, snapshot, decision, host, tenant)

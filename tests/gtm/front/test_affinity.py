@@ -28,7 +28,7 @@ from gtm.cli.audit import explain_row
 from gtm.decision.model import Decision
 from gtm.decision.policy import load_policy
 from gtm.decision.routing import Channel, DecisionRequest, decide
-from gtm.decision.snapshot import HealthState, RegionHealth
+from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot
 from gtm.errors import ConfigError
 from gtm.front.affinity import COOKIE, Affinity, AffinitySettings, Session, Verdict, load_key
 from gtm.front.server import FrontServer
@@ -58,9 +58,13 @@ class Client:
     async def ask(self, **extra: str) -> httpx.Response:
         """One proxied request, with the cookie the client holds; keeps the one it is given."""
         self.http.cookies.clear()
-        headers = {"host": CHAT_EU, "x-forwarded-for": self.address, **extra}
+        headers: dict[str, str | bytes] = {
+            "host": CHAT_EU,
+            "x-forwarded-for": self.address,
+            **extra,
+        }
         if self.cookie is not None:
-            headers["cookie"] = f"theme=dark; {COOKIE}={self.cookie}"
+            headers["cookie"] = f"theme=dark; {COOKIE}={self.cookie}".encode("latin-1")
         r = await self.http.post("/v1/chat", content=b"q", headers=headers)
         assert r.status_code == 200, r.text
         given = r.headers.get("set-cookie")
@@ -269,7 +273,9 @@ def _tampered(cookie: str) -> str:
     return cookie.replace(".eu-central.", ".eu-west.")
 
 
-@pytest.mark.parametrize("kind", ["tampered", "other-key", "made-up", "garbage", "expired"])
+@pytest.mark.parametrize(
+    "kind", ["tampered", "other-key", "made-up", "garbage", "not-ascii", "expired"]
+)
 async def test_a_cookie_the_front_did_not_issue_or_that_lapsed_chooses_nothing(
     start_front: FrontFactory, kind: str
 ) -> None:
@@ -296,6 +302,8 @@ async def test_a_cookie_the_front_did_not_issue_or_that_lapsed_chooses_nothing(
                 client.cookie = issued.split(";")[0].split("=", 1)[1]
             elif kind == "made-up":
                 client.cookie = f"1.eu-west.{int(time.time())}.AAAAAAAAAAA.{'B' * 22}"
+            elif kind == "not-ascii":
+                client.cookie = f"1.eu-west.{int(time.time())}.AAAAAAAAAAA.{chr(0xE9) * 22}"
             else:
                 client.cookie = "eu-west"
         r = await client.ask()
@@ -309,6 +317,10 @@ async def test_a_cookie_the_front_did_not_issue_or_that_lapsed_chooses_nothing(
 def _decision(front: Front) -> Decision:
     """A fresh decision for the Frankfurt client on chat-eu (the binding a cookie is tagged
     with)."""
+    return _decide(front.runtime.store.current)
+
+
+def _decide(snapshot: Snapshot) -> Decision:
     request = DecisionRequest(
         Channel.HTTP,
         ip_address(FRANKFURT),
@@ -317,7 +329,7 @@ def _decision(front: Front) -> Decision:
         None,
         frozenset({"eu-personal"}),
     )
-    return decide(request, front.runtime.store.current, time.time())
+    return decide(request, snapshot, time.time())
 
 
 async def test_a_genuine_cookie_from_another_client_place_is_not_honoured(
@@ -407,3 +419,36 @@ async def test_dns_answers_are_unaffected(start_front: FrontFactory) -> None:
             await server.stop()
         addresses = {str(rr) for rrset in answer.answer for rr in rrset}
         assert addresses == set(front.runtime.store.current.regions["eu-central"].ipv4)
+
+
+async def test_redirects_are_unaffected(start_front: FrontFactory) -> None:
+    """A redirected client talks to its region itself after the first request: no cookie is
+    issued or read for a redirect-mode service."""
+    async with start_front() as front:
+        outsider = Affinity(SETTINGS)
+        session = Session(Verdict.NEW, None, outsider.tag(_decision(front), None), False)
+        cookie = outsider.issue("eu-west", session, time.time()).decode().split(";")[0]
+        async with httpx.AsyncClient(base_url=front.url, trust_env=False) as http:
+            r = await http.get(
+                "/v1/models",
+                headers={"host": CHAT_EU, "x-forwarded-for": FRANKFURT, "cookie": cookie},
+            )
+        assert r.status_code == 307
+        assert r.headers["x-gtm-region"] == "eu-central"
+        assert "set-cookie" not in r.headers
+        assert front.app.affinity is not None
+        assert not front.app.affinity.counts
+
+
+def test_the_cookie_is_secure_over_tls_and_found_among_others(snapshot: Snapshot) -> None:
+    affinity = Affinity(SETTINGS)
+    decision = _decide(snapshot)
+    session = Session(Verdict.NEW, None, affinity.tag(decision, None), True)
+    issued = affinity.issue("eu-west", session, 1000.0).decode()
+    assert issued.endswith("; SameSite=Lax; Secure")
+    value = issued.split(";")[0].split("=", 1)[1]
+    headers = [(b"cookie", b"a=1"), (b"cookie", f"b=2; {COOKIE}={value}; c=3".encode())]
+    read = affinity.read(headers, decision, None, 1000.0, True)
+    assert (read.verdict, read.region) == (Verdict.SAME, "eu-west")
+    # Another tenant's request: the same cookie is genuine but not its own.
+    assert affinity.read(headers, decision, "acme", 1000.0, True).verdict is Verdict.MISMATCH
