@@ -58,13 +58,14 @@ class Client:
     async def ask(self, **extra: str) -> httpx.Response:
         """One proxied request, with the cookie the client holds; keeps the one it is given."""
         self.http.cookies.clear()
-        headers: dict[str, str | bytes] = {
-            "host": CHAT_EU,
-            "x-forwarded-for": self.address,
-            **extra,
-        }
+        headers = [
+            (b"host", CHAT_EU.encode()),
+            (b"x-forwarded-for", self.address.encode()),
+            *((k.encode(), v.encode()) for k, v in extra.items()),
+        ]
         if self.cookie is not None:
-            headers["cookie"] = f"theme=dark; {COOKIE}={self.cookie}".encode("latin-1")
+            # As bytes: a test sends cookies with bytes no client library would.
+            headers.append((b"cookie", f"theme=dark; {COOKIE}={self.cookie}".encode("latin-1")))
         r = await self.http.post("/v1/chat", content=b"q", headers=headers)
         assert r.status_code == 200, r.text
         given = r.headers.get("set-cookie")
