@@ -105,10 +105,7 @@ class Client:
 
 
 def set_health(front: Front, **states: HealthState) -> None:
-    """Region health as the test says. No probes run and no other node observes; the fleet
-    sync's composition (every half second: every region "unknown") would put its own view back,
-    so the test takes its place."""
-    front.runtime.sync.on_compose = lambda composed: None
+    """Region health as the test says (no probes run; conftest.start_front)."""
     now = time.time()
     front.runtime.swap(
         health={r.replace("_", "-"): RegionHealth(s, now) for r, s in states.items()}
