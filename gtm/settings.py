@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # cookie keeps a client's requests in the region that served it (its KV cache holds the
     # conversation) while that region stays allowed by the policy in force, healthy, and proves
     # headroom: a fresh capacity report with at least this share of capacity spare. The cookie
-    # lapses after the TTL without a request (each response renews it). Its HMAC key is derived
+    # lapses after the TTL without a request (each response renews it). Its MAC key is derived
     # from the key file (mode 0600, 32+ random bytes, the same on every node and worker behind
     # one name); unset: a key per process, so only the process that issued a cookie honours it.
     http_affinity: bool = True
