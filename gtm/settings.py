@@ -145,6 +145,17 @@ class Settings(BaseSettings):
     # neither; reloaded when either file changes (gtm.front.tls).
     http_tls_cert: Path | None = None
     http_tls_key: Path | None = None
+    # HTTP front, proxy mode: session affinity (gtm.front.affinity). A signed gtm_affinity
+    # cookie keeps a client's requests in the region that served it (its KV cache holds the
+    # conversation) while that region stays allowed by the policy in force, healthy, and proves
+    # headroom: a fresh capacity report with at least this share of capacity spare. The cookie
+    # lapses after the TTL without a request (each response renews it). Its MAC key is derived
+    # from the key file (mode 0600, 32+ random bytes, the same on every node and worker behind
+    # one name); unset: a key per process, so only the process that issued a cookie honours it.
+    http_affinity: bool = True
+    http_affinity_key_file: Path | None = None
+    http_affinity_ttl_s: float = Field(default=1800.0, gt=0)
+    http_affinity_min_spare: float = Field(default=0.2, ge=0, le=1)
     # Region probing (each region's probe_url) and capacity reports.
     probes: bool = True
     probe_interval_s: float = Field(default=1.0, gt=0)

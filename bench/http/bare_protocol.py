@@ -1,7 +1,7 @@
 """Diagnostic only: the ceiling of the front's own serving path, a fixed 307 answered in the
 HTTP protocol as soon as the request head is parsed, with no ASGI request cycle.
 
-The front answers its cached redirects this way (:mod:`gtm.front.server`), so beside it
+The front answers its cached redirects this way (:mod:`gtm.front.protocol`), so beside it
 ``bare_asgi.py`` is no longer a ceiling: this is. The gap between this and ``gtm`` is what a
 decision, its answer cache and audit counting cost; uvicorn (uvloop, httptools) serves both.
 

@@ -60,6 +60,11 @@ def replay(row: dict[str, Any], snapshot: Snapshot, now: float) -> Replayed:
         notes.append(
             "residency was judged on the resolver's address too, not recorded: approximate"
         )
+    if any(c["reason"] == Reason.SESSION_AFFINITY.value for c in row["candidates"]):
+        # gtm.front.affinity: the session (its cookie) is not an input the row records.
+        notes.append(
+            "kept in the client's session region over the fresh choice, which the replay shows"
+        )
     if snapshot.geo.build != row["geoip_build"]:
         notes.append(
             f"GeoIP {snapshot.geo.build} replays a decision made with {row['geoip_build']}"

@@ -58,6 +58,9 @@ class Reason(StrEnum):
     READMITTING = "readmitting"  # back from an outage, this client not re-admitted yet
     READMIT_HOLD = "readmit-hold"  # keeps the client while its best region is re-admitted
     FENCED = "fenced"  # this node is cut off from the fleet: restricted traffic fails closed
+    # Kept in the region that served the client's session (HTTP proxy mode, gtm.front.affinity),
+    # chosen among the regions this decision left allowed and healthy.
+    SESSION_AFFINITY = "session-affinity"
 
 
 class Basis(StrEnum):

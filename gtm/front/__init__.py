@@ -8,7 +8,9 @@ For a request to a configured service host the front decides with the real clien
   original path and query, ``Cache-Control: no-store``, ``X-GTM-Region`` and
   ``X-GTM-Decision-Id``;
 - proxy mode: the request forwarded to the chosen region and its answer streamed back, with one
-  retry inside the allowed set before the first byte (:mod:`gtm.front.proxy`);
+  retry inside the allowed set before the first byte (:mod:`gtm.front.proxy`); a client's
+  session stays in the region that served it while that region is allowed, healthy and has
+  headroom (:mod:`gtm.front.affinity`);
 - ``451`` when the request's classes are allowed in no region, ``503`` with ``Retry-After``
   when every allowed region is unavailable: never an answer from outside the allowed set;
 - ``404`` for an unknown host and a clear ``4xx`` for bad input (``400`` malformed headers,
@@ -19,7 +21,8 @@ Every one of those responses is counted in the audit store, and the decision id 
 back to its row (``gtm audit show ID``; :mod:`gtm.audit.decision_id`). ``gtm serve --http``
 runs the front, alone or beside the DNS responder.
 
-``server``          uvicorn in the caller's loop; cached redirects answered in the protocol
+``server``          uvicorn in the caller's loop, and the TLS gate in front of the protocol
+``protocol``        the HTTP protocol: bounded heads, deadlines, cached redirects answered in it
 ``connections``     the connection caps (total, per client) and the request-head deadline
 ``tls``             TLS from certificate and key files (the key 0600), reloaded on change
 ``app``             ``FrontApp``: the units put together, and the general path (decide, redirect,
@@ -30,6 +33,7 @@ runs the front, alone or beside the DNS responder.
 ``client_address``  the client behind trusted proxies
 ``signals``         residency classes and tenant of a request
 ``proxy``           proxy mode: forwarding with one retry inside the allowed set
+``affinity``        proxy mode: a session kept in the region that served it (signed cookie)
 ``intake``          ``POST /v1/capacity``: signed capacity reports from regional balancers
 ``ops``             ``/livez``, ``/readyz``, ``/metrics``
 ``respond``, ``metrics``: JSON responses and the front's Prometheus counters

@@ -30,6 +30,7 @@ from gtm.decision.model import Decision, IPAddress, Outcome, Status
 from gtm.decision.routing import Channel, DecisionRequest, decide
 from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
+from gtm.front.affinity import Affinity, AffinitySettings, Session
 from gtm.front.answers import ALLOWED_METHODS, UNSPECIFIED, AnswerCache
 from gtm.front.client_address import ForwardingError, TrustedProxies, client_address, parse_peer
 from gtm.front.headers import HostIndex, scan
@@ -37,7 +38,15 @@ from gtm.front.intake import CAPACITY_PATH, CapacityEndpoint
 from gtm.front.ledger import Ledger
 from gtm.front.metrics import FrontStats
 from gtm.front.ops import OPS_PATHS, OpsEndpoints
-from gtm.front.proxy import BodyTimedOut, BodyTooLarge, ClientGone, Forwarder, Target, read_body
+from gtm.front.proxy import (
+    BodyTimedOut,
+    BodyTooLarge,
+    ClientGone,
+    Forwarder,
+    RegionHeaders,
+    Target,
+    read_body,
+)
 from gtm.front.respond import NO_STORE, Receive, Scope, Send, send_json
 from gtm.front.signals import SignalError, signals_of
 from gtm.runtime import Runtime
@@ -65,7 +74,14 @@ class FrontApp:
     """One front: the answer cache, the general path, the intake and the ops endpoints, with
     one ledger counting every response to traffic."""
 
-    def __init__(self, runtime: Runtime, forwarder: Forwarder | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        forwarder: Forwarder | None = None,
+        affinity: AffinitySettings | None = None,
+    ) -> None:
+        """``affinity``: keep proxied sessions in their region (:mod:`gtm.front.affinity`);
+        None: every request is decided afresh."""
         self.runtime = runtime
         self.store = runtime.store
         self.forwarder = forwarder
@@ -77,6 +93,10 @@ class FrontApp:
             self.store, self.ledger, self.hosts, self.trusted, proxying=forwarder is not None
         )
         self.ops = OpsEndpoints(self.store, self.stats)
+        self.affinity = (
+            Affinity(affinity) if affinity is not None and forwarder is not None else None
+        )
+        self.stats.affinity = self.affinity
         self.capacity = CapacityEndpoint(runtime)
         self.ops_allow = runtime.settings.ops_allow
         # Proxied exchanges are traced while tracing is on (gtm.tracing); redirects never are.
@@ -312,6 +332,16 @@ class FrontApp:
         tenant: str | None,
     ) -> None:
         assert self.forwarder is not None
+        session = None
+        if self.affinity is not None:
+            now = self.ledger.clock()
+            secure = scope.get("scheme") == "https"
+            try:
+                session = self.affinity.read(scope["headers"], decision, tenant, now, secure)
+                decision, session = self.affinity.keep(decision, session, snapshot, now)
+            except Exception as exc:  # a bug, not input: the fresh decision serves (counted)
+                self.runtime.failures.record("front.affinity", exc, host=host)
+                session = None
         targets = proxy_targets(decision, snapshot)
         if not targets:
             await self._refuse(scope, send, snapshot, decision, host, tenant)
@@ -320,7 +350,7 @@ class FrontApp:
         # Counted at the decision's time, however long the exchange takes: the id names it.
         at = self.ledger.clock()
         decision_id = self.ledger.decision_id(decision, host, at)
-        exchange = _Exchange(decision, targets, client, host, tenant, at, decision_id)
+        exchange = _Exchange(decision, targets, client, host, tenant, at, decision_id, session)
         if self.tracer is None:
             await self._exchange(scope, receive, send, exchange, None)
             return
@@ -340,6 +370,8 @@ class FrontApp:
         )
         if decision.region is not None:  # none when failing static: every allowed region
             span.set_attribute("gtm.region", decision.region)
+        if session is not None:
+            span.set_attribute("gtm.affinity", session.verdict.value)
         try:
             status, served = await self._exchange(scope, receive, send, exchange, span)
             span.set_attribute("http.response.status_code", status)
@@ -398,6 +430,11 @@ class FrontApp:
             (b"x-gtm-residency", ",".join(decision.residency_classes).encode()),
         ]
         result = None
+        session = exchange.session
+        cookie: RegionHeaders | None = None
+        if session is not None and self.affinity is not None:
+            cookie = _cookie_for(self.affinity, session, at)
+
         try:
             result = await self.forwarder.forward(
                 scope,
@@ -408,6 +445,7 @@ class FrontApp:
                 upstream_headers=upstream_headers,
                 response_headers=[(b"x-gtm-decision-id", decision_id)],
                 span=span,
+                region_headers=cookie,
             )
         finally:
             # Counted however the exchange ended, cancellation included (rule 2).
@@ -422,8 +460,11 @@ class FrontApp:
                 response = str(result.status)
                 if result.aborted:
                     response += " aborted"
-                if result.note:
-                    response += f" ({result.note})"
+                notes = [result.note] if result.note else []
+                if session is not None and session.note():
+                    notes.append(session.note())
+                if notes:
+                    response += f" ({'; '.join(notes)})"
                 self.ledger.count(
                     served, host, tenant, method, result.status, result.base_url, response, at=at
                 )
@@ -441,6 +482,18 @@ class _Exchange(NamedTuple):
     tenant: str | None
     at: float  # the decision's time: the response is counted at it, and its id names it
     decision_id: bytes
+    session: Session | None  # the request's affinity session, when affinity is on
+
+
+def _cookie_for(affinity: Affinity, session: Session, at: float) -> RegionHeaders:
+    def cookie(region: str, status: int) -> list[tuple[bytes, bytes]]:
+        # The session follows the region that answered (the retry's, if it came to that);
+        # an error from it is no reason to come back.
+        if status >= 500:
+            return []
+        return [(b"set-cookie", affinity.issue(region, session, at))]
+
+    return cookie
 
 
 def proxy_targets(decision: Decision, snapshot: Snapshot) -> list[Target]:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import REGISTRY, Collector
 
 if TYPE_CHECKING:
+    from gtm.front.affinity import Affinity
     from gtm.front.connections import ConnectionBudget
     from gtm.front.tls import TlsContexts
 
@@ -30,6 +31,7 @@ class FrontStats:
         # Set by the server that serves the app (gtm.front.server).
         self.connections: ConnectionBudget | None = None
         self.tls: TlsContexts | None = None
+        self.affinity: Affinity | None = None  # set by the app when proxied sessions are kept
         _LIVE.add(self)
 
     def count(self, status: int) -> None:
@@ -64,6 +66,26 @@ class _FrontCollector(Collector):
         yield ops
         yield decided
         yield from _connection_metrics(list(_LIVE))
+        yield _affinity_metric(list(_LIVE))
+
+
+def _affinity_metric(live: list[FrontStats]) -> Metric:
+    family = CounterMetricFamily(
+        "gtm_front_affinity",
+        "Proxied requests by what became of their session (label outcome): new (no cookie), "
+        "same (its region was the fresh choice), kept (kept in its region over the fresh "
+        "choice), moved for no_headroom, unhealthy or disallowed, or its cookie ignored as "
+        "forged, expired or mismatch (issued for another service, class, tenant or country)",
+        labels=["outcome"],
+    )
+    totals: dict[str, int] = {}
+    for stats in live:
+        if stats.affinity is not None:
+            for verdict, n in stats.affinity.counts.items():
+                totals[verdict.value] = totals.get(verdict.value, 0) + n
+    for label, n in sorted(totals.items()):
+        family.add_metric([label], n)
+    return family
 
 
 def _connection_metrics(live: list[FrontStats]) -> Iterator[Metric]:

@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
+RegionHeaders = Callable[[str, int], list[tuple[bytes, bytes]]]
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) are for one connection, never forwarded; host and
 # content-length are set again for the upstream request; forwarding headers are rebuilt from
@@ -198,10 +199,12 @@ class Forwarder:
         upstream_headers: list[tuple[bytes, bytes]],
         response_headers: list[tuple[bytes, bytes]],
         span: Span | None = None,
+        region_headers: RegionHeaders | None = None,
     ) -> ProxyResult:
         """Forward to ``targets[0]``, retrying ``targets[1]`` once before the first byte.
         ``span``: the request's span while tracing; each attempt is a child of it, and the
-        region continues the attempt's trace context."""
+        region continues the attempt's trace context. ``region_headers``: more headers for the
+        client, given the region whose answer it gets and that answer's status."""
         self.budget.deposit()
         method = scope["method"]
         path = scope["raw_path"] or scope["path"].encode()
@@ -262,9 +265,10 @@ class Forwarder:
                     notes.append(f"{target.region}: {response.status_code}")
                     await response.aclose()
                     continue
-                result = await self._stream(
-                    receive, send, response, target, response_headers, notes
-                )
+                extra = response_headers
+                if region_headers is not None:
+                    extra = [*extra, *region_headers(target.region, response.status_code)]
+                result = await self._stream(receive, send, response, target, extra, notes)
                 if result.aborted:
                     _failed(hop, result.note)
                 return result

@@ -15,6 +15,7 @@ import yaml
 
 from gtm.audit import query
 from gtm.audit.database import make_async_engine
+from gtm.front.affinity import AffinitySettings
 from gtm.front.app import FrontApp
 from gtm.front.connections import ConnectionLimits
 from gtm.front.proxy import ProxyLimits
@@ -77,6 +78,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         connection_limits: ConnectionLimits | None = None,
         tls: TlsFiles | None = None,
         tls_reload_interval_s: float = 2.0,
+        affinity: AffinitySettings | None = None,
     ) -> AsyncIterator[Front]:
         config = DEMO
         if topology is not None:
@@ -96,6 +98,10 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
         )
         runtime = Runtime(settings)
         await runtime.start()
+        # Health comes from the tests (runtime.swap). The fleet sync's composition (no probes,
+        # no peers: every region "unknown", every half second) would put its own view back
+        # over a test's, at a moment the test does not choose.
+        runtime.sync.on_compose = lambda composed: None
         server = FrontServer(
             runtime,
             "127.0.0.1:0",
@@ -106,6 +112,7 @@ def start_front(tmp_path: Path, geoip_path: Path) -> FrontFactory:
             connection_limits=connection_limits,
             tls=tls,
             tls_reload_interval_s=tls_reload_interval_s,
+            affinity=affinity,
         )
         server.bind()
         stop, ready = asyncio.Event(), asyncio.Event()
