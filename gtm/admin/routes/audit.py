@@ -30,11 +30,11 @@ from gtm.audit.status import ChainStatus, Held, SinkIndex, evidence_status
 from gtm.audit.watch import VerificationWatch
 from gtm.control.log import LogRefused
 from gtm.control.state import ControlState
+from gtm.decision.bundle import parse_documents
 from gtm.decision.snapshot import Snapshot
 from gtm.errors import ConfigError, Problem
 from gtm.report.compliance import compliance_report
 from gtm.report.html import render
-from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
 
