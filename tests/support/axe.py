@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from tempfile import gettempdir
 
 import pytest
 
@@ -36,8 +37,8 @@ def _unavailable(reason: str) -> None:
 def axe_script(pytestconfig: pytest.Config) -> Path:
     """The path of ``axe.min.js``."""
     cache = pytestconfig.cache
-    assert cache is not None
-    prefix = cache.mkdir("axe-core")
+    # pytest's cache (.pytest_cache/d/axe-core); with the cache plugin off, the temp directory.
+    prefix = cache.mkdir("axe-core") if cache is not None else Path(gettempdir()) / "gtm-axe-core"
     script = prefix / "node_modules" / "axe-core" / "axe.min.js"
     if script.exists():
         return script
