@@ -190,6 +190,9 @@ async def test_impact_rollout_and_evidence_read_as_words(start_admin: AdminFacto
             for raw in ("newly_refused", "left_jurisdiction", "newly_answered", " -> "):
                 assert raw not in section.replace('class="left-jurisdiction"', ""), raw
             assert "→" in section
+            # Region ids and residency classes are names, shown as they are written.
+            assert "<td>eu-west</td><td>us-west</td>" in section, section
+            assert "<td>eu-personal</td>" in section and "eu personal" not in section
             version = (await client.get(page_url)).text
             version_id = re.search(r'name="version" value="([0-9a-f]+)"', version)
             assert version_id
