@@ -38,8 +38,9 @@ from gtm.audit.database import make_async_engine  # noqa: E402
 from gtm.audit.record import record_of  # noqa: E402
 from gtm.audit.spool import Spool  # noqa: E402
 from gtm.audit.writer import AuditWriter  # noqa: E402
+from gtm.decision.bundle import parse_documents  # noqa: E402
 from gtm.decision.routing import Channel, DecisionRequest, decide  # noqa: E402
-from gtm.runtime import build_snapshot, parse_documents  # noqa: E402
+from gtm.runtime import build_snapshot  # noqa: E402
 from gtm.settings import Settings  # noqa: E402
 
 NAMES = {"chat": "chat.gtm.example.", "chat-eu": "chat.eu.gtm.example."}

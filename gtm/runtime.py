@@ -13,7 +13,6 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -31,13 +30,12 @@ from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter, queued_rows
 from gtm.control.log import ControlLog
 from gtm.decision import memos
-from gtm.decision.documents import parse_yaml
+from gtm.decision.bundle import Documents, load_documents, parse_documents
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
 from gtm.decision.memos import MemoLimits
-from gtm.decision.policy import PolicySet, load_policy, parse_policies
 from gtm.decision.routing import spill_share
 from gtm.decision.snapshot import HealthState, RegionHealth, Snapshot, SnapshotStore, next_capacity
-from gtm.decision.topology import Topology, load_topology, parse_topology
+from gtm.decision.topology import Topology
 from gtm.errors import ConfigError
 from gtm.failures import Failures
 from gtm.fleet import roster, shared_state
@@ -60,28 +58,6 @@ from gtm.settings import Settings
 from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Documents:
-    topology: Topology
-    policy: PolicySet
-
-
-def load_documents(config: Path, policies: tuple[Path, ...]) -> Documents:
-    """Topology and policy, validated together; :class:`ConfigError` with every problem."""
-    topology = load_topology(config)
-    return Documents(topology, load_policy(policies, topology))
-
-
-def parse_documents(topology_text: str, policies: Mapping[str, str], source: str) -> Documents:
-    """A topology and its policies given as text, validated like files; :class:`ConfigError`
-    with every problem, each named by ``source`` and its file."""
-    topology = parse_topology(parse_yaml(topology_text, f"{source}: topology"), source)
-    policy = parse_policies(
-        [(f"{source}: {name}", text) for name, text in sorted(policies.items())], topology
-    )
-    return Documents(topology, policy)
 
 
 def documents_from_published(published: Published) -> Documents:

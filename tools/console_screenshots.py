@@ -1,10 +1,11 @@
 """Take the README's console screenshots from a running ``make demo`` (run by hand).
 
 Usage: ``python tools/console_screenshots.py http://127.0.0.1:8081 var/demo-tokens docs/img``
-(the console URL and tokens file the demo printed). Signs in as demo-operator for the fleet map,
-as demo-approver for the waiting proposal with its impact and the acknowledgement its activation
-asks for (it approves the proposal: take them from a demo you can throw away), and as
-demo-auditor for the compliance report's class x jurisdiction table; needs Debian's chromium.
+(the console URL and tokens file the demo printed). Signs in as demo-operator for the fleet map
+(the map alone), as demo-approver for the waiting proposal with its impact and the
+acknowledgement its activation asks for (it approves the proposal: take them from a demo you can
+throw away), and as demo-auditor for the compliance report's class x jurisdiction table; needs
+Debian's chromium.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ async def main(url: str, tokens: dict[str, str], out: Path) -> None:
         page = await (await browser.new_context(viewport=viewport)).new_page()  # type: ignore[arg-type]
         await sign_in(page, url, tokens["demo-operator"])
         await page.wait_for_selector("#live[data-updated]")
-        await page.wait_for_timeout(1500)
-        await page.screenshot(path=str(out / "console-fleet.png"))
+        await page.wait_for_selector("#map .flow .arrow")
+        # The map alone (flows with their arrows and widths, the placed labels): the page
+        # refreshes it every second, so it is taken from a copy that stays put (the page's
+        # script keeps refreshing the original, now out of the document).
+        await page.evaluate(
+            "document.getElementById('live').replaceWith(document.getElementById('live')"
+            ".cloneNode(true))"
+        )
+        await page.locator("figure.map").screenshot(path=str(out / "console-fleet.png"))
 
         page = await (await browser.new_context(viewport=viewport)).new_page()  # type: ignore[arg-type]
         await sign_in(page, url, tokens["demo-approver"])

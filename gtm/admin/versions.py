@@ -19,9 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from gtm.admin.errors import Invalid, NotFound, Tampered
 from gtm.audit.schema import document_versions
 from gtm.control.log import ControlLog
+from gtm.decision.bundle import parse_documents
 from gtm.errors import ConfigError
 from gtm.fleet.signed_documents import content_digest
-from gtm.runtime import parse_documents
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,8 +236,8 @@ def proposal_create(
 ) -> None:
     """Draft the topology and policy files as a new version (validated here and again by the
     admin service), and propose it for approval."""
+    from gtm.decision.bundle import load_documents
     from gtm.decision.policy import policy_files
-    from gtm.runtime import load_documents
 
     settings = cli_settings(config=config, policies=policies)
     try:

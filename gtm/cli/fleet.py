@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 import httpx
 import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm.audit import migrate
 from gtm.audit.database import make_async_engine
 from gtm.cli.admin_client import call
 from gtm.cli.common import DbOpt, cli_settings, fail, run_async
+from gtm.decision.bundle import load_documents, parse_documents
 from gtm.decision.topology import Topology
 from gtm.errors import ConfigError, GTMError
 from gtm.fleet import operator, roster, shared_state
@@ -28,7 +30,6 @@ from gtm.fleet.observation_seal import NodeKey, ObservationGate, membership
 from gtm.fleet.region_state import RegionBook, RegionEvent
 from gtm.fleet.signed_documents import load_public_keys
 from gtm.fleet.state_sync import fence_slack_s
-from gtm.runtime import load_documents, parse_documents
 from gtm.settings import Settings
 
 region_app = typer.Typer(help="Region state and operator controls.", no_args_is_help=True)
@@ -42,6 +43,21 @@ OverrideOpt = Annotated[
 ForOpt = Annotated[
     str | None, typer.Option("--for", help="lapse after this long: 90s, 15m, 2h, 1d")
 ]
+T = TypeVar("T")
+
+
+def read_shared(settings: Settings, main: Callable[[], Awaitable[T]]) -> T:
+    """``main``'s reads of the shared database. A fresh database reads as empty, not as an
+    error: when its schema is missing (or behind) the read fails, the migrations run and it is
+    read again. Only then are they imported: alembic costs a third of a second to load, more
+    than a read of a current database takes."""
+    try:
+        return run_async(main)
+    except DBAPIError:
+        from gtm.audit import migrate
+
+        migrate.upgrade(settings.database_url)
+        return run_async(main)
 
 
 async def _topology(engine: AsyncEngine, settings: Settings) -> Topology:
@@ -128,7 +144,6 @@ def region_status(
     """Each region's state recounted from the fleet's observations, every node's view, the
     overrides, and the state each live node reports it answers with."""
     settings = cli_settings(database_url=database_url)
-    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
 
     async def main() -> tuple[list[dict[str, Any]], list[roster.Entry]]:
         engine = make_async_engine(settings.database_url)
@@ -195,7 +210,7 @@ def region_status(
         return rows, entries
 
     try:
-        rows, entries = run_async(main)
+        rows, entries = read_shared(settings, main)
     except ConfigError as exc:
         raise fail(exc) from exc
     utilisation, why_not = _utilisation(settings)
@@ -251,7 +266,6 @@ def region_events(
 ) -> None:
     """Region state changes and operator actions, newest first."""
     settings = cli_settings(database_url=database_url)
-    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
 
     async def main() -> list[RegionEvent]:
         engine = make_async_engine(settings.database_url)
@@ -260,7 +274,7 @@ def region_events(
         finally:
             await engine.dispose()
 
-    for e in run_async(main):
+    for e in read_shared(settings, main):
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.at))
         change = f"{e.previous} -> {e.state}" if e.state else ""
         who = f" by {e.actor}: {e.reason}" if e.actor else ""
@@ -271,7 +285,6 @@ def region_events(
 def config_show(database_url: DbOpt = None) -> None:
     """The documents in force on the fleet (the newest published)."""
     settings = cli_settings(database_url=database_url)
-    migrate.upgrade(settings.database_url)  # a fresh database reads as empty, not as an error
 
     async def main() -> shared_state.Published | None:
         engine = make_async_engine(settings.database_url)
@@ -281,7 +294,7 @@ def config_show(database_url: DbOpt = None) -> None:
         finally:
             await engine.dispose()
 
-    published = run_async(main)
+    published = read_shared(settings, main)
     if published is None:
         typer.echo("nothing published: nodes use their configured files")
         return

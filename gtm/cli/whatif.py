@@ -30,13 +30,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from gtm.audit.database import make_async_engine
+from gtm.decision.bundle import Documents, load_documents, parse_documents
 from gtm.decision.documents import read_yaml, validate_document
 from gtm.decision.geoip import GeoDatabase, memo_entries
 from gtm.decision.snapshot import HealthState, RegionCapacity, RegionHealth, Snapshot, next_capacity
 from gtm.errors import ConfigError, Problem
 from gtm.fleet.local_documents import InForce, read_accepted, read_in_force
 from gtm.fleet.signed_documents import Untrusted, load_public_keys
-from gtm.runtime import Documents, geoip_path, load_documents, parse_documents
+from gtm.runtime import geoip_path
 from gtm.settings import Settings
 
 # The deadline of the one database read explain makes (DESIGN.md rule 10).

@@ -100,7 +100,8 @@ class Fleet:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        # Twelve processes start at once: on a busy two-core machine that takes a minute.
         deadline = time.monotonic() + timeout_s
         pending = dict(self.balancers)
         while pending:

@@ -4,7 +4,7 @@ answers from client countries to regions, the regions' table, and the operators'
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -12,7 +12,19 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from gtm.admin.console.web import Posted, SignedIn, View
-from gtm.admin.console.worldmap import HEIGHT, VIEW_BOX, WIDTH, country_points, project, stroke
+from gtm.admin.console.worldmap import (
+    DOT_R,
+    HEIGHT,
+    VIEW_BOX,
+    WIDTH,
+    FlowShape,
+    Label,
+    country_points,
+    flow_shape,
+    place_labels,
+    project,
+    stroke,
+)
 
 router = APIRouter(prefix="/console")
 
@@ -35,6 +47,7 @@ class RegionDot:
     y: float
     state: str  # what the map colours: up, down, draining, readmitting, spilling, unknown
     row: Mapping[str, Any]
+    label: Label | None = None
 
 
 @dataclass(frozen=True)
@@ -44,9 +57,9 @@ class FlowLine:
     per_s: float
     x1: float
     y1: float
-    x2: float
-    y2: float
+    share: float  # of every answer on the map
     width: float
+    shape: FlowShape | None = None  # None: answered with no region (drawn as a ring)
 
 
 def shown_state(row: Mapping[str, Any]) -> str:
@@ -74,7 +87,10 @@ def fleet_model(
         dots[row["region"]] = RegionDot(
             row["region"], row["name"], row["jurisdiction"], x, y, shown_state(row), row
         )
+    labels = place_labels([(d.id, d.x, d.y) for d in dots.values()])
+    dots = {r: replace(d, label=labels[r]) for r, d in dots.items()}
     points = country_points()
+    total = sum(float(f["per_s"]) for f in flows) or 1.0
     lines, refused, unplaced = [], [], 0.0
     for flow in flows:
         per_s = float(flow["per_s"])
@@ -82,14 +98,18 @@ def fleet_model(
         if start is None:
             unplaced += per_s
             continue
+        share = per_s / total
         dot = dots.get(flow.get("region") or "")
         if dot is None:
-            refused.append(FlowLine(flow["country"], None, per_s, *start, *start, stroke(per_s)))
+            refused.append(FlowLine(flow["country"], None, per_s, *start, share, stroke(share)))
             continue
-        lines.append(FlowLine(flow["country"], dot.id, per_s, *start, dot.x, dot.y, stroke(per_s)))
+        width = stroke(share)
+        shape = flow_shape(start, (dot.x, dot.y), width)
+        lines.append(FlowLine(flow["country"], dot.id, per_s, *start, share, width, shape))
     return {
         "width": WIDTH,
         "height": HEIGHT,
+        "dot_r": DOT_R,
         "view_box": VIEW_BOX,
         "dots": list(dots.values()),
         "lines": sorted(lines, key=lambda f: -f.per_s),

@@ -73,6 +73,14 @@ def _label(key: object) -> str:
     return LABELS.get(text, text.replace("_", " ").replace("-", " "))
 
 
+def _term(key: object) -> str:
+    """A key that is either one of the API's words (an outcome: ``fail_closed``) or a name
+    someone chose (a region ``eu-west``, a class ``eu-personal``): the word as a person reads
+    it, the name as it is written."""
+    text = str(key)
+    return LABELS.get(text, text)
+
+
 def _move(key: object) -> str:
     """``eu-west -> us-east`` (the API's key for a move) as ``eu-west → us-east``."""
     return str(key).replace(" -> ", " → ")
@@ -88,6 +96,7 @@ templates.filters["when"] = _when
 templates.filters["percent"] = _percent
 templates.filters["label"] = _label
 templates.filters["move"] = _move
+templates.filters["term"] = _term
 templates.filters["urlpart"] = lambda s: quote(str(s), safe="")
 
 

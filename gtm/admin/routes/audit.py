@@ -30,11 +30,11 @@ from gtm.audit.status import ChainStatus, Held, SinkIndex, evidence_status
 from gtm.audit.watch import VerificationWatch
 from gtm.control.log import LogRefused
 from gtm.control.state import ControlState
+from gtm.decision.bundle import parse_documents
 from gtm.decision.snapshot import Snapshot
 from gtm.errors import ConfigError, Problem
 from gtm.report.compliance import compliance_report
 from gtm.report.html import render
-from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
 
@@ -217,6 +217,16 @@ async def _snapshot_for(ctx: Any, row: dict[str, Any]) -> Snapshot | None:
             candidate = current.evolve(ctx.clock(), topology=docs.topology, policy=docs.policy)
             if versions_match(candidate, row):
                 return candidate
+    # Answered from the node's own files before any version was activated: no stored version
+    # holds them, but this node still has them.
+    if ctx.files is not None:
+        try:
+            docs = parse_documents(ctx.files[0], ctx.files[1], "this node's files")
+        except ConfigError:
+            return None
+        candidate = current.evolve(ctx.clock(), topology=docs.topology, policy=docs.policy)
+        if versions_match(candidate, row):
+            return candidate
     return None
 
 

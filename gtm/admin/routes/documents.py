@@ -23,9 +23,9 @@ from gtm.admin.principals import Principal
 from gtm.admin.routes.regions import fleet_roster
 from gtm.audit import query
 from gtm.control.state import APPROVED
+from gtm.decision.bundle import parse_documents
 from gtm.errors import ConfigError
 from gtm.fleet import roster
-from gtm.runtime import parse_documents
 
 router = APIRouter(prefix="/v1")
 

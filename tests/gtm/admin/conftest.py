@@ -24,6 +24,7 @@ from gtm.control.log import ControlLog
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES, ROOT
+from tests.support.axe import axe_script  # noqa: F401 (the walkthrough's fixture)
 from tests.support.browser import browser  # noqa: F401 (the console tests' fixture)
 
 

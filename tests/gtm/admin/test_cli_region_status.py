@@ -17,19 +17,26 @@ async def test_region_status_has_a_header_and_each_regions_utilisation(
     start_admin: AdminFactory,
 ) -> None:
     async with start_admin() as admin:
-        report = CapacityReport.model_validate(
-            {
-                "region": "eu-west",
-                "seq": 1,
-                "ts": time.time(),
-                "instances_healthy": 2,
-                "instances_total": 2,
-                "capacity": 100.0,
-                "outstanding": 42.0,
-                "utilisation": 0.42,
-            }
-        )
-        admin.runtime.apply_report(report)
+
+        def report(seq: int) -> None:
+            """A fresh report from eu-west: each gtm run below takes seconds on a loaded
+            machine, longer together than a report stays fresh."""
+            admin.runtime.apply_report(
+                CapacityReport.model_validate(
+                    {
+                        "region": "eu-west",
+                        "seq": seq,
+                        "ts": time.time(),
+                        "instances_healthy": 2,
+                        "instances_total": 2,
+                        "capacity": 100.0,
+                        "outstanding": 42.0,
+                        "utilisation": 0.42,
+                    }
+                )
+            )
+
+        report(1)
         viewer = await admin.token("vera", Role.VIEWER)
         env = {
             "GTM_DATABASE_URL": admin.runtime.settings.database_url,
@@ -50,6 +57,7 @@ async def test_region_status_has_a_header_and_each_regions_utilisation(
         assert alone.returncode == 0, alone.stderr
         assert re.search(r"^eu-west\s+\S+\s+-\s", alone.stdout, re.M), alone.stdout
         assert "utilisation needs GTM_ADMIN_URL and GTM_ADMIN_TOKEN" in alone.stderr
+        report(2)
         as_json = json.loads(
             (await asyncio.to_thread(run_gtm, ["region", "status", "--json"], env)).stdout
         )

@@ -12,6 +12,7 @@ from ipaddress import ip_address
 
 import httpx
 
+from gtm.admin.console.decisions import decision_link
 from gtm.admin.permissions import Role
 from gtm.audit.record import record_of
 from gtm.decision.routing import Channel, DecisionRequest, decide
@@ -189,6 +190,9 @@ async def test_impact_rollout_and_evidence_read_as_words(start_admin: AdminFacto
             for raw in ("newly_refused", "left_jurisdiction", "newly_answered", " -> "):
                 assert raw not in section.replace('class="left-jurisdiction"', ""), raw
             assert "→" in section
+            # Region ids and residency classes are names, shown as they are written.
+            assert "<td>eu-west</td><td>us-west</td>" in section, section
+            assert "<td>eu-personal</td>" in section and "eu personal" not in section
             version = (await client.get(page_url)).text
             version_id = re.search(r'name="version" value="([0-9a-f]+)"', version)
             assert version_id
@@ -256,3 +260,29 @@ async def test_the_compliance_report_opens_inside_the_console(start_admin: Admin
         assert 'href="/console/events"' in nav and 'href="/console/decisions"' in nav
         assert "audrey" in nav
         assert "Residency class by serving jurisdiction" in report.text
+
+
+async def test_a_decision_from_the_nodes_own_files_replays_after_a_version_is_activated(
+    start_admin: AdminFactory,
+) -> None:
+    """Answered before any version was activated (from the node's files, stored nowhere), then
+    a version goes into force: the decision still replays, on the files the node holds."""
+    async with start_admin() as admin:
+        auditor = await admin.token("audrey", Role.AUDITOR, Role.VIEWER)
+        count(admin, "198.51.100.7", channel=Channel.API, name=EU_NAME)
+        await wait_rows(admin, auditor, 1)
+        author = await admin.token("pat", Role.POLICY_AUTHOR)
+        approver = await admin.token("ann", Role.POLICY_APPROVER)
+        async with admin.client(author) as a, admin.client(approver) as b:
+            body = documents(loosen_eu) | {"reason": "r"}
+            p = (await a.post("/v1/proposals", json=body)).json()
+            assert (await a.post(f"/v1/proposals/{p['id']}/submit")).status_code == 200
+            approve = {"version": p["version"]}
+            assert (await b.post(f"/v1/proposals/{p['id']}/approve", json=approve)).is_success
+            activated = await b.post(f"/v1/proposals/{p['id']}/activate", json={})
+            assert activated.status_code == 200, activated.text
+        async with admin.client(auditor) as api:
+            row = (await api.get("/v1/decisions")).json()["rows"][-1]
+            replayed = await api.post(f"/v1/decisions/{decision_link(row)}/replay")
+        assert replayed.status_code == 200, replayed.text
+        assert [x["matches"] for x in replayed.json()] == [True]

@@ -5,8 +5,10 @@ How long it takes is measured in bench/cli_startup.py, not here."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import typer.main
 from typer.testing import CliRunner
@@ -28,10 +30,11 @@ print(" ".join(sorted(sys.modules)))
 """
 
 
-def _loaded_by(*args: str) -> set[str]:
+def _loaded_by(*args: str, env: dict[str, str] | None = None) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, *args],
         cwd=ROOT,
+        env=os.environ | (env or {}),
         capture_output=True,
         text=True,
         timeout=120,
@@ -50,6 +53,21 @@ def test_help_loads_none_of_the_commands_machinery() -> None:
     assert "gtm.cli.control" in proposal
     for module in ("sqlalchemy", "fastapi", "gtm.admin.app", "gtm.fleet", "gtm.runtime"):
         assert module not in proposal, module
+
+
+def test_reading_commands_load_no_migrations_or_node_on_a_current_database(
+    tmp_path: Path,
+) -> None:
+    """`gtm region status` and `gtm audit tail` are what an operator runs most: on a database
+    already at the schema's head they load neither alembic nor a node's moving parts; on a
+    fresh one region status still answers (it migrates first, then reads)."""
+    env = {"GTM_DATABASE_URL": f"sqlite:///{tmp_path / 'gtm.sqlite3'}"}
+    fresh = _loaded_by("region", "status", env=env)
+    assert "alembic" in fresh  # the fresh file was migrated
+    for command in (("region", "status"), ("audit", "tail"), ("region", "events")):
+        loaded = _loaded_by(*command, env=env)
+        for module in ("alembic", "gtm.runtime", "gtm.audit.writer", "fastapi"):
+            assert module not in loaded, (command, module)
 
 
 def test_the_root_lists_each_group_with_its_own_help() -> None:
