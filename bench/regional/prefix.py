@@ -102,6 +102,7 @@ class Seq:
     done_at: float = math.nan
     adm: Admission | None = None
     chunk: int = 0  # prompt tokens being prefilled in the current step
+    admitted: float = math.nan  # when it joined the batch (the end of its queue wait)
 
 
 @dataclass(slots=True)
@@ -150,7 +151,7 @@ class Server:
             if adm is None:
                 break
             self.waiting.popleft()
-            s.adm, s.hit_tokens = adm, adm.hit_tokens
+            s.adm, s.hit_tokens, s.admitted = adm, adm.hit_tokens, now
             s.prefill_left = max(1, adm.prefill_tokens)
             self.running.append(s)
         self.decoding = [s for s in self.running if s.prefill_left == 0]
@@ -201,7 +202,8 @@ class Fleet:
     mean_cost: float = 1.0
 
 
-Policy = Callable[[Seq, float, Fleet], tuple[int, float]]  # -> (instance, work it adds)
+# -> (instance, work it adds, the part of that work that is prefill, when the policy splits it)
+Policy = Callable[[Seq, float, Fleet], tuple[int, float, float]]
 
 
 def _argmin(values: list[float], start: int) -> int:
@@ -218,20 +220,21 @@ def make_policy(name: str) -> Policy:
     turn = [0]
     params = PickParams(slow_start_s=0.0)
 
-    def rr(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def rr(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return turn[0] % len(f.servers), s.est_cost
+        return turn[0] % len(f.servers), s.est_cost, 0.0
 
-    def lc(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def lc(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return _argmin([float(st.in_flight) for st in f.states], turn[0]), s.est_cost
+        return _argmin([float(st.in_flight) for st in f.states], turn[0]), s.est_cost, 0.0
 
-    def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        saved = None
+        saved = prefill = None
         if name in ("cache_aware", "cache_history"):
             ids = [st.id for st in f.states]
             saved = prefill_saved(f.index, ids, s.req.blocks, s.req.prompt, f.gpu.prefill_s)
+            prefill = s.req.prompt * f.gpu.prefill_s
         req = PickRequest(
             model="m",
             cost=s.est_cost,
@@ -239,14 +242,16 @@ def make_policy(name: str) -> Policy:
             tiebreak=turn[0],
             affinity=key_of(str(s.req.first)) if name == "ours_prefix" else None,
             prefill_saved=saved,
+            prefill=prefill,
         )
         choice = pick(f.states, req, now, params)
         assert choice is not None
         i = f.states.index(choice.instance)
         # The work it adds there: what it will still have to prefill.
-        return i, s.est_cost - (saved or {}).get(choice.instance.id, 0.0)
+        skipped = (saved or {}).get(choice.instance.id, 0.0)
+        return i, s.est_cost - skipped, max((prefill or 0.0) - skipped, 0.0)
 
-    def llmd(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def llmd(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         """llm-d's precise-prefix profile: 3 x prefix hit share (from the KV-event index)
         + 2 x (1 - KV-cache use) + 2 x queue score (waiting requests, min-max normalised
         over the pods), highest wins; the servers' gauges read exactly here (llm-d scrapes
@@ -261,13 +266,12 @@ def make_policy(name: str) -> Policy:
             kv = v.cache.used_blocks / max(v.cache.capacity_blocks, 1)
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
             scores.append(-(3.0 * prefix + 2.0 * (1.0 - kv) + 2.0 * queue))
-        return _argmin(scores, turn[0]), s.est_cost
+        return _argmin(scores, turn[0]), s.est_cost, 0.0
 
-    def oracle(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def oracle(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return _argmin([v.exact_time_to_first_token(s.req) for v in f.servers], turn[0]), (
-            s.est_cost
-        )
+        ttft = [v.exact_time_to_first_token(s.req) for v in f.servers]
+        return _argmin(ttft, turn[0]), s.est_cost, 0.0
 
     named: dict[str, Policy] = {
         "round_robin": rr,
@@ -285,6 +289,11 @@ class Result:
     hit_rate: float
     outputs: list[int] = field(default_factory=list)  # per measured request, as ttft
     span: float = 1.0
+    # Per measured request, as ttft: time queued at the instance before joining its batch,
+    # and from then to the first token (its prefill, sharing steps with other prompts').
+    waits: list[float] = field(default_factory=list)
+    prefills: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # arrival to the last token
 
     def goodput(self, slo: float) -> float:
         """Output tokens per second of the requests whose first token came within ``slo``."""
@@ -329,9 +338,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
             s = seqs[k]
             k += 1
             now = s.req.arrival
-            i, work = policy(s, now, fleet)
+            i, work, prefill = policy(s, now, fleet)
             s.server = i
-            states[i].add(s.id, max(work, 1e-6), now)
+            states[i].add(s.id, max(work, 1e-6), now, prefill=prefill)
             index.note_routed(states[i].id, s.req.blocks)
             servers[i].waiting.append(s)
             if servers[i].step_end is None:
@@ -342,7 +351,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
             break
         now, i = next_end
         srv, st = servers[i], states[i]
-        _, done = srv.finish_step(now)
+        first, done = srv.finish_step(now)
+        for s in first:
+            st.first_token(s.id, now)
         for s in done:
             st.release(s.id, now, actual_cost=cost(s.req.prompt - s.hit_tokens, s.req.output))
         # The balancer re-estimates what is left from the tokens it has seen stream.
@@ -363,6 +374,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
         hit_rate=sum(s.hit_tokens for s in seqs) / prompt,
         outputs=[s.req.output for s in measured],
         span=max(span, 1e-9),
+        waits=[s.admitted - s.req.arrival for s in measured],
+        prefills=[s.ttft - s.admitted for s in measured],
+        latencies=[s.done_at - s.req.arrival for s in measured],
     )
 
 
@@ -405,7 +419,8 @@ def main() -> None:
         )
         print(
             f"{'policy':<18} {'P50 TTFT s':>10} {'P90 TTFT s':>10} {'out tok/s':>10} "
-            f"{'at SLO':>8} {'hit rate':>8} {'P90 vs ours':>11} {'run s':>6}"
+            f"{'at SLO':>8} {'hit rate':>8} {'P90 vs ours':>11} {'wait P90':>8} "
+            f"{'pfill P90':>9} {'run s':>6}"
         )
         rows = {}
         for name in POLICY_NAMES:
@@ -417,7 +432,8 @@ def main() -> None:
             p90 = _pct(r.ttft, 0.9)
             print(
                 f"{name:<18} {_pct(r.ttft, 0.5):>10.3f} {p90:>10.3f} {r.output_tps:>10.0f} "
-                f"{r.goodput(args.slo):>8.0f} {r.hit_rate:>8.1%} {p90 / base:>10.2f}x {took:>6.1f}"
+                f"{r.goodput(args.slo):>8.0f} {r.hit_rate:>8.1%} {p90 / base:>10.2f}x "
+                f"{_pct(r.waits, 0.9):>8.3f} {_pct(r.prefills, 0.9):>9.3f} {took:>6.1f}"
             )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,6 +104,23 @@ def conversation(n: int, seed: int) -> list[Request]:
             at += rng.uniform(15.0, 90.0)  # reading, typing, the answer streaming
     out.sort(key=lambda r: r.arrival)
     return out[:n]
+
+
+def chat_mix(n: int, seed: int) -> list[Request]:
+    """The seed's chat and summarisation mix (``bench/regional/scenarios.py``): 70% chats of
+    ~200 prompt and ~150 output tokens, 30% summaries of ~3,000 and ~300, log-normal sizes,
+    Poisson arrivals, and no prefix shared between any two prompts."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(1.0)
+        if rng.random() < 0.3:
+            prompt, output = 3000 * math.exp(rng.gauss(0, 0.4)), 300 * math.exp(rng.gauss(0, 0.3))
+        else:
+            prompt, output = 200 * math.exp(rng.gauss(0, 0.5)), 150 * math.exp(rng.gauss(0, 0.7))
+        p, o = max(1, round(prompt)), max(1, round(output))
+        out.append(Request(t, p, o, _ids(5000 + i, p // BLOCK), -1 - i))
+    return out
 
 
 def scaled(requests: list[Request], factor: float) -> Iterator[Request]:
