@@ -1,30 +1,33 @@
 """KV-cache-aware routing benchmark: prefix-sharing workloads, every policy in one run.
 
-    python bench/regional/prefix.py [--workload mooncake|system_prompt|conversation|all]
-                                    [--load 0.8] [--instances 8] [--n 2000] [--trace PATH]
+    python bench/regional/prefix.py [--workload mooncake|mooncake_synthetic|system_prompt|rag|
+                                     conversation|chat_mix|all] [--load 0.8] [--sustained]
+                                    [--instances 8] [--n 0] [--trace PATH]
 
 Each instance is a step-level model of a vLLM server: continuous batching of up to
 ``max_seqs`` sequences, chunked prefill under a per-step token budget (a step takes the decode
 time of its batch plus the time of the prompt tokens it prefills, so a prefill stalls every
-sequence in the batch), and the prefix cache of :mod:`regional_lb.sim.prefix_cache` (the same
-model the simulated server runs): blocks hit are not prefilled, memory is the KV cache's
-blocks. The cache's KV events feed the balancer's :class:`regional_lb.balancing.kv_index.KvIndex`
-as the subscriber would feed it from a real server.
+sequence in the batch; a request waits, counted as waiting, until its first chunk is
+scheduled), and the prefix cache of :mod:`regional_lb.sim.prefix_cache` (the same model the
+simulated server runs): blocks hit are not prefilled, memory is the KV cache's blocks. The
+cache's KV events feed the balancer's :class:`regional_lb.balancing.kv_index.KvIndex` as the
+subscriber would feed it from a real server.
 
-Policies, all on the same requests: ``round_robin``; ``least_connections``; ``ours``, the
-balancer's :func:`regional_lb.balancing.pick.pick` (least outstanding work); ``ours_prefix``,
+Policies, all on the same requests: ``round_robin``; ``least_connections``; ``ours``, today's
+balancer, :func:`regional_lb.balancing.pick.pick` (least outstanding work); ``ours_prefix``,
 the same with today's character-prefix affinity (a key of the first 1,024 characters, which
-lies in a prompt's first block); ``llmd_weighted``, llm-d's precise-prefix-cache profile
-(weights 3 prefix hit share, 2 KV-cache use, 2 queue depth); ``cache_aware``, ours with each
-instance's cached prefill priced from the KV-event index; ``cache_history``, the same with
-no KV events (the index estimated from what was routed where, an LRU as large as the KV
-cache); ``oracle``, which sees every
-instance's cache and queue exactly and picks the least time to the request's first token
-(prefill unbatched, decode batched).
+lies in a prompt's first block); ``llmd_weighted`` and ``llmd_minmax``, llm-d's
+precise-prefix-cache profile (see ``llmd`` below); ``cache_aware``, ours with each instance's
+cached prefill from the KV-event index and queued prompts priced at the single-sequence speed;
+``cache_batched``, the same index with every queued second at the full-batch speed (the first
+pricing, kept to show the difference); ``cache_history``, ``cache_aware`` with no KV events
+(the index estimated from what was routed where, an LRU as large as the KV cache);
+``oracle``, which sees every instance's cache and queue exactly and picks the least time to
+the request's first token (greedy: the best single choice with perfect information, not a
+bound; :mod:`bench.regional.prefix_report` computes a bound).
 
-Printed: per workload and policy, P50 and P90 time to first token, output tokens per second
-(all requests, and only those whose first token came within ``--slo`` seconds), and the
-prefix-cache hit rate (prompt tokens served from cache).
+Printed: per workload, a table (:func:`bench.regional.prefix_report.table`) and the issue's
+targets with their figures.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ POLICY_NAMES = (
     "ours_prefix",
     "llmd_weighted",
     "llmd_minmax",
+    "cache_batched",
     "cache_history",
     "cache_aware",
     "oracle",
@@ -251,10 +255,11 @@ def make_policy(name: str) -> Policy:
     def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
         saved = prefill = None
-        if name in ("cache_aware", "cache_history"):
+        if name in ("cache_aware", "cache_history", "cache_batched"):
             ids = [st.id for st in f.states]
             saved = prefill_saved(f.index, ids, s.req.blocks, s.req.prompt, f.gpu.prefill_s)
-            prefill = s.req.prompt * f.gpu.prefill_s
+            # cache_batched: the same index without the split (the first pricing).
+            prefill = None if name == "cache_batched" else s.req.prompt * f.gpu.prefill_s
         req = PickRequest(
             model="m",
             cost=s.est_cost,
