@@ -490,6 +490,9 @@ def main() -> None:
     if args.trace is not None:
         loaders["toolagent"] = lambda: mooncake(args.trace, args.n)
     names = [k for k in loaders if k != "toolagent"] if args.workload == "all" else [args.workload]
+    unknown = [k for k in names if k not in loaders]
+    if unknown:
+        ap.error(f"unknown workload {unknown[0]!r} (toolagent needs --trace PATH)")
     started = time.perf_counter()
     for wl in names:
         base = loaders[wl]()
