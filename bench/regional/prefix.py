@@ -1,30 +1,33 @@
 """KV-cache-aware routing benchmark: prefix-sharing workloads, every policy in one run.
 
-    python bench/regional/prefix.py [--workload mooncake|system_prompt|conversation|all]
-                                    [--load 0.8] [--instances 8] [--n 2000] [--trace PATH]
+    python bench/regional/prefix.py [--workload mooncake|mooncake_synthetic|system_prompt|rag|
+                                     conversation|chat_mix|all] [--load 0.8] [--sustained]
+                                    [--instances 8] [--n 0] [--trace PATH]
 
 Each instance is a step-level model of a vLLM server: continuous batching of up to
 ``max_seqs`` sequences, chunked prefill under a per-step token budget (a step takes the decode
 time of its batch plus the time of the prompt tokens it prefills, so a prefill stalls every
-sequence in the batch), and the prefix cache of :mod:`regional_lb.sim.prefix_cache` (the same
-model the simulated server runs): blocks hit are not prefilled, memory is the KV cache's
-blocks. The cache's KV events feed the balancer's :class:`regional_lb.balancing.kv_index.KvIndex`
-as the subscriber would feed it from a real server.
+sequence in the batch; a request waits, counted as waiting, until its first chunk is
+scheduled), and the prefix cache of :mod:`regional_lb.sim.prefix_cache` (the same model the
+simulated server runs): blocks hit are not prefilled, memory is the KV cache's blocks. The
+cache's KV events feed the balancer's :class:`regional_lb.balancing.kv_index.KvIndex` as the
+subscriber would feed it from a real server.
 
-Policies, all on the same requests: ``round_robin``; ``least_connections``; ``ours``, the
-balancer's :func:`regional_lb.balancing.pick.pick` (least outstanding work); ``ours_prefix``,
+Policies, all on the same requests: ``round_robin``; ``least_connections``; ``ours``, today's
+balancer, :func:`regional_lb.balancing.pick.pick` (least outstanding work); ``ours_prefix``,
 the same with today's character-prefix affinity (a key of the first 1,024 characters, which
-lies in a prompt's first block); ``llmd_weighted``, llm-d's precise-prefix-cache profile
-(weights 3 prefix hit share, 2 KV-cache use, 2 queue depth); ``cache_aware``, ours with each
-instance's cached prefill priced from the KV-event index; ``cache_history``, the same with
-no KV events (the index estimated from what was routed where, an LRU as large as the KV
-cache); ``oracle``, which sees every
-instance's cache and queue exactly and picks the least time to the request's first token
-(prefill unbatched, decode batched).
+lies in a prompt's first block); ``llmd_weighted`` and ``llmd_minmax``, llm-d's
+precise-prefix-cache profile (see ``llmd`` below); ``cache_aware``, ours with each instance's
+cached prefill from the KV-event index and queued prompts priced at the single-sequence speed;
+``cache_batched``, the same index with every queued second at the full-batch speed (the first
+pricing, kept to show the difference); ``cache_history``, ``cache_aware`` with no KV events
+(the index estimated from what was routed where, an LRU as large as the KV cache);
+``oracle``, which sees every instance's cache and queue exactly and picks the least time to
+the request's first token (greedy: the best single choice with perfect information, not a
+bound; :mod:`bench.regional.prefix_report` computes a bound).
 
-Printed: per workload and policy, P50 and P90 time to first token, output tokens per second
-(all requests, and only those whose first token came within ``--slo`` seconds), and the
-prefix-cache hit rate (prompt tokens served from cache).
+Printed: per workload, a table (:func:`bench.regional.prefix_report.table`) and the issue's
+targets with their figures.
 """
 
 from __future__ import annotations
@@ -41,12 +44,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.regional.prefix_report import (
+    SATURATE,
+    Row,
+    WorkOf,
+    floor_p90,
+    nominal,
+    prefix_free_targets,
+    prefix_targets,
+    sustained,
+    table,
+)
 from bench.regional.prefix_workloads import (
     BLOCK,
+    SYNTHETIC,
     Request,
+    chat_mix,
     conversation,
     mooncake,
-    scaled,
+    rag,
     system_prompt,
 )
 from regional_lb.balancing.affinity import key_of
@@ -64,6 +80,8 @@ POLICY_NAMES = (
     "ours",
     "ours_prefix",
     "llmd_weighted",
+    "llmd_minmax",
+    "cache_batched",
     "cache_history",
     "cache_aware",
     "oracle",
@@ -102,6 +120,7 @@ class Seq:
     done_at: float = math.nan
     adm: Admission | None = None
     chunk: int = 0  # prompt tokens being prefilled in the current step
+    admitted: float = math.nan  # when it joined the batch (the end of its queue wait)
 
 
 @dataclass(slots=True)
@@ -139,20 +158,12 @@ class Server:
         return min(matched * BLOCK, max(req.prompt - 1, 0) // BLOCK * BLOCK)
 
     def start_step(self, now: float) -> None:
-        """Admit what fits, plan one step (decode every running sequence, prefill chunks
-        with what is left of the token budget), and set when it ends."""
+        """Plan one step as vLLM's scheduler does: decode every running sequence, give the
+        running prompts their next chunks, then take waiting requests, oldest first, while
+        the step's token budget and the batch have room (a request stays waiting, and counts
+        in ``vllm:num_requests_waiting``, until its first chunk is scheduled; its cache hit is
+        looked up then). Sets when the step ends."""
         g = self.gpu
-        while self.waiting and len(self.running) < g.max_seqs:
-            s = self.waiting[0]
-            adm = self.cache.admit_blocks(
-                s.req.blocks, s.req.prompt, s.req.output, force=not self.running
-            )
-            if adm is None:
-                break
-            self.waiting.popleft()
-            s.adm, s.hit_tokens = adm, adm.hit_tokens
-            s.prefill_left = max(1, adm.prefill_tokens)
-            self.running.append(s)
         self.decoding = [s for s in self.running if s.prefill_left == 0]
         budget = g.budget - len(self.decoding)
         prefill = 0
@@ -162,6 +173,20 @@ class Server:
                 s.chunk = min(s.prefill_left, budget)
                 budget -= s.chunk
                 prefill += s.chunk
+        while self.waiting and len(self.running) < g.max_seqs and budget > 0:
+            s = self.waiting[0]
+            adm = self.cache.admit_blocks(
+                s.req.blocks, s.req.prompt, s.req.output, force=not self.running
+            )
+            if adm is None:
+                break
+            self.waiting.popleft()
+            s.adm, s.hit_tokens, s.admitted = adm, adm.hit_tokens, now
+            s.prefill_left = max(1, adm.prefill_tokens)
+            s.chunk = min(s.prefill_left, budget)
+            budget -= s.chunk
+            prefill += s.chunk
+            self.running.append(s)
         n = len(self.decoding)
         dt = (g.decode_s * (1 + g.penalty * (n - 1)) if n else 0.0) + prefill * g.prefill_s
         self.step_end = now + max(dt, 1e-6) if self.running else None
@@ -201,7 +226,8 @@ class Fleet:
     mean_cost: float = 1.0
 
 
-Policy = Callable[[Seq, float, Fleet], tuple[int, float]]  # -> (instance, work it adds)
+# -> (instance, work it adds, the part of that work that is prefill, when the policy splits it)
+Policy = Callable[[Seq, float, Fleet], tuple[int, float, float]]
 
 
 def _argmin(values: list[float], start: int) -> int:
@@ -218,20 +244,22 @@ def make_policy(name: str) -> Policy:
     turn = [0]
     params = PickParams(slow_start_s=0.0)
 
-    def rr(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def rr(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return turn[0] % len(f.servers), s.est_cost
+        return turn[0] % len(f.servers), s.est_cost, 0.0
 
-    def lc(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def lc(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return _argmin([float(st.in_flight) for st in f.states], turn[0]), s.est_cost
+        return _argmin([float(st.in_flight) for st in f.states], turn[0]), s.est_cost, 0.0
 
-    def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def ours(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        saved = None
-        if name in ("cache_aware", "cache_history"):
+        saved = prefill = None
+        if name in ("cache_aware", "cache_history", "cache_batched"):
             ids = [st.id for st in f.states]
             saved = prefill_saved(f.index, ids, s.req.blocks, s.req.prompt, f.gpu.prefill_s)
+            # cache_batched: the same index without the split (the first pricing).
+            prefill = None if name == "cache_batched" else s.req.prompt * f.gpu.prefill_s
         req = PickRequest(
             model="m",
             cost=s.est_cost,
@@ -239,40 +267,55 @@ def make_policy(name: str) -> Policy:
             tiebreak=turn[0],
             affinity=key_of(str(s.req.first)) if name == "ours_prefix" else None,
             prefill_saved=saved,
+            prefill=prefill,
         )
         choice = pick(f.states, req, now, params)
         assert choice is not None
         i = f.states.index(choice.instance)
         # The work it adds there: what it will still have to prefill.
-        return i, s.est_cost - (saved or {}).get(choice.instance.id, 0.0)
+        skipped = (saved or {}).get(choice.instance.id, 0.0)
+        return i, s.est_cost - skipped, max((prefill or 0.0) - skipped, 0.0)
 
-    def llmd(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
-        """llm-d's precise-prefix profile: 3 x prefix hit share (from the KV-event index)
-        + 2 x (1 - KV-cache use) + 2 x queue score (waiting requests, min-max normalised
-        over the pods), highest wins; the servers' gauges read exactly here (llm-d scrapes
-        them every few tens of milliseconds)."""
+    def llmd(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
+        """llm-d's precise-prefix-cache profile (its guide's EndpointPickerConfig): weights
+        3 precise-prefix-cache-scorer, 2 kv-cache-utilization-scorer, 2 queue-scorer, highest
+        wins. Prefix: the longest run of the prompt's leading blocks each pod holds (from the
+        KV-event index) as a share of the prompt's blocks; ``llmd_minmax`` normalises it
+        min-max over the pods holding any (the others 0, all 1 when equal), as llm-d's scorer
+        does, which on a trace where every prompt shares its first block turns one block's
+        difference into the whole weight (P90 2.6x worse on the Mooncake sample); the
+        targets take the better of the two. KV: 1 - cache use. Queue: requests waiting for
+        their first prefill chunk (vLLM's num_requests_waiting), min-max normalised (all 1
+        when equal). The servers' gauges are read exactly (llm-d scrapes them every few tens
+        of milliseconds)."""
         turn[0] += 1
         queues = [len(v.waiting) for v in f.servers]
         lo, hi = min(queues), max(queues)
+        matched = [f.index.matched_blocks(st.id, s.req.blocks) for st in f.states]
+        held = [m for m in matched if m > 0]
+        mlo, mhi = (min(held), max(held)) if held else (0, 0)
         n_blocks = max(len(s.req.blocks), 1)
         scores = []
-        for st, v, q in zip(f.states, f.servers, queues, strict=True):
-            prefix = f.index.matched_blocks(st.id, s.req.blocks) / n_blocks
+        for m, v, q in zip(matched, f.servers, queues, strict=True):
+            if name == "llmd_minmax":
+                prefix = 0.0 if m == 0 else 1.0 if mhi == mlo else (m - mlo) / (mhi - mlo)
+            else:
+                prefix = m / n_blocks
             kv = v.cache.used_blocks / max(v.cache.capacity_blocks, 1)
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
             scores.append(-(3.0 * prefix + 2.0 * (1.0 - kv) + 2.0 * queue))
-        return _argmin(scores, turn[0]), s.est_cost
+        return _argmin(scores, turn[0]), s.est_cost, 0.0
 
-    def oracle(s: Seq, now: float, f: Fleet) -> tuple[int, float]:
+    def oracle(s: Seq, now: float, f: Fleet) -> tuple[int, float, float]:
         turn[0] += 1
-        return _argmin([v.exact_time_to_first_token(s.req) for v in f.servers], turn[0]), (
-            s.est_cost
-        )
+        ttft = [v.exact_time_to_first_token(s.req) for v in f.servers]
+        return _argmin(ttft, turn[0]), s.est_cost, 0.0
 
     named: dict[str, Policy] = {
         "round_robin": rr,
         "least_connections": lc,
         "llmd_weighted": llmd,
+        "llmd_minmax": llmd,
         "oracle": oracle,
     }
     return named.get(name, ours)
@@ -285,6 +328,12 @@ class Result:
     hit_rate: float
     outputs: list[int] = field(default_factory=list)  # per measured request, as ttft
     span: float = 1.0
+    # Per measured request, as ttft: time queued at the instance before joining its batch,
+    # and from then to the first token (its prefill, sharing steps with other prompts').
+    waits: list[float] = field(default_factory=list)
+    prefills: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # arrival to the last token
+    done_at: list[float] = field(default_factory=list)  # every request, in order
 
     def goodput(self, slo: float) -> float:
         """Output tokens per second of the requests whose first token came within ``slo``."""
@@ -329,9 +378,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
             s = seqs[k]
             k += 1
             now = s.req.arrival
-            i, work = policy(s, now, fleet)
+            i, work, prefill = policy(s, now, fleet)
             s.server = i
-            states[i].add(s.id, max(work, 1e-6), now)
+            states[i].add(s.id, max(work, 1e-6), now, prefill=prefill)
             index.note_routed(states[i].id, s.req.blocks)
             servers[i].waiting.append(s)
             if servers[i].step_end is None:
@@ -342,7 +391,9 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
             break
         now, i = next_end
         srv, st = servers[i], states[i]
-        _, done = srv.finish_step(now)
+        first, done = srv.finish_step(now)
+        for s in first:
+            st.first_token(s.id, now)
         for s in done:
             st.release(s.id, now, actual_cost=cost(s.req.prompt - s.hit_tokens, s.req.output))
         # The balancer re-estimates what is left from the tokens it has seen stream.
@@ -363,62 +414,103 @@ def simulate(requests: list[Request], policy_name: str, instances: int, gpu: Gpu
         hit_rate=sum(s.hit_tokens for s in seqs) / prompt,
         outputs=[s.req.output for s in measured],
         span=max(span, 1e-9),
+        waits=[s.admitted - s.req.arrival for s in measured],
+        prefills=[s.ttft - s.admitted for s in measured],
+        latencies=[s.done_at - s.req.arrival for s in measured],
+        done_at=[s.done_at for s in seqs],
     )
 
 
 def at_load(requests: list[Request], load: float, instances: int, gpu: Gpu) -> list[Request]:
     """The requests with arrival times scaled so that their uncached work is ``load`` times
-    what ``instances`` GPUs can do in the same span."""
-    span = requests[-1].arrival - requests[0].arrival
-    work = sum(gpu.work(r.prompt, r.output) for r in requests)
-    factor = work / (instances * load * span)
-    return list(scaled(requests, factor))
+    what ``instances`` GPUs can do at full batches in the same span (nominal capacity)."""
+    return nominal(requests, load, instances, _work_of(gpu))
 
 
-def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else math.nan
+def _work_of(gpu: Gpu) -> WorkOf:
+    return WorkOf(gpu.prefill_s, gpu.decode_s / batch_throughput(gpu.max_seqs, gpu.penalty))
+
+
+def capacity(requests: list[Request], instances: int, gpu: Gpu) -> float:
+    """What today's balancer sustains on these requests, in nominal capacities
+    (:mod:`bench.regional.prefix_report`)."""
+    flood = at_load(requests, SATURATE, instances, gpu)
+    r = simulate(flood, "ours", instances, gpu)
+    return sustained(flood, r.done_at, instances, _work_of(gpu))
+
+
+def run(
+    requests: list[Request], instances: int, gpu: Gpu, slo: float, names: tuple[str, ...]
+) -> dict[str, Row]:
+    rows = {}
+    for name in names:
+        t0 = time.perf_counter()
+        r = simulate(requests, name, instances, gpu)
+        rows[name] = Row(
+            r.ttft,
+            r.latencies,
+            r.waits,
+            r.prefills,
+            r.output_tps,
+            r.goodput(slo),
+            r.hit_rate,
+            time.perf_counter() - t0,
+        )
+    return rows
+
+
+PREFIX_FREE = ("chat_mix",)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workload", default="all")
-    ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--load", type=float, default=0.8, help="share of nominal capacity")
+    ap.add_argument(
+        "--sustained",
+        action="store_true",
+        help="--load as a share of what today's balancer sustains on the workload instead",
+    )
     ap.add_argument("--instances", type=int, default=8)
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=0, help="requests per workload (0: whole trace)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--trace", type=Path, default=None, help="a Mooncake trace .jsonl[.gz]")
+    ap.add_argument("--trace", type=Path, default=None, help="a Mooncake trace .jsonl[.gz|.xz]")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT SLO (s) for the goodput column")
     args = ap.parse_args()
     gpu = Gpu()
+    n = args.n or 2000
     loaders: dict[str, Callable[[], list[Request]]] = {
         "mooncake": lambda: mooncake(args.trace, args.n),
-        "system_prompt": lambda: system_prompt(args.n, args.seed),
-        "conversation": lambda: conversation(args.n, args.seed),
+        "mooncake_synthetic": lambda: mooncake(args.trace or SYNTHETIC, args.n),
+        "system_prompt": lambda: system_prompt(n, args.seed),
+        "rag": lambda: rag(n, args.seed),
+        "conversation": lambda: conversation(n, args.seed),
+        "chat_mix": lambda: chat_mix(n, args.seed),
     }
-    names = list(loaders) if args.workload == "all" else [args.workload]
+    if args.trace is not None:
+        loaders["toolagent"] = lambda: mooncake(args.trace, args.n)
+    names = [k for k in loaders if k != "toolagent"] if args.workload == "all" else [args.workload]
+    unknown = [k for k in names if k not in loaders]
+    if unknown:
+        ap.error(f"unknown workload {unknown[0]!r} (toolagent needs --trace PATH)")
+    started = time.perf_counter()
     for wl in names:
-        reqs = at_load(loaders[wl](), args.load, args.instances, gpu)
+        base = loaders[wl]()
+        cap = capacity(base, args.instances, gpu) if args.sustained else 1.0
+        reqs = at_load(base, args.load * cap, args.instances, gpu)
+        of = f"what today's sustains ({cap:.3f} nominal)" if args.sustained else "nominal capacity"
         print(
-            f"\n{wl}: {len(reqs)} requests, {args.instances} instances, load {args.load:.2f} "
-            f"(uncached work / capacity), blocks of {BLOCK} tokens"
+            f"\n{wl}: {len(reqs)} requests, {args.instances} instances, "
+            f"load {args.load:.2f} of {of}, blocks of {BLOCK} tokens"
         )
-        print(
-            f"{'policy':<18} {'P50 TTFT s':>10} {'P90 TTFT s':>10} {'out tok/s':>10} "
-            f"{'at SLO':>8} {'hit rate':>8} {'P90 vs ours':>11} {'run s':>6}"
-        )
-        rows = {}
-        for name in POLICY_NAMES:
-            t0 = time.perf_counter()
-            r = simulate(reqs, name, args.instances, gpu)
-            rows[name] = (r, time.perf_counter() - t0)
-        base = _pct(rows["ours"][0].ttft, 0.9)
-        for name, (r, took) in rows.items():
-            p90 = _pct(r.ttft, 0.9)
-            print(
-                f"{name:<18} {_pct(r.ttft, 0.5):>10.3f} {p90:>10.3f} {r.output_tps:>10.0f} "
-                f"{r.goodput(args.slo):>8.0f} {r.hit_rate:>8.1%} {p90 / base:>10.2f}x {took:>6.1f}"
-            )
+        rows = run(reqs, args.instances, gpu, args.slo, POLICY_NAMES)
+        print("\n".join(table(rows)))
+        if wl in PREFIX_FREE:
+            print("\n".join(prefix_free_targets(rows)))
+        else:
+            floor = floor_p90(reqs, int(len(reqs) * WARMUP_SHARE), gpu.prefill_s)
+            print("\n".join(prefix_targets(rows, floor)))
+    print(f"\n{time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

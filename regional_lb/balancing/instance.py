@@ -25,6 +25,9 @@ class Flight:
     started: float
     model: str = ""
     produced: int = 0
+    # Reference seconds of prompt still to prefill (part of ``remaining``), until the first
+    # token: the picker prices it unbatched (see regional_lb.balancing.pick).
+    prefill: float = 0.0
     # For the coefficient fit (InstanceState.timing): when the first token arrived and the
     # instance's progress clock then, the decode steps the first token waits for, and whether
     # the request may have queued at the instance before it ran.
@@ -121,6 +124,10 @@ class InstanceState:
     scraped_waiting: int | None = None
     flights: dict[int, Flight] = field(default_factory=dict)
     outstanding: float = 0.0
+    # The part of ``outstanding`` that is prompt prefill not yet done (Flight.prefill summed),
+    # and since when the instance has been working through it (see prefill_backlog()).
+    pending_prefill: float = 0.0
+    prefill_since: float = 0.0
     # When the instance last showed it is working: a request completed or a stream produced a
     # token. A saturated instance queues a model probe behind its batch; this tells busy from
     # dead (see regional_lb.upstream.probes).
@@ -137,14 +144,23 @@ class InstanceState:
 
     # -- accounting -------------------------------------------------------------------------
 
-    def add(self, request_id: int, cost: float, now: float, model: str = "") -> None:
+    def add(
+        self, request_id: int, cost: float, now: float, model: str = "", prefill: float = 0.0
+    ) -> None:
+        """Route a request here. ``prefill``: the part of ``cost`` that is prompt prefill the
+        instance will still do (its cached blocks taken off), until :meth:`first_token`; 0
+        when the caller does not split its cost (then all of it counts as batched work)."""
         if request_id in self.flights:
             raise ValueError(f"request {request_id} already in flight on {self.id}")
-        flight = Flight(cost=cost, remaining=cost, started=now, model=model)
+        prefill = min(max(prefill, 0.0), max(cost, 0.0)) if math.isfinite(prefill) else 0.0
+        flight = Flight(cost=cost, remaining=cost, started=now, model=model, prefill=prefill)
         self.flights[request_id] = flight
         if model:
             self.loaded[model] = now
         self.outstanding += cost
+        if prefill > 0 and self.pending_prefill <= 0:
+            self.prefill_since = now
+        self.pending_prefill += prefill
         self.speed.busy(now, len(self.flights))
         self._tick(now)
         n = self.batch_size()
@@ -161,6 +177,9 @@ class InstanceState:
         self.outstanding += remaining - flight.remaining
         flight.remaining = remaining
         flight.produced = produced
+        if flight.prefill > remaining:  # what is left cannot hold more prefill than that
+            self.pending_prefill -= flight.prefill - remaining
+            flight.prefill = remaining
 
     def first_token(self, request_id: int, now: float) -> None:
         """The first token of a streamed request arrived."""
@@ -168,6 +187,19 @@ class InstanceState:
         if flight is not None and math.isnan(flight.first_token_at):
             flight.first_token_at = now
             flight.clock_first = self.progress_clock(now)
+            if flight.prefill > 0:
+                self.prefill_since = now
+            self._prefilled(flight)
+
+    def _prefilled(self, flight: Flight) -> None:
+        """The flight's prompt is done: its prefill leaves the pending total (and its work)."""
+        if flight.prefill > 0:
+            self.outstanding -= flight.prefill
+            flight.remaining = max(0.0, flight.remaining - flight.prefill)
+            self.pending_prefill -= flight.prefill
+            flight.prefill = 0.0
+        if not any(f.prefill for f in self.flights.values()):
+            self.pending_prefill = 0.0  # float residue must not look like queued prompts
 
     def release(self, request_id: int, now: float, actual_cost: float | None = None) -> bool:
         """Remove a request however it ended; ``actual_cost`` only when it completed.
@@ -177,9 +209,10 @@ class InstanceState:
             return False
         if self.flights:
             self.outstanding -= flight.remaining
+            self.pending_prefill -= flight.prefill
         else:
             # Snap to exactly zero: float residue must not look like phantom work.
-            self.outstanding = 0.0
+            self.outstanding = self.pending_prefill = 0.0
         self.speed.busy(now, len(self.flights))
         self._tick(now)
         if actual_cost is not None:
@@ -214,9 +247,23 @@ class InstanceState:
             queued=flight.queued,
         )
 
+    def prefill_backlog(self, now: float) -> float:
+        """Reference seconds of prompt prefill the instance still has to do, as best known:
+        the prefill of the requests routed here that have not had their first token, less
+        what it has done since it started on them. A server prefills prompts one after
+        another, first come first served, at its single-sequence speed (vLLM's chunked
+        prefill fills each step with the oldest prompts' tokens), so that backlog drains at
+        that speed between first tokens; without this a prompt almost done would still count
+        whole until its first token arrived."""
+        if self.pending_prefill <= 0:
+            return 0.0
+        done = max(0.0, now - self.prefill_since) * self.speed.unit_speed
+        return max(0.0, self.pending_prefill - done)
+
     def recompute(self) -> None:
         """Rebuild the running total from the flights (drift guard, called now and then)."""
         self.outstanding = sum(f.remaining for f in self.flights.values())
+        self.pending_prefill = sum(f.prefill for f in self.flights.values())
 
     @property
     def in_flight(self) -> int:

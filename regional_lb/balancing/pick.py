@@ -11,6 +11,21 @@ near optimal, but a pilot simulation showed pure cost routing losing to speed-we
 least-connections once the estimate error reached sigma ~ 0.6, so a poor estimator leans on the
 request count. The same function drives the proxy and the discrete-event simulator; it reads
 the instances and never changes them.
+
+**Prefill is not batched.** When the caller says which part of a cost is prompt prefill
+(``PickRequest.prefill``, ``InstanceState.add(prefill=...)``), that part is priced at the
+instance's single-sequence speed, not its full-batch one: a server prefills prompts one after
+another (vLLM fills each step's token budget with the oldest prompts first), so a second of
+prefill queued there is a second of wall time before any later prompt's first token, while a
+second of decode work is shared by the whole batch. The score becomes
+
+    (batched work: decode, blended as above) / full-batch speed
+    + (prefill queued there, less what it has already got through
+       + this request's prefill, less what its cached blocks save there) / single-sequence speed
+
+so a cache hit (``PickRequest.prefill_saved``) and queued prompts trade second for second, in
+the same unit as the rest of the score. Without the split (``prefill`` None) the score is
+exactly the one above: all work batched, a hit subtracted at the single-sequence speed.
 """
 
 from __future__ import annotations
@@ -52,11 +67,11 @@ class PickRequest:
     # A session's or prompt prefix's key (regional_lb.balancing.affinity.key_of), or None.
     affinity: int | None = None
     # Per instance id: reference seconds of prefill the instance would skip because it holds
-    # the prompt's leading KV blocks (regional_lb.balancing.kv_index.prefill_saved). A prefill
-    # stalls the instance's whole batch while it runs (vLLM schedules it in the same steps), so
-    # a second of it saved is a second sooner for everything there: the score, a time, drops
-    # by that time on the instance's GPU. Cache hits and queued work trade in one unit.
+    # the prompt's leading KV blocks (regional_lb.balancing.kv_index.prefill_saved).
     prefill_saved: Mapping[str, float] | None = None
+    # The part of ``cost`` that is prompt prefill with nothing cached (reference seconds), or
+    # None when the caller does not split its cost. See pick() for how the two are priced.
+    prefill: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,24 +164,35 @@ def pick(
     n = len(instances)
     scored: list[tuple[float, int, bool]] = []
     best_score = best_own = math.inf
-    own_cost = (1.0 - w) * req.cost + w * req.mean_cost
+    own_prefill = 0.0 if req.prefill is None else min(max(req.prefill, 0.0), req.cost)
+    # Batched work: the cost's decode, blended with the count when estimates are poor (the
+    # output length is what is uncertain; a prompt's size is known).
+    own_batched = (1.0 - w) * (req.cost - own_prefill) + w * req.mean_cost
     saved = req.prefill_saved
     for idx, inst in enumerate(instances):
         ramp = _ramp_if_eligible(inst, req, now, params)
         if ramp is None:
             continue
         work, count = effective_load(inst, req.mean_cost)
-        blended = (1.0 - w) * (work + req.cost) + w * (count + 1) * req.mean_cost
+        # Prompts routed here and not yet at their first token: all of it leaves the batched
+        # work; what the instance has not yet got through is priced serially.
+        pending = min(inst.pending_prefill, work)
+        backlog = min(inst.prefill_backlog(now), pending)
         rate = max(inst.speed.speed, 1e-9) * ramp
-        score = blended / rate
-        if saved:
-            score -= saved.get(inst.id, 0.0) / (max(inst.speed.unit_speed, 1e-9) * ramp)
+        unit = max(inst.speed.unit_speed, 1e-9) * ramp
+        cut = saved.get(inst.id, 0.0) if saved else 0.0
+        if req.prefill is not None:
+            cut = min(cut, own_prefill)
+        own = own_batched / rate + (own_prefill - cut) / unit
+        batched = (1.0 - w) * (work - pending) + w * count * req.mean_cost
+        score = batched / rate + backlog / unit + own
         needs_load = req.model not in inst.loaded
         if needs_load:
             score += req.load_time_s
         scored.append((score, idx, needs_load))
         if score < best_score:
-            best_score, best_own = score, own_cost / rate
+            # Without a split, the tie window is the request's whole time there, as before.
+            best_score, best_own = score, own if req.prefill is not None else own_batched / rate
     if not scored:
         return None
     if req.affinity is not None and len(scored) > 1:
