@@ -451,7 +451,8 @@ class Responder(EcsPath):
             self._advance(snapshot, now)
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
-            return reject_response(self.runtime, self.stats, parsed, client, udp)
+            server_id = self.identity.server_id if self.identity is not None else None
+            return reject_response(self.runtime, self.stats, parsed, client, udp, server_id)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None
