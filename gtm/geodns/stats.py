@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, LaneCounts
+from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SHUTDOWN, TOTAL_FULL, LaneCounts
 
 
 class DnsStats:
@@ -37,6 +37,7 @@ class DnsStats:
         self.failed = 0
         # The slow path's admission per sender network (gtm.geodns.admission).
         self.lane = LaneCounts()
+        self.tcp_lane = LaneCounts()  # TCP messages waiting for the slow path (gtm.geodns.tcp)
         # UDP responses the kernel would not take (send buffer full): not sent.
         self.send_dropped = 0
 
@@ -81,7 +82,7 @@ class DnsCollector(Collector):
             "UDP queries dropped before the slow path, by reason (gtm.geodns.admission)",
             labels=["reason"],
         )
-        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN):
+        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN, OVER_SHARE):
             dropped.add_metric([reason], s.lane.dropped[reason])
         yield dropped
         yield GaugeMetricFamily(
