@@ -5,8 +5,8 @@ Over UDP, a query a cache holds is answered as it is read (a repeated one inline
 responder's exact-query cache, without a call); the rest wait for the slow path in queues per
 sender network, drained round robin a bounded slice per loop turn (:mod:`gtm.geodns.admission`,
 off with ``GTM_DNS_FAIR_ADMISSION=false``: then every datagram is answered in the order read).
-TCP connections are read as length-prefixed messages, answered in order, with idle and
-per-connection limits.
+TCP connections are served by :mod:`gtm.geodns.tcp` (misses admitted per sender network
+there too).
 """
 
 from __future__ import annotations

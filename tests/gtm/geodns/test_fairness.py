@@ -362,6 +362,10 @@ async def test_a_tcp_flood_of_misses_does_not_hold_cached_tcp_answers(
             sock.close()
     if fair:
         assert before < len(flood)
-        assert node.dns.responder.stats.tcp_lane.deferred > 0
+        lane = node.dns.responder.stats.tcp_lane
+        assert lane.deferred > 0
+        metrics = {m.name: m.samples[0].value for m in DnsCollector(node.dns_stats).collect()}
+        assert metrics["gtm_dns_tcp_slow_deferred"] == lane.deferred
+        assert metrics["gtm_dns_tcp_slow_admitted"] == lane.admitted
     else:
         assert before >= len(flood)
