@@ -369,3 +369,42 @@ async def test_a_tcp_flood_of_misses_does_not_hold_cached_tcp_answers(
         assert metrics["gtm_dns_tcp_slow_admitted"] == lane.admitted
     else:
         assert before >= len(flood)
+
+
+async def test_at_the_connection_cap_a_newcomer_closes_the_biggest_networks_oldest(
+    start_node: StartNode,
+) -> None:
+    """Three connections from one network fill a cap of three; a client of another network is
+    served, and the first network's oldest connection is closed for it (counted as refused). A
+    fourth from the first network is refused: it holds as many as the other would then."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_tcp_max_connections=3)
+    loop = asyncio.get_running_loop()
+    flood = [tcp_connection(node, "127.0.1.1") for _ in range(3)]
+    others: list[socket.socket] = []
+    try:
+        for sock in flood:  # each served, in the order opened
+            sock.send(framed(CACHED))
+            assert dns.message.from_wire(await tcp_answer(sock)).answer
+        others.append(tcp_connection(node, "127.0.2.1"))
+        others[0].send(framed(CACHED))
+        assert dns.message.from_wire(await tcp_answer(others[0])).answer
+        # The oldest flood connection was closed: end of stream (or a reset).
+        try:
+            closed = await asyncio.wait_for(loop.sock_recv(flood[0], 65535), DEADLINE_S)
+        except ConnectionResetError:
+            closed = b""
+        assert closed == b""
+        assert node.dns_stats.tcp_refused == 1
+        flood[1].send(framed(CACHED))  # the others still answer
+        assert dns.message.from_wire(await tcp_answer(flood[1])).answer
+        others.append(tcp_connection(node, "127.0.1.1"))
+        others[1].send(framed(CACHED))
+        try:
+            refused = await asyncio.wait_for(loop.sock_recv(others[1], 65535), DEADLINE_S)
+        except ConnectionResetError:
+            refused = b""
+        assert refused == b""
+        assert node.dns_stats.tcp_refused == 2
+    finally:
+        for sock in [*flood, *others]:
+            sock.close()
