@@ -55,8 +55,8 @@ from bench.dns.run import (  # noqa: E402
 from gtm.decision.geoip import default_database_path  # noqa: E402
 
 LEGIT_FROM = "127.0.2.1"
-FLOODS = ("ecs-200k", "names-200k", "ecs-2m")
-SIZES = {"ecs-200k": 200_000, "names-200k": 200_000, "ecs-2m": 2_000_000}
+FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k")
+SIZES = {"ecs-200k": 200_000, "names-200k": 200_000, "ecs-2m": 2_000_000, "tcp-names-200k": 200_000}
 
 
 def legit_dnsperf(
@@ -207,6 +207,53 @@ def flood(port: int, data: Path, seconds: float, senders: int, rate: float) -> d
     return {"sent": sent, "answered": answered, "send_refused": refused, "seconds": seconds}
 
 
+TCP_CONNECTIONS = 200  # the TCP flood's connections, all from one network (127.1.0.0/24)
+TCP_PIPELINE = 8  # queries each keeps outstanding
+
+
+def tcp_flood(port: int, data: Path, seconds: float) -> dict[str, float]:
+    """The ``tcp-`` floods: :data:`TCP_CONNECTIONS` connections from one network, each with
+    :data:`TCP_PIPELINE` queries of ``data`` outstanding (RFC 7766 pipelining), for
+    ``seconds``; the answers counted. Run in its own process (the ``flood`` mode)."""
+    import asyncio
+
+    queries = read_set(data)
+    counts = {"sent": 0, "answered": 0}
+
+    async def one(i: int, deadline: float) -> None:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=(f"127.1.0.{i % 250 + 1}", 0)
+        )
+        j = i * 997
+        outstanding = 0
+        try:
+            while time.monotonic() < deadline:
+                while outstanding < TCP_PIPELINE:
+                    wire = queries[j % len(queries)]
+                    j += 1
+                    writer.write(struct.pack("!H", len(wire)) + wire)
+                    outstanding += 1
+                    counts["sent"] += 1
+                (length,) = struct.unpack("!H", await reader.readexactly(2))
+                await reader.readexactly(length)
+                outstanding -= 1
+                counts["answered"] += 1
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    async def run() -> None:
+        deadline = time.monotonic() + seconds
+        tasks = [asyncio.create_task(one(i, deadline)) for i in range(TCP_CONNECTIONS)]
+        await asyncio.wait(tasks, timeout=seconds + TIMEOUT_S)
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(run())
+    return {**counts, "send_refused": 0, "seconds": seconds}
+
+
 def start_flood(
     port: int, data: Path, seconds: float, senders: int, out: Path, rate: float = 0
 ) -> Any:
@@ -270,6 +317,9 @@ def one_server(
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "flood":
         port, data, seconds, senders, rate = sys.argv[2:7]
+        if Path(data).name.startswith("tcp-"):
+            print(json.dumps(tcp_flood(int(port), Path(data), float(seconds))))
+            return
         print(json.dumps(flood(int(port), Path(data), float(seconds), int(senders), float(rate))))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -281,6 +331,9 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, default=64)
     parser.add_argument(
         "--flood-rate", type=float, default=0, help="flood queries/s (default 0: full speed)"
+    )
+    parser.add_argument(
+        "--modes", nargs="*", default=["fair", "off"], choices=["fair", "off"], help="admission"
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -299,9 +352,11 @@ def main() -> None:
             rate = max(100, int(capacity * args.share))
         print(f"legitimate load paced at {rate}/s", flush=True)
         for flood_name in args.floods:
-            flood_set = write_set(work / f"{flood_name}.bin", flood_name, SIZES[flood_name])
+            flood_set = write_set(
+                work / f"{flood_name}.bin", flood_name.removeprefix("tcp-"), SIZES[flood_name]
+            )
             for senders in args.senders:
-                for fair in (True, False):
+                for fair in [mode == "fair" for mode in args.modes]:
                     name = f"{flood_name}-{senders}-{'fair' if fair else 'off'}"
                     row = one_server(work, geoip, name, fair, legit, flood_set, senders, rate, args)
                     row |= {"flood_set": flood_name, "senders": senders, "fair": fair}

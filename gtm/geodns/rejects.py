@@ -7,9 +7,9 @@ from __future__ import annotations
 import struct
 from ipaddress import IPv4Address, IPv6Address
 
-from gtm.geodns.render import OptOut, rcode_name, response, udp_limit
+from gtm.geodns.render import OptOut, rcode_name, response, udp_limit, with_option
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Query, Rcode, Reject, name_to_text
+from gtm.geodns.wire import NSID_CODE, Query, Rcode, Reject, name_to_text
 from gtm.geodns.zone import aggregated_record, stats_qtype, zone_data
 from gtm.runtime import Runtime
 
@@ -18,10 +18,16 @@ _CD = 0x0010
 
 
 def reject_response(
-    runtime: Runtime, stats: DnsStats, reject: Reject, client: IPAddress, udp: bool
+    runtime: Runtime,
+    stats: DnsStats,
+    reject: Reject,
+    client: IPAddress,
+    udp: bool,
+    server_id: str | None = None,
 ) -> bytes | None:
     """The answer to a packet the parser rejected (FORMERR, NOTIMP, BADVERS), counted; None
-    to send nothing (no readable header, or a response)."""
+    to send nothing (no readable header, or a response). ``server_id``: the NSID a query
+    with a readable OPT asking for it gets (RFC 5001 §2.2: in every response with an OPT)."""
     if reject.drop:
         stats.dropped += 1
         return None
@@ -34,6 +40,7 @@ def reject_response(
         # An opcode not implemented: RD echoed (RFC 1035 §4.1.1), CD not: it asks for
         # DNSSEC processing of a query that had none (Knot clears it too).
         flags &= ~_CD
+    limit = udp_limit(reject.edns) if udp else None
     wire = response(
         reject.id or 0,
         flags,
@@ -41,8 +48,13 @@ def reject_response(
         authoritative=False,
         question=question,
         opt=opt,
-        limit=udp_limit(reject.edns) if udp else None,
+        limit=limit,
     )
+    if server_id is not None and reject.edns is not None and reject.edns.nsid:
+        with_nsid = with_option(wire, NSID_CODE, server_id.encode())
+        # Left out only when it alone would not fit, as on answers (Responder._render).
+        if with_nsid is not None and (limit is None or len(with_nsid) <= limit):
+            wire = with_nsid
     snapshot = runtime.store.current
     name = "-"
     if reject.qname is not None:

@@ -243,6 +243,14 @@ class Responder(EcsPath):
                 out = self._shaped(shapes, wire, host)
         return out if out is not None else self._answer(wire, peer_address(host), True, host)
 
+    def answer_tcp_cached(self, wire: bytes, client: IPAddress) -> bytes | Slow:
+        """The response to one TCP message if the first level holds it, else :data:`SLOW`
+        (gtm.geodns.tcp admits the rest per sender network)."""
+        out = self._repeat(self._tcp.get(client), wire)
+        if out is None and self._promote(False, client, wire):
+            out = self._repeat(self._tcp.get(client), wire)
+        return SLOW if out is None else out
+
     def answer_tcp(self, wire: bytes, client: IPAddress) -> bytes | None:
         """The response to one message over TCP (never rate limited), or None to send nothing
         (the connection is then closed). Never raises on input."""
@@ -451,7 +459,8 @@ class Responder(EcsPath):
             self._advance(snapshot, now)
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
-            return reject_response(self.runtime, self.stats, parsed, client, udp)
+            server_id = self.identity.server_id if self.identity is not None else None
+            return reject_response(self.runtime, self.stats, parsed, client, udp, server_id)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None

@@ -5,8 +5,8 @@ Over UDP, a query a cache holds is answered as it is read (a repeated one inline
 responder's exact-query cache, without a call); the rest wait for the slow path in queues per
 sender network, drained round robin a bounded slice per loop turn (:mod:`gtm.geodns.admission`,
 off with ``GTM_DNS_FAIR_ADMISSION=false``: then every datagram is answered in the order read).
-TCP connections are read as length-prefixed messages, answered in order, with idle and
-per-connection limits.
+TCP connections are served by :mod:`gtm.geodns.tcp` (misses admitted per sender network
+there too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
+import time
 from collections.abc import Callable, Hashable
 from ipaddress import ip_network
 from typing import Any
@@ -22,14 +22,15 @@ from typing import Any
 import structlog
 
 from gtm.errors import ConfigError, Problem
-from gtm.geodns.admission import NETWORK_FULL, SlowLane, sender_network
+from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import SLOW, Responder
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import bound_memos, peer_address
+from gtm.geodns.tcp import TcpService
+from gtm.geodns.wire import bound_memos
 from gtm.listen import parse_listen
 from gtm.runtime import Runtime
 
@@ -87,6 +88,15 @@ def _not_connected(data: bytes, addr: Any) -> None:
 
 
 READ_BATCH = 256  # datagrams read per loop turn at most, before the loop serves others
+# While the reader is behind, of each READ_BATCH datagrams read, the most one sender network
+# gets answered or queued when others sent too: the rest of its datagrams are dropped as they
+# are read (counted as OVER_SHARE), for a read and a dictionary look-up each. A flood from one
+# network then costs the loop little more than reading it, so the reader catches up and the
+# kernel's buffer (shared by every sender, and a FIFO) stops delaying and dropping the others.
+TURN_SHARE = 64
+# The slow path's time in one loop turn, at most (and at least one query): cached answers wait
+# in the kernel's buffer while it runs (gtm.geodns.admission).
+SLOW_TURN_S = 0.001
 
 
 class _FairUdp:
@@ -116,6 +126,9 @@ class _FairUdp:
         self._behind = False
         # Sender host string -> its network (the queue it waits in); a memo, cleared when full.
         self._networks: dict[str, Hashable] = {}
+        # Whether the last full batch read came from more than one network: only then is a
+        # network held to TURN_SHARE (a large resolver alone is not capped).
+        self._shared = False
 
     def start(self) -> None:
         self._loop.add_reader(self.sock.fileno(), self._readable)
@@ -141,6 +154,10 @@ class _FairUdp:
         sock = self.sock
         lane = self.lane
         networks = self._networks
+        # Behind (the last batch stopped at READ_BATCH) with other networks sending: each
+        # network's datagrams past TURN_SHARE in this batch are dropped as they are read.
+        share = self._behind and self._shared
+        taken: dict[Hashable, int] = {}
         self._behind = True
         for _ in range(READ_BATCH):
             try:
@@ -150,6 +167,14 @@ class _FairUdp:
             except OSError:  # nothing more waiting (BlockingIOError), or an ICMP error
                 self._behind = False
                 break
+            network = networks.get(addr[0])
+            if network is None:
+                network = self._network(addr[0])
+            n = taken.get(network, 0)
+            if share and n >= TURN_SHARE:
+                lane.counts.dropped[OVER_SHARE] += 1
+                continue
+            taken[network] = n + 1
             if r.rrl is None:
                 # Responder._repeat inline (no call), as in _UdpProtocol: nearly every query.
                 by_query = r._udp.get(addr[0])
@@ -173,9 +198,6 @@ class _FairUdp:
                 # then costs the read and two lookups a datagram). With the rate limiter on,
                 # each datagram goes through it first (answer_cached): a flooding network is
                 # limited there.
-                network = networks.get(addr[0])
-                if network is None:
-                    network = self._network(addr[0])
                 if lane.full(network):
                     lane.counts.dropped[NETWORK_FULL] += 1
                     continue
@@ -186,11 +208,13 @@ class _FairUdp:
                 r.runtime.failures.record("dns.udp", exc, peer=str(addr[0]))
                 continue
             if out is SLOW:
-                if lane.offer(self._network(addr[0]), (data, addr)) and not self._scheduled:
+                if lane.offer(network, (data, addr)) and not self._scheduled:
                     self._scheduled = True
                     self._loop.call_soon(self._drain)
             elif out is not None:
                 self._send(out, addr)
+        if self._behind:
+            self._shared = len(taken) > 1
 
     def _drain(self) -> None:
         """One turn's slice of the slow path: ``slow_batch`` queued queries, one per network in
@@ -199,8 +223,18 @@ class _FairUdp:
         if self._closed:
             return
         r = self.responder
-        counts = self.lane.counts
-        for data, addr in self.lane.take(1 if self._behind else self.slow_batch):
+        lane = self.lane
+        counts = lane.counts
+        # slow_batch queries at most (one while the reader is behind), and no more once
+        # SLOW_TURN_S has passed: new subnets or names cost unequal times (a GeoIP look-up, a
+        # rendering, a signature), so a count alone does not bound the turn.
+        limit = 1 if self._behind else self.slow_batch
+        until = time.perf_counter() + SLOW_TURN_S
+        for _ in range(limit):
+            taken = lane.take(1)
+            if not taken:
+                break
+            data, addr = taken[0]
             counts.admitted += 1
             try:
                 out = r.answer_udp(data, addr[0], checked=True)
@@ -210,6 +244,8 @@ class _FairUdp:
                 continue
             if out is not None:
                 self._send(out, addr)
+            if time.perf_counter() >= until:
+                break
         if self.lane.size:
             self._scheduled = True
             self._loop.call_soon(self._drain)
@@ -259,8 +295,6 @@ class DnsServer:
     ) -> None:
         self.responder = responder
         self.listens = listens
-        self.tcp_idle_s = tcp_idle_s
-        self.tcp_max = tcp_max_connections
         self.reuse_port = reuse_port
         # Fair admission of the slow path (gtm.geodns.admission); off: asyncio's transport,
         # every datagram answered in the order read, one per loop turn.
@@ -271,7 +305,13 @@ class DnsServer:
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[_FairUdp] = []
         self._tcp: list[asyncio.Server] = []
-        self._connections: set[asyncio.Task[None]] = set()
+        self.tcp = TcpService(
+            responder,
+            idle_s=tcp_idle_s,
+            max_connections=tcp_max_connections,
+            fair=fair,
+            slow_batch=slow_batch,
+        )
         self.bound: list[tuple[str, int]] = []  # (host, port) actually bound, for port 0
 
     async def start(self) -> None:
@@ -281,7 +321,7 @@ class DnsServer:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             # TCP first, so that with port 0 UDP can take the same port number.
             server = await asyncio.start_server(
-                self._serve_tcp,
+                self.tcp.serve,
                 host,
                 port,
                 family=family,
@@ -324,58 +364,12 @@ class DnsServer:
             listener.close()
         for server in self._tcp:
             server.close()
-        for task in list(self._connections):
-            task.cancel()
-        for task in list(self._connections):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.tcp.close()
         for server in self._tcp:
             await server.wait_closed()
         self._udp.clear()
         self._fair.clear()
         self._tcp.clear()
-
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stats = self.responder.stats
-        if len(self._connections) >= self.tcp_max:
-            stats.tcp_refused += 1
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        stats.tcp_connections += 1
-        peer = peer_address(str(writer.get_extra_info("peername")[0]))
-        try:
-            # RFC 7766 §6.2.1: several queries per connection, answered in order; an idle
-            # connection is closed after a timeout.
-            while True:
-                try:
-                    header = await asyncio.wait_for(reader.readexactly(2), self.tcp_idle_s)
-                    (length,) = struct.unpack("!H", header)
-                    message = await asyncio.wait_for(reader.readexactly(length), self.tcp_idle_s)
-                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-                    return
-                try:
-                    out = self.responder.answer_tcp(message, peer)
-                except Exception as exc:  # as over UDP; the connection is closed
-                    stats.failed += 1
-                    self.responder.runtime.failures.record("dns.tcp", exc, peer=str(peer))
-                    return
-                if out is None:
-                    return  # unreadable: close, as there is no sane way to resynchronise
-                writer.write(struct.pack("!H", len(out)) + out)
-                await writer.drain()
-        except ConnectionError:
-            return
-        finally:
-            self._connections.discard(task)
-            stats.tcp_connections -= 1
-            writer.close()
-            with contextlib.suppress(OSError, asyncio.CancelledError):
-                await writer.wait_closed()
 
 
 def _widen_receive_buffer(sock: Any) -> None:

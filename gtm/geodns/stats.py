@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, LaneCounts
+from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SHUTDOWN, TOTAL_FULL, LaneCounts
 
 
 class DnsStats:
@@ -37,6 +37,7 @@ class DnsStats:
         self.failed = 0
         # The slow path's admission per sender network (gtm.geodns.admission).
         self.lane = LaneCounts()
+        self.tcp_lane = LaneCounts()  # TCP messages waiting for the slow path (gtm.geodns.tcp)
         # UDP responses the kernel would not take (send buffer full): not sent.
         self.send_dropped = 0
 
@@ -60,7 +61,11 @@ class DnsCollector(Collector):
             ("gtm_dns_cache_misses", "answers rendered afresh", s.cache_misses),
             ("gtm_dns_rate_limited", "responses over the rate limit", s.rate_limited),
             ("gtm_dns_rate_limit_slipped", "rate-limited responses sent truncated", s.slipped),
-            ("gtm_dns_tcp_refused", "TCP connections refused at the cap", s.tcp_refused),
+            (
+                "gtm_dns_tcp_refused",
+                "TCP connections refused at the cap, or closed for a newcomer of a smaller network",
+                s.tcp_refused,
+            ),
             ("gtm_dns_folded", "answers counted on folded audit rows (a client bucket)", s.folded),
             ("gtm_dns_failed", "queries that raised while answered: nothing sent", s.failed),
             (
@@ -74,6 +79,16 @@ class DnsCollector(Collector):
                 s.lane.admitted,
             ),
             ("gtm_dns_send_dropped", "UDP responses the send buffer refused", s.send_dropped),
+            (
+                "gtm_dns_tcp_slow_deferred",
+                "TCP messages no first-level cache held, queued per sender network",
+                s.tcp_lane.deferred,
+            ),
+            (
+                "gtm_dns_tcp_slow_admitted",
+                "queued TCP messages taken from the queues and answered the slow way",
+                s.tcp_lane.admitted,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         dropped = CounterMetricFamily(
@@ -81,11 +96,16 @@ class DnsCollector(Collector):
             "UDP queries dropped before the slow path, by reason (gtm.geodns.admission)",
             labels=["reason"],
         )
-        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN):
+        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN, OVER_SHARE):
             dropped.add_metric([reason], s.lane.dropped[reason])
         yield dropped
         yield GaugeMetricFamily(
             "gtm_dns_slow_queued", "UDP queries waiting for the slow path", value=s.lane.queued
+        )
+        yield GaugeMetricFamily(
+            "gtm_dns_tcp_slow_queued",
+            "TCP messages waiting for the slow path",
+            value=s.tcp_lane.queued,
         )
         yield GaugeMetricFamily(
             "gtm_dns_tcp_connections", "open TCP connections", value=s.tcp_connections

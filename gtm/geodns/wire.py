@@ -232,26 +232,34 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
     udp_size = max(rr_class, 512)
     ecs: ClientSubnet | None = None
     nsid = False
+    # The first option found malformed: the others are still walked (while their framing
+    # holds), so that a FORMERR for a bad ECS option answers an NSID asked after it too.
+    error: str | None = None
     pos, end = rdata_start, rdata_start + rdlength
-    try:
-        while pos < end:
-            if pos + 4 > end:
-                raise _Malformed("truncated EDNS option header")
-            code, length = struct.unpack_from("!HH", wire, pos)
-            pos += 4
-            if pos + length > end:
-                raise _Malformed("EDNS option length runs past the OPT record")
-            if code == ECS_CODE:
-                if ecs is not None:
-                    raise _Malformed("more than one ECS option")
-                ecs = _parse_ecs(wire[pos : pos + length])
-            elif code == NSID_CODE:
-                nsid = True  # its payload, empty in a query (RFC 5001 §2.1), is not read
-            # Other options (cookies, padding, unknown codes) are ignored and never echoed
-            # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
-            pos += length
-    except _Malformed as exc:
-        raise _MalformedOption(str(exc), Edns(udp_size, version, do, None)) from None
+    while pos < end:
+        if pos + 4 > end:
+            error = error or "truncated EDNS option header"
+            break
+        code, length = struct.unpack_from("!HH", wire, pos)
+        pos += 4
+        if pos + length > end:
+            error = error or "EDNS option length runs past the OPT record"
+            break
+        if code == ECS_CODE:
+            if ecs is not None or error is not None:
+                error = error or "more than one ECS option"
+            else:
+                try:
+                    ecs = _parse_ecs(wire[pos : pos + length])
+                except _Malformed as exc:
+                    error = str(exc)
+        elif code == NSID_CODE:
+            nsid = True  # its payload, empty in a query (RFC 5001 §2.1), is not read
+        # Other options (cookies, padding, unknown codes) are ignored and never echoed
+        # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
+        pos += length
+    if error is not None:
+        raise _MalformedOption(error, Edns(udp_size, version, do, None, nsid))
     return Edns(udp_size, version, do, ecs, nsid)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,15 @@ from typing import Any
 import dns.message
 import pytest
 
-from gtm.geodns.admission import NETWORK_FULL, SHUTDOWN, TOTAL_FULL, SlowLane, sender_network
+from gtm.geodns.admission import (
+    NETWORK_FULL,
+    OVER_SHARE,
+    SHUTDOWN,
+    TOTAL_FULL,
+    SlowLane,
+    sender_network,
+)
+from gtm.geodns.server import TURN_SHARE
 from gtm.geodns.stats import DnsCollector
 from gtm.node import Node
 
@@ -238,3 +247,164 @@ async def test_a_large_resolver_alone_is_not_capped_at_its_networks_bound(
         answers = await receive(big, 600)
     assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(600))
     assert node.dns.responder.stats.lane.dropped.total() == 0
+
+
+async def test_a_network_over_its_share_of_a_batch_is_dropped_as_read_while_behind(
+    start_node: StartNode,
+) -> None:
+    """Behind a flood of cached queries from one network, with another network sending too,
+    the flood's datagrams past TURN_SHARE of a read batch are dropped as they are read, and
+    counted; the other network's are all answered. All 510 datagrams wait in the kernel's
+    buffer before the server reads one: the first batch (READ_BATCH, from both networks) is
+    read whole, so the reader is behind; in the second, the flood gets TURN_SHARE."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None
+    await prime(node, "127.0.1.1")
+    await prime(node, "127.0.2.1")
+    target = ("127.0.0.1", port_of(node))
+    with sender("127.0.1.1") as f, sender("127.0.2.1") as g:
+        for part in range(2):
+            for i in range(250):
+                f.sendto(with_id(CACHED, 250 * part + i), target)
+            for i in range(5):
+                g.sendto(with_id(CACHED, 1000 + 5 * part + i), target)
+        answers = await receive(g, 10)
+        # The first batch: 250 + 5 + 1 of the flood's second part; of the 249 left in the
+        # second, TURN_SHARE (64) answered.
+        flood_answers = await receive(f, 251 + TURN_SHARE)
+        check = dns.message.make_query("chat.gtm.example.", "A")
+        assert (await udp(node, check, source="127.0.1.1")).answer  # read after the rest
+        assert waiting(f) == 0
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(1000, 1010))
+    assert len(flood_answers) == 251 + TURN_SHARE
+    lane = node.dns.responder.stats.lane
+    assert lane.dropped[OVER_SHARE] == 500 - 251 - TURN_SHARE
+
+
+async def test_a_network_alone_is_not_dropped_over_its_share(start_node: StartNode) -> None:
+    """The same 500 cached queries from one network alone: every one answered."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None
+    await prime(node, "127.0.1.1")
+    target = ("127.0.0.1", port_of(node))
+    with sender("127.0.1.1") as f:
+        for i in range(500):
+            f.sendto(with_id(CACHED, i), target)
+        answers = await receive(f, 500)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(500))
+    assert node.dns.responder.stats.lane.dropped[OVER_SHARE] == 0
+
+
+def framed(wire: bytes) -> bytes:
+    return struct.pack("!H", len(wire)) + wire
+
+
+def tcp_connection(node: Node, source: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port_of(node)), source_address=(source, 0))
+    sock.setblocking(False)
+    return sock
+
+
+async def tcp_answer(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while len(data) < 2 or len(data) < 2 + int.from_bytes(data[:2], "big"):
+        data += await asyncio.wait_for(loop.sock_recv(sock, 65535), DEADLINE_S)
+    return data[2:]
+
+
+def answers_waiting(sock: socket.socket) -> int:
+    """How many whole answers wait in a connection now (read and discarded)."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65535)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    n = pos = 0
+    while pos + 2 <= len(data):
+        pos += 2 + int.from_bytes(data[pos : pos + 2], "big")
+        n += pos <= len(data)
+    return n
+
+
+@pytest.mark.parametrize("fair", [True, False])
+async def test_a_tcp_flood_of_misses_does_not_hold_cached_tcp_answers(
+    start_node: StartNode, fair: bool
+) -> None:
+    """Twenty connections from one network each pipeline twenty new names; then a client of
+    another network asks its cached question over TCP, all sent before the server reads any.
+    With fair admission the misses wait for the slow path (one message a loop turn here) and
+    the cached answer comes before any of theirs; in the order read (admission off), each
+    flood connection's first message is answered before the client's."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_slow_batch=1, dns_fair_admission=fair)
+    assert node.dns is not None
+    legit = tcp_connection(node, "127.0.2.1")
+    flood = [tcp_connection(node, "127.0.1.1") for _ in range(20)]
+    try:
+        legit.send(framed(CACHED))
+        assert dns.message.from_wire(await tcp_answer(legit)).answer  # now a first-level hit
+        for _ in range(int(DEADLINE_S / 0.01)):  # until every connection is accepted
+            if node.dns_stats.tcp_connections == 21:
+                break
+            await asyncio.sleep(0.01)
+        for c, sock in enumerate(flood):
+            sock.send(b"".join(framed(missing_name(100 * c + i)) for i in range(20)))
+        legit.send(framed(with_id(CACHED, 4242)))
+        answer = await tcp_answer(legit)
+        assert int.from_bytes(answer[:2], "big") == 4242
+        before = sum(answers_waiting(sock) for sock in flood)
+    finally:
+        for sock in [legit, *flood]:
+            sock.close()
+    if fair:
+        assert before < len(flood)
+        lane = node.dns.responder.stats.tcp_lane
+        assert lane.deferred > 0
+        metrics = {m.name: m.samples[0].value for m in DnsCollector(node.dns_stats).collect()}
+        assert metrics["gtm_dns_tcp_slow_deferred"] == lane.deferred
+        assert metrics["gtm_dns_tcp_slow_admitted"] == lane.admitted
+    else:
+        assert before >= len(flood)
+
+
+async def test_at_the_connection_cap_a_newcomer_closes_the_biggest_networks_oldest(
+    start_node: StartNode,
+) -> None:
+    """Three connections from one network fill a cap of three; a client of another network is
+    served, and the first network's oldest connection is closed for it (counted as refused). A
+    fourth from the first network is refused: it holds as many as the other would then."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_tcp_max_connections=3)
+    loop = asyncio.get_running_loop()
+    flood = [tcp_connection(node, "127.0.1.1") for _ in range(3)]
+    others: list[socket.socket] = []
+    try:
+        for sock in flood:  # each served, in the order opened
+            sock.send(framed(CACHED))
+            assert dns.message.from_wire(await tcp_answer(sock)).answer
+        others.append(tcp_connection(node, "127.0.2.1"))
+        others[0].send(framed(CACHED))
+        assert dns.message.from_wire(await tcp_answer(others[0])).answer
+        # The oldest flood connection was closed: end of stream (or a reset).
+        try:
+            closed = await asyncio.wait_for(loop.sock_recv(flood[0], 65535), DEADLINE_S)
+        except ConnectionResetError:
+            closed = b""
+        assert closed == b""
+        assert node.dns_stats.tcp_refused == 1
+        flood[1].send(framed(CACHED))  # the others still answer
+        assert dns.message.from_wire(await tcp_answer(flood[1])).answer
+        others.append(tcp_connection(node, "127.0.1.1"))
+        others[1].send(framed(CACHED))
+        try:
+            refused = await asyncio.wait_for(loop.sock_recv(others[1], 65535), DEADLINE_S)
+        except ConnectionResetError:
+            refused = b""
+        assert refused == b""
+        assert node.dns_stats.tcp_refused == 2
+    finally:
+        for sock in [*flood, *others]:
+            sock.close()

@@ -341,3 +341,43 @@ async def test_nsid_answers_alike_on_the_ecs_path(start_node: StartNode) -> None
     full = await raw_udp(node, wire, wait=10, source="127.0.0.3")
     assert fast is not None and fast == full
     assert nsid_of(dns.message.from_wire(fast)) == b"edge-fra-1"
+
+
+def _nsid_rejects() -> list[tuple[str, bytes, int]]:
+    """Packets rejected with a readable OPT asking for the NSID: (what, wire, rcode)."""
+    nsid = dns.edns.NSIDOption(b"")
+    query = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, options=[nsid])
+    wire = query.to_wire()
+    opt_at = wire.index(b"\x00\x00\x29")  # the OPT record: root owner, type 41
+    question, opt = wire[12:opt_at], wire[opt_at:]
+    no_question = wire[:4] + struct.pack("!HHHH", 0, 0, 0, 1) + opt
+    notimp = dns.message.make_query("chat.gtm.example.", "A", use_edns=0, options=[nsid])
+    notimp.set_opcode(15)
+    # ECS whose address has bits past its source prefix (/24 with a last octet), then NSID.
+    bad_ecs = struct.pack("!HHHBB", 8, 8, 1, 24, 0) + bytes([198, 51, 100, 7])
+    nsid_option = struct.pack("!HH", 3, 0)
+    options = bad_ecs + nsid_option
+    bad_opt = b"\x00" + struct.pack("!HHIH", 41, 1232, 0, len(options)) + options
+    bad_option = wire[:12] + question + bad_opt
+    badvers = dns.message.make_query("chat.gtm.example.", "A", use_edns=1, options=[nsid])
+    return [
+        ("QDCOUNT 0", no_question, dns.rcode.FORMERR),
+        ("opcode 15", notimp.to_wire(), dns.rcode.NOTIMP),
+        ("bad ECS, NSID after it", bad_option, dns.rcode.FORMERR),
+        ("EDNS version 1", badvers.to_wire(), dns.rcode.BADVERS),
+    ]
+
+
+@pytest.mark.parametrize("server_id", ["edge-fra-1", None])
+async def test_rejects_carry_the_nsid_when_asked(
+    start_node: StartNode, server_id: str | None
+) -> None:
+    """FORMERR, NOTIMP and BADVERS to a query whose OPT was readable and asked for the NSID
+    carry the server id as every other answer does (RFC 5001 §2.2), over UDP and TCP; with no
+    server id configured, none. Before, only answers the zone rendered had it."""
+    node = await start_node(dns_server_id=server_id)
+    for what, wire, rcode in _nsid_rejects():
+        for raw in await _both(node, wire):
+            reply = dns.message.from_wire(raw)
+            assert reply.rcode() == rcode, what
+            assert nsid_of(reply) == (server_id.encode() if server_id else None), what
