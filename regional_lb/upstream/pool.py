@@ -339,6 +339,7 @@ class Pool:
         cost: float,
         affinity: int | None = None,
         saved: dict[str, float] | None = None,
+        prefill: float | None = None,
     ) -> PickRequest:
         c = self.estimator.coeffs(shape.model)
         return PickRequest(
@@ -351,7 +352,13 @@ class Pool:
             tiebreak=self._costs_seen,
             affinity=affinity,
             prefill_saved=saved or None,
+            prefill=prefill,
         )
+
+    def _prompt_prefill(self, shape: RequestShape, cost: float) -> float:
+        """The part of ``cost`` that is prefilling the whole prompt (reference seconds)."""
+        per_token = self.estimator.coeffs(shape.model).prefill_per_token
+        return min(max(per_token * shape.prompt_tokens, 0.0), cost)
 
     def can_serve(self, model: str) -> bool:
         """Some instance in service could take this model, now or once it has room."""
@@ -381,12 +388,22 @@ class Pool:
                 param="model",
             )
         saved = self.prefill_saved(shape, blocks)
+        # With a KV index and the prompt's blocks, the cost is split: its prompt part is priced
+        # at the single-sequence speed, queued prompts and cache hits second for second
+        # (regional_lb.balancing.pick). Without them the score is the one the prefix-free
+        # scenarios were tuned on.
+        prefill = (
+            self._prompt_prefill(shape, cost) if self.kv_index is not None and blocks else None
+        )
         now = self.clock()
         choice = (
             None
             if self.draining
             else pick(
-                self.instances, self.pick_request(shape, cost, affinity, saved), now, self.params
+                self.instances,
+                self.pick_request(shape, cost, affinity, saved, prefill),
+                now,
+                self.params,
             )
         )
         if choice is None:
@@ -397,7 +414,13 @@ class Pool:
         if self.kv_index is not None and blocks:
             # Routing history: the index's estimate for instances without live KV events.
             self.kv_index.note_routed(inst.id, blocks)
-        inst.add(rid, max(cost - skipped, 0.0), now, model=shape.model)
+        inst.add(
+            rid,
+            max(cost - skipped, 0.0),
+            now,
+            model=shape.model,
+            prefill=0.0 if prefill is None else max(prefill - skipped, 0.0),
+        )
         stall = max(self.estimator.prefill_stall(shape) - skipped, 0.0)
         if stall > 0:
             inst.prefill_stall(now, stall / timing_speed(inst, self._speed_anchor))

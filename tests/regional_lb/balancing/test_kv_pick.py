@@ -90,3 +90,41 @@ def test_the_pool_routes_to_the_cache_and_forgets_an_instance_out_of_service() -
     pool.by_id("b").healthy = False
     lease = pool.route(shape, cost, blocks=HASHES)
     assert lease.instance.id == "a" and index.blocks_held("b") == 0
+
+
+def test_the_pool_prices_prompts_queued_on_the_cached_instance_second_for_second() -> None:
+    """Through Pool.route: prompts queued on the instance holding the prefix cost it their
+    prefill at the single-sequence speed. Before the pool split its cost, that queue was divided
+    by the full-batch speed and a 0.8 s hit outweighed about 8 s of prompts waiting there."""
+    from regional_lb.balancing.cost import RequestShape
+    from regional_lb.config import parse_config
+    from regional_lb.upstream.pool import Pool
+
+    cfg = parse_config(
+        {
+            "region": "r",
+            "instances": [
+                {"id": iid, "url": "http://127.0.0.1:1", "models": ["m"]} for iid in ("a", "b")
+            ],
+        }
+    )
+    pool = Pool(cfg, clock=lambda: 100.0)
+    index = pool.kv_index = KvIndex(block_size=16)
+    for iid in ("a", "b"):
+        index.track(iid)
+    cached = HASHES[:250]  # half the prompt's blocks
+    index.apply("b", 0, KvEventBatch(0.0, (BlockStored(tuple(cached), None, (), 16),)), 0.0)
+    shape = RequestShape("m", "chat", prompt_tokens=PROMPT, max_tokens=1)
+    per_token = pool.estimator.coeffs("m").prefill_per_token
+    saved = pool.prefill_saved(shape, HASHES)["b"]
+    # Prompts with nothing cached anywhere queue on b (a out of service meanwhile) until they
+    # outweigh the hit there three times over.
+    pool.by_id("a").healthy = False
+    other = RequestShape("m", "chat", prompt_tokens=PROMPT, max_tokens=1)
+    while pool.by_id("b").pending_prefill <= 3 * saved:
+        lease = pool.route(other, pool.estimate(other), blocks=[10_000 + pool.by_id("b").in_flight])
+        assert lease.instance.id == "b"
+    pool.by_id("a").healthy = True
+    assert per_token * PROMPT > saved > 0  # a partial hit, smaller than the whole prompt
+    lease = pool.route(shape, pool.estimate(shape), blocks=HASHES)
+    assert lease.instance.id == "a"
