@@ -49,6 +49,7 @@ from regional_lb.protocol.kv_prompt import prompt_block_hashes
 from regional_lb.protocol.openai_io import PATHS, parse_request
 from regional_lb.proxy.admin import create_admin_app
 from regional_lb.proxy.identity import Caller, Identities
+from regional_lb.upstream.cache_stats import CacheStats
 from regional_lb.upstream.forward import (
     completion_tokens,
     relay,
@@ -131,6 +132,7 @@ class Balancer:
         # None while tracing is off (regional_lb.tracing): the request path checks only that.
         self.tracer = tracing.tracer("regional_lb.proxy")
         self._seq = 0
+        self.cache = CacheStats()  # fed by the metrics scrapes (Background)
         # ASGI header names arrive lower-cased, as bytes.
         self.identities = Identities(config)
         self._tier_h = config.tier_header.lower().encode("latin-1")
@@ -151,7 +153,11 @@ class Balancer:
 
     def next_report(self) -> tuple[bytes, int]:
         self._seq += 1
-        report = self.pool.capacity_report(self._seq)
+        pool = self.pool
+        cache = self.cache.figures(
+            [i.id for i in pool.serving()], time.monotonic(), self.config.scrape.stale_after_s
+        )
+        report = pool.capacity_report(self._seq, cache)
         return report.model_dump_json().encode(), 200 if report.can_take_work else 503
 
     @asynccontextmanager
@@ -164,7 +170,9 @@ class Balancer:
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
         )
         async with httpx.AsyncClient(transport=transport, timeout=timeouts) as client:
-            background = Background(self.pool, client, self.metrics, self.secret, self.next_report)
+            background = Background(
+                self.pool, client, self.metrics, self.secret, self.next_report, self.cache
+            )
             spec = self.config.clients.jwt
             verifier = self.identities.jwt
             if spec is not None and spec.jwks_url is not None and verifier is not None:
