@@ -9,6 +9,7 @@ entries at once; bad events are counted and change no answer."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -19,11 +20,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from regional_lb.balancing.kv_blocks import block_hashes
+from regional_lb.balancing.kv_blocks import block_hashes, tokens_of
 from regional_lb.balancing.kv_events import BlockStored, KvEventBatch, encode_batch
 from regional_lb.config import BalancerConfig
 from regional_lb.errors import ConfigError
-from regional_lb.protocol.kv_prompt import prompt_block_hashes, prompt_token_ids
+from regional_lb.protocol.kv_prompt import (
+    chained_hashes,
+    prompt_block_hashes,
+    prompt_token_ids,
+    token_ids,
+)
 from regional_lb.sim.engine import Engine
 from tests.regional_lb.conftest import balancer, balancer_config, eventually, sim
 
@@ -113,6 +119,19 @@ def test_the_sim_and_the_balancer_cut_a_prompt_into_the_same_blocks() -> None:
     first, second = prompt_block_hashes(body, 16), prompt_block_hashes(follow, 16)
     # A conversation's next turn starts with every full block of the one before.
     assert len(first) >= 30 and second[: len(first) - 1] == first[:-1]
+
+
+def test_the_request_path_cut_gives_the_reference_ids_and_hashes() -> None:
+    """The proxy's faster cut (remembered chunk ids, a compiled packing) names every block
+    exactly as kv_blocks does: any difference would be a miss on every request."""
+    rng = random.Random(34)
+    for _ in range(100):
+        text = "".join(rng.choice("abcdefgh é日\x00") for _ in range(rng.randrange(0, 2000)))
+        assert token_ids(text) == tokens_of(text)
+        for size in (1, 4, 16):
+            assert chained_hashes(token_ids(text), size) == block_hashes(tokens_of(text), size)
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        chained_hashes([1, 2], 0)
 
 
 async def test_follow_up_turns_go_where_their_prefix_is_cached() -> None:
