@@ -221,6 +221,23 @@ async def test_a_drained_instance_loses_its_entries_and_its_followers() -> None:
         assert row(await kv_status(url), owner)["blocks_held"] == 0
 
 
+async def test_an_instance_that_leaves_stops_being_followed() -> None:
+    async with fleet(2) as (url, engines, client):
+        talk = conversation(14)
+        owner, _ = await ask(client, talk)
+        await eventually(lambda: holds(url, owner, talk), within=30)
+        pub = engines[int(owner[1:])].kv_publisher
+        assert pub is not None
+        async with httpx.AsyncClient(timeout=10) as c:
+            assert (await c.post(f"{url}/admin/drain/{owner}")).status_code == 200
+            assert (await c.delete(f"{url}/admin/instances/{owner}")).status_code == 200
+        assert owner not in {r["id"] for r in (await kv_status(url))["instances"]}
+        # Its subscription is closed: the publisher hears the unsubscription.
+        await eventually(lambda: pub.subscribers() == 0, within=30, what="unsubscribed")
+        served, _ = await ask(client, talk)
+        assert served != owner
+
+
 async def test_bad_events_are_counted_the_index_stays_bounded_and_answers_stay_right() -> None:
     """i0's events come from a publisher that sends garbage, replays, foreign block sizes,
     a flood of unique blocks, and false claims of the very prompt asked next."""
