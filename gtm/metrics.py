@@ -87,6 +87,16 @@ REGION_ADMITTED = Gauge(
 REGION_UTILISATION = Gauge(
     "gtm_region_utilisation", "Utilisation in the last capacity report", ["region"]
 )
+REGION_PREFIX_CACHE_HIT_RATE = Gauge(
+    "gtm_region_prefix_cache_hit_rate",
+    "Prompt tokens found in the region's prefix caches over those looked up (last report)",
+    ["region"],
+)
+REGION_KV_FREE_FRACTION = Gauge(
+    "gtm_region_kv_free_fraction",
+    "Share of the region's KV cache no running request holds (last report)",
+    ["region"],
+)
 REGION_REPORT_TS = Gauge(
     "gtm_region_report_timestamp_seconds",
     "Unix time of the last accepted capacity report (report age = time() - this)",

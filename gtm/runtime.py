@@ -323,10 +323,20 @@ class Runtime:
             report.ts,
             report.can_take_work and not report.draining,
             spill,
+            (report.prefix_cache_hit_rate, report.kv_free_fraction, report.kv_free_blocks),
         )
         state = capacity[report.region]
         metrics.REGION_UTILISATION.labels(report.region).set(report.utilisation)
         metrics.REGION_REPORT_TS.labels(report.region).set(report.ts)
+        for gauge, value in (
+            (metrics.REGION_PREFIX_CACHE_HIT_RATE, report.prefix_cache_hit_rate),
+            (metrics.REGION_KV_FREE_FRACTION, report.kv_free_fraction),
+        ):
+            if value is None:  # the region stopped saying: no stale figure left behind
+                with contextlib.suppress(KeyError):
+                    gauge.remove(report.region)
+            else:
+                gauge.labels(report.region).set(value)
         metrics.REGION_SPILL_SHARE.labels(report.region).set(
             spill_share(report.utilisation, spill.low_watermark, spill.max_share)
             if state.spilling

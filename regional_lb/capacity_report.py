@@ -52,6 +52,23 @@ class CapacityReport(BaseModel):
     models: list[ModelAvailability] = Field(default_factory=list)
     draining: bool = False
     can_take_work: bool = True
+    # Prefix caching (regional_lb.upstream.cache_stats); null: no instance in service says.
+    prefix_cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="prompt tokens found in the instances' prefix caches over those looked up, "
+        "over the last minute (vllm:prefix_cache_hits / vllm:prefix_cache_queries)",
+    )
+    kv_free_fraction: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="share of the instances' KV cache no running request holds (1 - KV usage)",
+    )
+    kv_free_blocks: int | None = Field(
+        default=None, ge=0, le=2**53, description="KV blocks no running request holds"
+    )
 
 
 def region_secret(fleet_secret: bytes, region: str) -> bytes:

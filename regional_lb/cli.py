@@ -198,6 +198,9 @@ def sim_backend(
             "--kv-events", help="publish vLLM KV-cache events on this ZMQ endpoint (tcp://H:P)"
         ),
     ] = "",
+    kv_events_topic: Annotated[
+        str, typer.Option("--kv-events-topic", help="the events' topic frame (vLLM's topic)")
+    ] = "",
 ) -> None:
     """Run a simulated OpenAI-compatible inference server (no GPU needed)."""
     from regional_lb.sim.engine import EngineConfig
@@ -236,6 +239,7 @@ def sim_backend(
         api_key=os.environ.get(api_key_env) if api_key_env else None,
         block_size=block_size,
         kv_events_endpoint=kv_events or None,
+        kv_events_topic=kv_events_topic,
     )
     typer.echo(
         f"sim-backend {gp.name} {models} on http://{host}:{port} (pid {os.getpid()})", err=True

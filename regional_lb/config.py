@@ -8,11 +8,20 @@ Every problem is reported at once with its location; the CLI exits with code 2 o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from regional_lb.balancing.gpus import GPUS
@@ -62,6 +71,46 @@ class UpstreamAuth(_Strict):
     client_authorization: Literal["replace", "pass"] = "replace"
 
 
+class KvEventsConfig(_Strict):
+    """Where an instance publishes its KV-cache events: vLLM's ``--kv-events-config``
+    ``endpoint`` as the balancer reaches it (vLLM binds ``tcp://*:5557``; connect to
+    ``tcp://HOST:5557``), and its ``topic``. The simulator's ``--kv-events`` is the same."""
+
+    endpoint: str = Field(description="tcp://HOST:PORT or ipc://PATH")
+    topic: str = Field(default="", max_length=256, description="vLLM's topic; empty: all")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _connectable(cls, v: str) -> str:
+        if re.fullmatch(r"ipc://\S+", v):
+            return v
+        m = re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[^\s/:*\[\]]+):(\d{1,5})", v)
+        if m is None:
+            raise ValueError(
+                f"{v!r} is not a ZMQ endpoint the balancer can connect to: tcp://HOST:PORT "
+                "or ipc://PATH (vLLM's bind address tcp://*:PORT is reached as tcp://HOST:PORT)"
+            )
+        if not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"{v!r}: port {m.group(2)} is out of range")
+        return v
+
+
+class KvCacheConfig(_Strict):
+    """The balancer's index of which instance holds which KV blocks
+    (regional_lb.balancing.kv_index). Block size and hashing must be the servers': the
+    regional tier's README says what has to match for vLLM."""
+
+    # null: on when an instance has kv_events; true: also without (routing-history estimates).
+    enabled: bool | None = None
+    block_size: int = Field(default=16, ge=1, le=4096, description="tokens per block")
+    max_blocks: int = Field(
+        default=200_000, ge=1, le=10_000_000, description="per instance: the index's bound"
+    )
+    # A stream is silent when requests that stored new blocks there ended this long ago and
+    # no event followed: its instance falls back to the routing-history estimate.
+    silent_after_s: float = Field(default=10.0, gt=0)
+
+
 class InstanceConfig(_Strict):
     id: str = Field(min_length=1, max_length=64)
     url: str = Field(pattern=r"^https?://")
@@ -80,6 +129,7 @@ class InstanceConfig(_Strict):
     # embed: an embedding/pooling server (its model probe asks for an embedding).
     task: Literal["generate", "embed"] = "generate"
     auth: UpstreamAuth | None = None  # unset: the pool's upstream_auth
+    kv_events: KvEventsConfig | None = None  # unset: no events (routing-history estimates)
 
     @model_validator(mode="after")
     def _known_gpu(self) -> InstanceConfig:
@@ -272,6 +322,7 @@ class BalancerConfig(_Strict):
     body_limits: BodyLimits = Field(default_factory=BodyLimits)
     max_body_bytes: int | None = Field(default=None, gt=0, description="all routes, if set")
     kv_limit: float = Field(default=0.95, gt=0, le=1)
+    kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> BalancerConfig:
@@ -293,6 +344,11 @@ class BalancerConfig(_Strict):
                     problems.append(f"tenants.{tenant}: a key is also {owners[d]}'s")
         if self.default_tenant.key_sha256:
             problems.append("default_tenant: has no keys (it is for callers without one)")
+        endpoints = [i.kv_events.endpoint for i in self.instances if i.kv_events]
+        if len(set(endpoints)) != len(endpoints):
+            problems.append("instances: kv_events endpoints must be unique (one per instance)")
+        if self.kv_cache.enabled is False and endpoints:
+            problems.append("kv_cache.enabled is false, yet instances name kv_events")
         if ":" not in self.listen:
             problems.append("listen: expected HOST:PORT")
         if problems:
@@ -329,6 +385,13 @@ def load_config(path: Path) -> BalancerConfig:
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from exc
     return parse_config(data, str(path))
+
+
+def kv_index_on(config: BalancerConfig) -> bool:
+    """Whether routing prices prefix-cache hits (:class:`KvCacheConfig`)."""
+    if config.kv_cache.enabled is not None:
+        return config.kv_cache.enabled
+    return any(i.kv_events is not None for i in config.instances)
 
 
 def body_limit(config: BalancerConfig, endpoint: str) -> int:

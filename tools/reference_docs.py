@@ -244,6 +244,21 @@ def metrics_page() -> str:
     add("global", [DnsCollector(DnsStats())], lambda c: c.collect())
     lb = BalancerMetrics(list, dict, dict, lambda: 0.0)
     add("regional", list(lb.registry._collector_to_names), lambda c: c.collect())
+    # Registered only when the KV index is on: built here from a configuration that turns it on.
+    from regional_lb.balancing.kv_index import KvIndex
+    from regional_lb.config import parse_config
+    from regional_lb.upstream.kv_streams import KvCollector, KvStreams
+
+    kv_config = parse_config(
+        {
+            "region": "r",
+            "instances": [
+                {"id": "i", "url": "http://i", "kv_events": {"endpoint": "tcp://i:5557"}}
+            ],
+        }
+    )
+    kv = KvCollector(KvStreams(kv_config, KvIndex(), lambda: 0.0), lambda: ["i"])
+    add("regional", [kv], lambda c: c.collect())
     out = [
         "# Metrics reference\n",
         _GENERATED,

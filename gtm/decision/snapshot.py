@@ -47,6 +47,11 @@ class RegionCapacity:
     # low one, so a region hovering at the threshold does not flip its clients back and forth.
     spilling: bool
     can_take_work: bool = True
+    # Prefix caching in the region, as its report said (shown to operators; no decision reads
+    # them): prompt tokens found cached over those looked up, and the KV cache left free.
+    prefix_cache_hit_rate: float | None = None
+    kv_free_fraction: float | None = None
+    kv_free_blocks: int | None = None
 
 
 def next_capacity(
@@ -55,6 +60,7 @@ def next_capacity(
     reported_at: float,
     can_take_work: bool,
     watermarks: Spillover,
+    cache: tuple[float | None, float | None, int | None] = (None, None, None),
 ) -> RegionCapacity:
     """Fold one report into the region's capacity state (pure; used by capacity intake)."""
     was_spilling = previous.spilling if previous is not None else False
@@ -64,7 +70,7 @@ def next_capacity(
         spilling = False
     else:
         spilling = was_spilling
-    return RegionCapacity(utilisation, reported_at, spilling, can_take_work)
+    return RegionCapacity(utilisation, reported_at, spilling, can_take_work, *cache)
 
 
 @dataclass(frozen=True, slots=True)

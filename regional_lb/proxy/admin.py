@@ -7,6 +7,7 @@ OpenAI endpoints themselves are served by :mod:`regional_lb.proxy.app` without i
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from regional_lb.config import InstanceConfig
 from regional_lb.errors import RequestError
 from regional_lb.metrics import BalancerMetrics
 from regional_lb.protocol.openai_io import error_body
+from regional_lb.upstream.kv_streams import KvStreams
 from regional_lb.upstream.pool import Pool
 
 
@@ -82,6 +84,7 @@ def create_admin_app(
     secret: bytes | None,
     next_report: Callable[[], tuple[bytes, int]],
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]],
+    kv: KvStreams | None = None,
 ) -> FastAPI:
     app = FastAPI(title="GTM regional balancer", lifespan=lifespan)
     config = pool.config
@@ -178,6 +181,8 @@ def create_admin_app(
         try:
             ic = InstanceConfig.model_validate_json(await request.body())
             inst = pool.join(ic)
+            if kv is not None:
+                kv.join(ic)
         except ValidationError as exc:
             return error_response(400, str(exc).splitlines()[0])
         except RequestError as exc:
@@ -188,11 +193,28 @@ def create_admin_app(
     async def leave(instance_id: str) -> Response:
         try:
             pool.leave(instance_id)
+            if kv is not None:
+                kv.leave(instance_id)
         except KeyError:
             return error_response(404, f"no instance {instance_id!r}", code="not_found")
         except RequestError as exc:
             return error_response(exc.status, str(exc), code=exc.code)
         return JSONResponse({"id": instance_id, "left": True})
+
+    @app.get("/admin/kv")
+    async def kv_status() -> dict[str, Any]:
+        """The KV-cache index: on or off, its bound, what it did with the events it was sent,
+        and per instance its stream (live, waiting, fallback and why) and entries."""
+        index = pool.kv_index
+        if kv is None or index is None:
+            return {"enabled": False, "instances": []}
+        return {
+            "enabled": True,
+            "block_size": index.block_size,
+            "max_blocks": index.max_blocks,
+            "counts": dataclasses.asdict(index.counts),
+            "instances": kv.status(i.id for i in pool.instances),
+        }
 
     @app.post("/admin/drain")
     async def drain_region() -> dict[str, Any]:

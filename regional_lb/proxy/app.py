@@ -30,7 +30,8 @@ from regional_lb import tracing
 from regional_lb.balancing.affinity import key_of, prompt_prefix
 from regional_lb.balancing.cost import Endpoint, RequestShape
 from regional_lb.balancing.instance import InstanceState
-from regional_lb.config import BalancerConfig, body_limit
+from regional_lb.balancing.kv_index import KvIndex
+from regional_lb.config import BalancerConfig, body_limit, kv_index_on
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
 from regional_lb.metrics import BalancerMetrics
 from regional_lb.protocol.asgi import (
@@ -44,9 +45,11 @@ from regional_lb.protocol.asgi import (
     respond_error,
     text_header,
 )
+from regional_lb.protocol.kv_prompt import prompt_block_hashes
 from regional_lb.protocol.openai_io import PATHS, parse_request
 from regional_lb.proxy.admin import create_admin_app
 from regional_lb.proxy.identity import Caller, Identities
+from regional_lb.upstream.cache_stats import CacheStats
 from regional_lb.upstream.forward import (
     completion_tokens,
     relay,
@@ -55,6 +58,7 @@ from regional_lb.upstream.forward import (
     upstream_headers,
 )
 from regional_lb.upstream.h1client import ConnectFailed, H1Client, HopError, HopResponse, HopTimeout
+from regional_lb.upstream.kv_streams import KvCollector, KvStreams
 from regional_lb.upstream.pool import Lease, Pool
 from regional_lb.upstream.probes import Background
 
@@ -116,11 +120,19 @@ class Balancer:
             pool.utilisation,
         )
         pool.on_ejected = lambda inst: metrics.ejections.labels(inst.id).inc()
+        # Prefix-cache routing: the index, fed by the instances' KV events where configured.
+        self.kv: KvStreams | None = None
+        if kv_index_on(config):
+            kc = config.kv_cache
+            pool.kv_index = KvIndex(kc.max_blocks, kc.block_size)
+            self.kv = KvStreams(config, pool.kv_index, pool.clock)
+            metrics.registry.register(KvCollector(self.kv, lambda: [i.id for i in pool.instances]))
         t = config.timeouts
         self.upstream = H1Client(connect_timeout=t.connect_s)
         # None while tracing is off (regional_lb.tracing): the request path checks only that.
         self.tracer = tracing.tracer("regional_lb.proxy")
         self._seq = 0
+        self.cache = CacheStats()  # fed by the metrics scrapes (Background)
         # ASGI header names arrive lower-cased, as bytes.
         self.identities = Identities(config)
         self._tier_h = config.tier_header.lower().encode("latin-1")
@@ -131,7 +143,9 @@ class Balancer:
         self._gone = metrics.requests.labels("client_gone")
         self._r429 = metrics.rejected.labels("429", "overloaded")
         self._r503 = metrics.rejected.labels("503", "no_instance")
-        self.admin = create_admin_app(pool, metrics, secret, self.next_report, self._lifespan)
+        self.admin = create_admin_app(
+            pool, metrics, secret, self.next_report, self._lifespan, self.kv
+        )
         self.admin.state.pool = pool
         self.admin.state.metrics = metrics
         self.state = self.admin.state
@@ -139,7 +153,11 @@ class Balancer:
 
     def next_report(self) -> tuple[bytes, int]:
         self._seq += 1
-        report = self.pool.capacity_report(self._seq)
+        pool = self.pool
+        cache = self.cache.figures(
+            [i.id for i in pool.serving()], time.monotonic(), self.config.scrape.stale_after_s
+        )
+        report = pool.capacity_report(self._seq, cache)
         return report.model_dump_json().encode(), 200 if report.can_take_work else 503
 
     @asynccontextmanager
@@ -152,7 +170,9 @@ class Balancer:
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
         )
         async with httpx.AsyncClient(transport=transport, timeout=timeouts) as client:
-            background = Background(self.pool, client, self.metrics, self.secret, self.next_report)
+            background = Background(
+                self.pool, client, self.metrics, self.secret, self.next_report, self.cache
+            )
             spec = self.config.clients.jwt
             verifier = self.identities.jwt
             if spec is not None and spec.jwks_url is not None and verifier is not None:
@@ -165,11 +185,17 @@ class Balancer:
 
                 await refresh_jwks()  # fails start-up when the provider's keys are unreachable
                 background.every(spec.refresh_s, refresh_jwks, "jwks")
+            kv = self.kv
+            if kv is not None:
+                kv.start()
+                background.every(min(1.0, kv.silent_after_s / 4), kv.check_job, "kv-streams")
             background.start()
             try:
                 yield
             finally:
                 await background.stop()
+                if kv is not None:
+                    await kv.stop()
                 self.upstream.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -236,7 +262,13 @@ class Balancer:
         return None
 
     async def _traced_pick(
-        self, tracer: Tracer, tier: str, cost: float, shape: RequestShape, affinity: int | None
+        self,
+        tracer: Tracer,
+        tier: str,
+        cost: float,
+        shape: RequestShape,
+        affinity: int | None,
+        blocks: list[int],
     ) -> Lease:
         """:meth:`_admit_and_route` as a span: the queue wait, the cost and the instance."""
         with tracer.start_as_current_span(
@@ -244,23 +276,26 @@ class Balancer:
             attributes={"gtm.tier": tier, "gtm.estimated_cost": cost, "gtm.model": shape.model},
         ) as span:
             queued = time.perf_counter()
-            lease = await self._admit_and_route(tier, cost, shape, affinity)
+            lease = await self._admit_and_route(tier, cost, shape, affinity, blocks)
             span.set_attribute("gtm.queue_wait_s", time.perf_counter() - queued)
             span.set_attribute("gtm.instance", lease.instance.id)
             return lease
 
     async def _admit_and_route(
-        self, tier: str, cost: float, shape: RequestShape, affinity: int | None
+        self, tier: str, cost: float, shape: RequestShape, affinity: int | None, blocks: list[int]
     ) -> Lease:
         pool = self.pool
         granted = await pool.admission.acquire(tier, cost)
         try:
             t0 = time.perf_counter()
-            lease = pool.route(shape, cost, affinity)  # the routing decision: pick() + lease
+            # The routing decision: pick() + lease, prefill priced by the KV blocks held.
+            lease = pool.route(shape, cost, affinity, blocks)
             self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         except BaseException:
             pool.admission.release()
             raise
+        if self.kv is not None:
+            self.kv.routed(lease, blocks)
         lease.on_end.append(lambda: pool.admission.release(granted))
         return lease
 
@@ -307,6 +342,12 @@ class Balancer:
             )
             cost = pool.estimate(shape)
             affinity = self._affinity(scope, parsed.body)
+            # Cut as the servers cut it (regional_lb.protocol.kv_prompt), for the KV index.
+            blocks = (
+                prompt_block_hashes(parsed.body, config.kv_cache.block_size)
+                if pool.kv_index is not None
+                else []
+            )
         except Disconnected:
             self._gone.inc()
             return
@@ -332,6 +373,7 @@ class Balancer:
             started,
             caller,
             affinity,
+            blocks,
         )
 
     async def _route_and_forward(
@@ -347,6 +389,7 @@ class Balancer:
         started: float,
         caller: Caller,
         affinity: int | None = None,
+        blocks: list[int] | None = None,
     ) -> None:
         # Waiting in the admission queue and waiting for the instance are both abandoned
         # (and the upstream request aborted) if the client goes away.
@@ -364,12 +407,12 @@ class Balancer:
                 # A retry goes where the load says: the affine instance just failed.
                 key = affinity if attempt == 1 else None
                 if tracer is None:
-                    lease = await self._admit_and_route(tier, cost, shape, key)
+                    lease = await self._admit_and_route(tier, cost, shape, key, blocks or [])
                     headers = upstream_headers(
                         scope, self.pool.upstreams[lease.instance.id], caller.key_used
                     )
                 else:
-                    lease = await self._traced_pick(tracer, tier, cost, shape, key)
+                    lease = await self._traced_pick(tracer, tier, cost, shape, key, blocks or [])
                     hop = tracer.start_span(
                         "upstream",
                         kind=SpanKind.CLIENT,

@@ -70,6 +70,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block (vLLM's --block-size)
     # Where to publish KV-cache events (ZMQ, vLLM's format), e.g. "tcp://127.0.0.1:*"; None: off.
     kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # vLLM's kv_events_config "topic" (the first frame)
 
 
 class Engine:

@@ -41,9 +41,11 @@ class KvEventPublisher:
         self._subscriptions = 0
         self.published = 0
         self.dropped = 0
+        self.closed = False
 
     def publish(self, events: list[KvEvent]) -> None:
-        if not events:
+        # A closed publisher (a test stopping the stream under a running engine) sends nothing.
+        if not events or self.closed:
             return
         payload = encode_batch(KvEventBatch(time.time(), tuple(events)))
         frames = [self.topic, encode_sequence(next(self._seq)), payload]
@@ -66,5 +68,8 @@ class KvEventPublisher:
                 self._subscriptions -= 1
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self._sock.close(linger=0)
         self._ctx.term()

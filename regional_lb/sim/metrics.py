@@ -40,6 +40,13 @@ class EngineCollector(Collector):
             yield _gauge("vllm:num_requests_running", "Sequences in the batch", running, m)
             yield _gauge("vllm:num_requests_waiting", "Sequences queued", waiting, m)
             yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", e.kv_usage, m)
+            # vLLM states its cache's shape as the labels of a constant gauge.
+            info = {
+                "block_size": str(e.cache.block_size),
+                "num_gpu_blocks": str(e.cache.capacity_blocks),
+                "enable_prefix_caching": "True",
+            }
+            yield _gauge("vllm:cache_config_info", "Information of the KV cache config", 1, info)
             for name, doc, total in (
                 ("vllm:prompt_tokens", "Prompt tokens processed", e.prompt_total),
                 ("vllm:generation_tokens", "Tokens generated", e.generation_total),

@@ -28,16 +28,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from regional_lb.balancing.affinity import prompt_prefix
-from regional_lb.balancing.kv_blocks import tokens_of
 from regional_lb.errors import RequestError
 from regional_lb.protocol.disconnect import ClientGone, unless_disconnected
+from regional_lb.protocol.kv_prompt import prompt_token_ids
 from regional_lb.protocol.openai_io import PATHS, error_body, parse_request
 from regional_lb.sim.engine import Engine, EngineConfig, Sequence, UnknownModel
 from regional_lb.sim.kv_publisher import KvEventPublisher
 from regional_lb.sim.metrics import EngineCollector
-
-PROMPT_CHARS = 1 << 30  # the whole prompt: the prefix cache sees every token
 
 
 def _chunk(
@@ -109,7 +106,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         app.state.engine = engine
         publisher = None
         if config.kv_events_endpoint:
-            publisher = KvEventPublisher(config.kv_events_endpoint)
+            publisher = KvEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
             engine.on_kv_events = publisher.publish
             engine.kv_publisher = publisher
         app.state.kv_publisher = publisher
@@ -216,13 +213,10 @@ def create_app(config: EngineConfig) -> FastAPI:
                 }
             )
         exact = bool(parsed.body.get("ignore_eos", False))
-        text = prompt_prefix(parsed.body, PROMPT_CHARS)
+        # Cut as the balancer cuts it (regional_lb.protocol.kv_prompt): the same blocks.
+        token_ids = prompt_token_ids(parsed.body)
         seq = e.submit(
-            shape.model,
-            shape.prompt_tokens,
-            shape.max_tokens,
-            exact,
-            token_ids=tokens_of(text) if text else None,
+            shape.model, shape.prompt_tokens, shape.max_tokens, exact, token_ids=token_ids or None
         )
         kind = "chat" if shape.endpoint == "chat" else "text"
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:16]}"

@@ -37,12 +37,24 @@ class MetricSemantics:
     waiting: tuple[Gauge, ...] = ()  # requests queued at the server
     kv_usage: tuple[Gauge, ...] = ()  # a 0..1 (or 0..100) share of the KV cache
     kv_used_total: tuple[Gauge, Gauge] | None = None  # (used, total) when only blocks are given
+    # Prefix-cache counters in tokens (vLLM's); the capacity report's hit rate.
+    prefix_queries: tuple[Gauge, ...] = ()
+    prefix_hits: tuple[Gauge, ...] = ()
+    # A constant gauge whose label names the KV cache's size in blocks (vLLM's cache info).
+    kv_blocks_label: tuple[Gauge, str] | None = None
 
 
 VLLM = MetricSemantics(
     running=(Gauge("vllm:num_requests_running"),),
     waiting=(Gauge("vllm:num_requests_waiting"),),
     kv_usage=(Gauge("vllm:kv_cache_usage_perc"), Gauge("vllm:gpu_cache_usage_perc")),
+    # Counters: the exposition names them with _total (older clients without it).
+    prefix_queries=(
+        Gauge("vllm:prefix_cache_queries_total"),
+        Gauge("vllm:prefix_cache_queries"),
+    ),
+    prefix_hits=(Gauge("vllm:prefix_cache_hits_total"), Gauge("vllm:prefix_cache_hits")),
+    kv_blocks_label=(Gauge("vllm:cache_config_info"), "num_gpu_blocks"),
 )
 SEMANTICS: dict[str, MetricSemantics] = {
     "vllm": VLLM,
@@ -72,6 +84,9 @@ class LoadSignal:
     waiting: int | None
     kv_usage: float | None  # 0..1
     at: float  # when it was scraped (monotonic seconds)
+    prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache, ever
+    prefix_hits: float | None = None  # of which found there
+    kv_blocks: int | None = None  # the KV cache's size in blocks
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return now - self.at <= stale_after_s
@@ -81,11 +96,23 @@ def parse_metrics(text: str, at: float, kind: str = "vllm") -> LoadSignal:
     """Sum each gauge over its label sets (one per model or GPU) and map it to a field."""
     sem = SEMANTICS.get(kind, VLLM)
     share_gauges = set(sem.kv_usage)
-    wanted = [*sem.running, *sem.waiting, *sem.kv_usage, *(sem.kv_used_total or ())]
+    wanted = [
+        *sem.running,
+        *sem.waiting,
+        *sem.kv_usage,
+        *(sem.kv_used_total or ()),
+        *sem.prefix_queries,
+        *sem.prefix_hits,
+    ]
     names = {g.name for g in wanted}
     sums: dict[Gauge, float] = {}
+    blocks: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sem.kv_blocks_label is not None and sample.name == sem.kv_blocks_label[0].name:
+                raw = sample.labels.get(sem.kv_blocks_label[1], "")
+                if raw.isdigit():
+                    blocks = (blocks or 0) + int(raw)
             if sample.name not in names:
                 continue
             for g in wanted:
@@ -101,13 +128,18 @@ def parse_metrics(text: str, at: float, kind: str = "vllm") -> LoadSignal:
     running, waiting, kv = first(sem.running), first(sem.waiting), first(sem.kv_usage)
     if kv is not None and kv > 1.0:  # some servers export a percentage
         kv /= 100.0
-    if kv is None and sem.kv_used_total is not None:
+    if sem.kv_used_total is not None:
         used, total = (sums.get(g) for g in sem.kv_used_total)
-        if used is not None and total:
-            kv = min(1.0, used / total)
+        if total and total > 0:
+            blocks = int(total)
+            if kv is None and used is not None:
+                kv = min(1.0, used / total)
     return LoadSignal(
         running=None if running is None else int(running),
         waiting=None if waiting is None else int(waiting),
         kv_usage=kv,
         at=at,
+        prefix_queries=first(sem.prefix_queries),
+        prefix_hits=first(sem.prefix_hits),
+        kv_blocks=blocks,
     )

@@ -35,6 +35,7 @@ from regional_lb.balancing.utilisation import pool_utilisation
 from regional_lb.capacity_report import CapacityReport, ModelAvailability
 from regional_lb.config import BalancerConfig, InstanceConfig, ModelConfig, TenantConfig
 from regional_lb.errors import NoInstanceError, Overloaded, RequestError
+from regional_lb.upstream.cache_stats import CacheFigures
 from regional_lb.upstream.profiles import Upstream, upstream_for
 
 # Rule 8: one bucket per caller without a key (by address) is a table attackers can grow.
@@ -470,7 +471,7 @@ class Pool:
         depth = sum(self.admission.depth().values())
         return pool_utilisation(self.serving(), depth, self.clock(), self.params)
 
-    def capacity_report(self, seq: int) -> CapacityReport:
+    def capacity_report(self, seq: int, cache: CacheFigures | None = None) -> CapacityReport:
         live = self.serving()
         load = self.load()
         models: dict[str, set[str]] = {}
@@ -499,4 +500,7 @@ class Pool:
             ],
             draining=self.draining,
             can_take_work=can_take,
+            prefix_cache_hit_rate=None if cache is None else cache.prefix_cache_hit_rate,
+            kv_free_fraction=None if cache is None else cache.kv_free_fraction,
+            kv_free_blocks=None if cache is None else cache.kv_free_blocks,
         )

@@ -22,6 +22,7 @@ from regional_lb.balancing.health import busy_not_stuck, record_probe
 from regional_lb.balancing.instance import InstanceState
 from regional_lb.capacity_report import SIGNATURE_HEADER, sign
 from regional_lb.metrics import BalancerMetrics
+from regional_lb.upstream.cache_stats import CacheStats
 from regional_lb.upstream.load_signals import LoadSignal, parse_metrics
 from regional_lb.upstream.pool import Pool
 
@@ -101,8 +102,10 @@ class Background:
         metrics: BalancerMetrics,
         secret: bytes | None,
         next_report: Callable[[], tuple[bytes, int]],
+        cache: CacheStats | None = None,
     ) -> None:
         self.pool, self.client, self.metrics = pool, client, metrics
+        self.cache = cache  # prefix-cache and KV figures for the capacity report
         self.secret, self.next_report = secret, next_report
         self.signals: dict[str, LoadSignal] = {}
         self.model_probed_at: dict[str, float] = {}  # instance id -> last model check
@@ -303,7 +306,9 @@ class Background:
                 timeout=httpx.Timeout(self.pool.config.scrape.interval_s),
             )
             if r.status_code == 200:
-                self.signals[inst.id] = parse_metrics(r.text, time.monotonic(), up.kind)
+                sig = self.signals[inst.id] = parse_metrics(r.text, time.monotonic(), up.kind)
+                if self.cache is not None:
+                    self.cache.observe(inst.id, sig)
             else:
                 reason = f"http_{r.status_code}"
         except httpx.HTTPError as exc:

@@ -43,6 +43,14 @@ class RegionOut(BaseModel):
     headroom: float | None = Field(description="to the high watermark; null: no fresh report")
     spilling: bool
     report_age_s: float | None
+    prefix_cache_hit_rate: float | None = Field(
+        description="prompt tokens found in the region's prefix caches over those looked up, "
+        "last minute (fresh report); null: no report, or no instance says"
+    )
+    kv_free_fraction: float | None = Field(
+        description="share of the region's KV cache no running request holds; null: unknown"
+    )
+    kv_free_blocks: int | None = Field(description="KV blocks free in the region; null: unknown")
     admitted: float = Field(description="share of its clients a readmitted region takes back")
 
 
@@ -148,6 +156,17 @@ async def list_regions(
                 ),
                 spilling=fresh is not None and fresh.spilling,
                 report_age_s=None if age is None else round(age, 3),
+                prefix_cache_hit_rate=(
+                    None
+                    if fresh is None or fresh.prefix_cache_hit_rate is None
+                    else round(fresh.prefix_cache_hit_rate, 4)
+                ),
+                kv_free_fraction=(
+                    None
+                    if fresh is None or fresh.kv_free_fraction is None
+                    else round(fresh.kv_free_fraction, 4)
+                ),
+                kv_free_blocks=None if fresh is None else fresh.kv_free_blocks,
                 admitted=health.admitted if health is not None else 1.0,
                 state=health.state.value if health is not None else "unknown",
                 detail=health.detail if health is not None else "",
