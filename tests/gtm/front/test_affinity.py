@@ -39,6 +39,7 @@ from regional_lb.capacity_report import SIGNATURE_HEADER, CapacityReport, region
 from tests.conftest import POLICIES
 from tests.gtm.front.conftest import Front, FrontFactory
 from tests.gtm.front.test_proxy import CHAT_EU, FRANKFURT, Region, proxy_topology, regions
+from tests.support.waiting import eventually
 
 DUBLIN = "100.68.0.9"  # nearest: eu-west
 SECRET = b"affinity-report-secret"
@@ -167,10 +168,19 @@ async def test_a_follow_up_stays_in_the_region_that_served_it(start_front: Front
         assert counts[Verdict.KEPT] == 1 and counts[Verdict.NEW] == 2
 
         # Explained as what it was: the audit row behind the response's decision id.
+        # The front counts a proxied answer when its stream ends on the server's side, which
+        # may come after the client read the last chunk: flush until the row is there.
         engine = make_async_engine(front.runtime.settings.database_url)
-        try:
+        found: list[dict[str, Any]] = []
+
+        async def stored() -> bool:
+            nonlocal found
             await front.runtime.writer.flush()
             found = await query.find_decision(engine, kept.headers["x-gtm-decision-id"])
+            return bool(found)
+
+        try:
+            await eventually(stored, 30.0, "the kept decision's audit row")
         finally:
             await engine.dispose()
         assert [row["region"] for row in found] == ["eu-west"]

@@ -3,10 +3,15 @@ it saves more than the extra work queued there, and load wins beyond."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from regional_lb.balancing.instance import InstanceState
 from regional_lb.balancing.kv_events import BlockStored, KvEventBatch
 from regional_lb.balancing.kv_index import KvIndex, prefill_saved
 from regional_lb.balancing.pick import PickParams, PickRequest, pick
+
+if TYPE_CHECKING:
+    from regional_lb.upstream.pool import Pool
 
 PARAMS = PickParams(slow_start_s=0.0)
 PREFILL = 0.0002  # reference seconds per prompt token
@@ -53,8 +58,8 @@ def test_a_forgotten_instance_gets_no_credit() -> None:
     assert _choose(instances, index) == "b"
 
 
-def test_the_pool_routes_to_the_cache_and_forgets_an_instance_out_of_service() -> None:
-    from regional_lb.balancing.cost import RequestShape
+def _indexed_pool() -> tuple[Pool, KvIndex]:
+    """Two instances, a and b, serving model m, with a KV index tracking both."""
     from regional_lb.config import parse_config
     from regional_lb.upstream.pool import Pool
 
@@ -70,6 +75,13 @@ def test_the_pool_routes_to_the_cache_and_forgets_an_instance_out_of_service() -
     index = pool.kv_index = KvIndex(block_size=16)
     for iid in ("a", "b"):
         index.track(iid)
+    return pool, index
+
+
+def test_the_pool_routes_to_the_cache_and_forgets_an_instance_out_of_service() -> None:
+    from regional_lb.balancing.cost import RequestShape
+
+    pool, index = _indexed_pool()
     index.apply("b", 0, KvEventBatch(0.0, (BlockStored(tuple(HASHES), None, (), 16),)), 0.0)
     shape = RequestShape("m", "chat", prompt_tokens=PROMPT, max_tokens=100)
     cost = pool.estimate(shape)
@@ -97,21 +109,8 @@ def test_the_pool_prices_prompts_queued_on_the_cached_instance_second_for_second
     prefill at the single-sequence speed. Before the pool split its cost, that queue was divided
     by the full-batch speed and a 0.8 s hit outweighed about 8 s of prompts waiting there."""
     from regional_lb.balancing.cost import RequestShape
-    from regional_lb.config import parse_config
-    from regional_lb.upstream.pool import Pool
 
-    cfg = parse_config(
-        {
-            "region": "r",
-            "instances": [
-                {"id": iid, "url": "http://127.0.0.1:1", "models": ["m"]} for iid in ("a", "b")
-            ],
-        }
-    )
-    pool = Pool(cfg, clock=lambda: 100.0)
-    index = pool.kv_index = KvIndex(block_size=16)
-    for iid in ("a", "b"):
-        index.track(iid)
+    pool, index = _indexed_pool()
     cached = HASHES[:250]  # half the prompt's blocks
     index.apply("b", 0, KvEventBatch(0.0, (BlockStored(tuple(cached), None, (), 16),)), 0.0)
     shape = RequestShape("m", "chat", prompt_tokens=PROMPT, max_tokens=1)
