@@ -17,9 +17,10 @@ moved to bytes; the event decoder accepts both.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from regional_lb.balancing.cost import CHARS_PER_TOKEN
 
@@ -28,36 +29,62 @@ _CHUNK = int(CHARS_PER_TOKEN)
 _NONE = b"\xff" * 8  # the parent of a prompt's first block
 
 
+# Chunks of real text repeat, so their ids are remembered, up to a bound (rule 8): once full,
+# new chunks are hashed and not kept, so a flood of unique text costs its own CPU, never memory.
+# Hashing every chunk anew took ~4 ms of CPU for a 2,000-character prompt on the proxy's
+# request path.
+MAX_REMEMBERED_CHUNKS = 1 << 16
+_ids: dict[bytes, int] = {}
+_MASK = 0xFFFFFFFFFFFFFFFF
+
+
 def tokens_of(text: str) -> list[int]:
     """Stand-in token ids: one per ``CHARS_PER_TOKEN`` characters (the last may be shorter)."""
     data = text.encode()
-    return [
-        int.from_bytes(hashlib.blake2b(data[i : i + _CHUNK], digest_size=4).digest(), "big")
-        for i in range(0, len(data), _CHUNK)
-    ]
+    ids, out = _ids, []
+    for i in range(0, len(data), _CHUNK):
+        chunk = data[i : i + _CHUNK]
+        t = ids.get(chunk)
+        if t is None:
+            t = int.from_bytes(hashlib.blake2b(chunk, digest_size=4).digest(), "big")
+            if len(ids) < MAX_REMEMBERED_CHUNKS:
+                ids[chunk] = t
+        out.append(t)
+    return out
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """One block's hash: covers its parent's hash (so the whole prefix) and its token ids."""
     h = hashlib.blake2b(digest_size=8)
     h.update(_NONE if parent is None else parent.to_bytes(8, "big"))
-    h.update(struct.pack(f">{len(tokens)}Q", *(t & 0xFFFFFFFFFFFFFFFF for t in tokens)))
+    h.update(struct.pack(f">{len(tokens)}Q", *(t & _MASK for t in tokens)))
     return int.from_bytes(h.digest(), "big")
 
 
+@functools.lru_cache(maxsize=8)
+def _packer(block_size: int) -> Callable[..., bytes]:
+    return struct.Struct(f">{block_size}Q").pack
+
+
 def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
-    """The chained hashes of every full block of ``tokens``, in order.
+    """The chained hashes of every full block of ``tokens``, in order: :func:`block_hash`
+    along the prompt, with each block's packing compiled once (packed anew, ~9 us a block).
 
     >>> len(block_hashes(list(range(40)), 16))  # 2 full blocks; 8 tokens left over
     2
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
+    if any(t < 0 or t > _MASK for t in tokens):
+        tokens = [t & _MASK for t in tokens]
+    pack = _packer(block_size)
     out: list[int] = []
-    parent: int | None = None
+    parent = _NONE
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size])
-        out.append(parent)
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(pack(*tokens[start : start + block_size]))
+        parent = h.digest()
+        out.append(int.from_bytes(parent, "big"))
     return out
 
 

@@ -9,6 +9,7 @@ entries at once; bad events are counted and change no answer."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -20,16 +21,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from regional_lb.balancing.kv_blocks import block_hashes, tokens_of
+from regional_lb.balancing.cost import CHARS_PER_TOKEN
+from regional_lb.balancing.kv_blocks import block_hash, block_hashes, tokens_of
 from regional_lb.balancing.kv_events import BlockStored, KvEventBatch, encode_batch
 from regional_lb.config import BalancerConfig
 from regional_lb.errors import ConfigError
-from regional_lb.protocol.kv_prompt import (
-    chained_hashes,
-    prompt_block_hashes,
-    prompt_token_ids,
-    token_ids,
-)
+from regional_lb.protocol.kv_prompt import prompt_block_hashes, prompt_token_ids
 from regional_lb.sim.engine import Engine
 from tests.regional_lb.conftest import balancer, balancer_config, eventually, sim
 
@@ -121,17 +118,32 @@ def test_the_sim_and_the_balancer_cut_a_prompt_into_the_same_blocks() -> None:
     assert len(first) >= 30 and second[: len(first) - 1] == first[:-1]
 
 
-def test_the_request_path_cut_gives_the_reference_ids_and_hashes() -> None:
-    """The proxy's faster cut (remembered chunk ids, a compiled packing) names every block
-    exactly as kv_blocks does: any difference would be a miss on every request."""
+def test_the_cut_names_blocks_as_the_per_block_reference_does() -> None:
+    """The request path's cut (remembered chunk ids, a compiled packing) names every block
+    exactly as hashing each chunk and chaining block_hash block by block does: any difference
+    would be a miss on every request."""
     rng = random.Random(34)
+    chunk = int(CHARS_PER_TOKEN)
     for _ in range(100):
         text = "".join(rng.choice("abcdefgh é日\x00") for _ in range(rng.randrange(0, 2000)))
-        assert token_ids(text) == tokens_of(text)
+        data = text.encode()
+        fresh = [
+            int.from_bytes(hashlib.blake2b(data[i : i + chunk], digest_size=4).digest(), "big")
+            for i in range(0, len(data), chunk)
+        ]
+        assert tokens_of(text) == fresh
+        assert tokens_of(text) == fresh  # the second time from the remembered ids
         for size in (1, 4, 16):
-            assert chained_hashes(token_ids(text), size) == block_hashes(tokens_of(text), size)
+            parent, reference = None, []
+            for start in range(0, len(fresh) - size + 1, size):
+                parent = block_hash(parent, fresh[start : start + size])
+                reference.append(parent)
+            assert block_hashes(fresh, size) == reference
+    # Ids past 64 bits are masked as block_hash masks them.
+    first = block_hash(None, [-1])
+    assert block_hashes([-1, 1 << 70], 1) == [first, block_hash(first, [1 << 70])]
     with pytest.raises(ValueError, match="block_size must be at least 1"):
-        chained_hashes([1, 2], 0)
+        block_hashes([1, 2], 0)
 
 
 async def test_follow_up_turns_go_where_their_prefix_is_cached() -> None:
