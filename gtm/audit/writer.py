@@ -244,11 +244,8 @@ class AuditWriter:
             self.journal_replayed = recovered.answers
             JOURNAL_REPLAYED.inc(recovered.answers)
             if recovered.through is not None:
-                # Answers are lost from the journal's last tick on, whenever the spool was last
-                # written: a seal finishing after that tick (its rows are the window before, and
-                # ticks go on during its append) seals none of the answers counted since. Taking
-                # the later of the two claimed them covered (issue-15 code; a verify gap started
-                # tens of milliseconds late).
+                # Lost from the journal's last tick on, not from the spool's last write: a seal
+                # ending after that tick seals the window before it, none of the answers since.
                 self.spool.recovered_through = recovered.through
             log.warning(
                 "audit.journal_replayed",
