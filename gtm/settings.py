@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     dns_slow_queue_per_network: int = Field(default=256, gt=0)
     dns_slow_queue_total: int = Field(default=4096, gt=0)
     dns_slow_batch: int = Field(default=32, gt=0)
+    # With fair admission, UDP sockets per listen address, each sender network steered by the
+    # kernel to one of them (gtm.geodns.steering): a flood fills and overflows only its own
+    # socket's receive buffer, not the one every client shares. 1: one socket, as before.
+    dns_udp_sockets: int = Field(default=8, ge=1, le=64)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
     # in the DNSKEY RRset for a rollover. A configured file that is missing, loose or malformed

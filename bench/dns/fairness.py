@@ -14,7 +14,9 @@ fast as one Python process can (nice 10, so it does not take the core from dnspe
 /24s; ``names-200k``: random names), and counting the answers it gets back.
 
 For each flood set and each admission mode (``fair``: GTM_DNS_FAIR_ADMISSION=true, the
-default; ``off``: false, every datagram answered in the order read, as before), a fresh server
+default, each sender network steered to its own socket; ``fair-1socket``: the same with every
+sender in one socket, GTM_DNS_UDP_SOCKETS=1; ``off``: every datagram answered in the order
+read, in one socket), a fresh server
 (pinned to CPU 0; both clients on CPU 1) serves, in one run: the legitimate load alone, then
 the same load with the flood. Reported: legitimate answers / sent, their p99 with the flood as
 a ratio of the p99 alone (targets, from the issue: >= 95% and <= 2x), the flood's sending
@@ -55,6 +57,9 @@ from bench.dns.run import (  # noqa: E402
 from gtm.decision.geoip import default_database_path  # noqa: E402
 
 LEGIT_FROM = "127.0.2.1"
+# Admission modes compared: fair admission with sender networks steered to their own sockets
+# (the default), the same in one socket (GTM_DNS_UDP_SOCKETS=1), and off (the order read).
+MODES = ("fair", "fair-1socket", "off")
 FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k")
 SIZES = {"ecs-200k": 200_000, "names-200k": 200_000, "ecs-2m": 2_000_000, "tcp-names-200k": 200_000}
 
@@ -268,7 +273,7 @@ def one_server(
     work: Path,
     geoip: Path,
     name: str,
-    fair: bool,
+    mode: str,
     legit: Path,
     flood_set: Path,
     senders: int,
@@ -278,7 +283,9 @@ def one_server(
     server = gtm_server(work, geoip, name)
     assert server.env is not None
     server.env["GTM_DNS_CACHE_BUDGET_MB"] = str(args.budget_mb)
-    server.env["GTM_DNS_FAIR_ADMISSION"] = "true" if fair else "false"
+    server.env["GTM_DNS_FAIR_ADMISSION"] = "false" if mode == "off" else "true"
+    if mode == "fair-1socket":
+        server.env["GTM_DNS_UDP_SOCKETS"] = "1"  # every sender network in one receive buffer
     row: dict[str, Any] = {}
     with running(server):
         legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
@@ -333,7 +340,11 @@ def main() -> None:
         "--flood-rate", type=float, default=0, help="flood queries/s (default 0: full speed)"
     )
     parser.add_argument(
-        "--modes", nargs="*", default=["fair", "off"], choices=["fair", "off"], help="admission"
+        "--modes",
+        nargs="*",
+        default=list(MODES),
+        choices=list(MODES),
+        help="admission: fair (a socket per sender network's hash), fair-1socket, off",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -356,10 +367,10 @@ def main() -> None:
                 work / f"{flood_name}.bin", flood_name.removeprefix("tcp-"), SIZES[flood_name]
             )
             for senders in args.senders:
-                for fair in [mode == "fair" for mode in args.modes]:
-                    name = f"{flood_name}-{senders}-{'fair' if fair else 'off'}"
-                    row = one_server(work, geoip, name, fair, legit, flood_set, senders, rate, args)
-                    row |= {"flood_set": flood_name, "senders": senders, "fair": fair}
+                for mode in args.modes:
+                    name = f"{flood_name}-{senders}-{mode}"
+                    row = one_server(work, geoip, name, mode, legit, flood_set, senders, rate, args)
+                    row |= {"flood_set": flood_name, "senders": senders, "mode": mode}
                     results.append(row)
                     print(json.dumps(row), flush=True)
     report(results, rate, capacity, args)
@@ -386,7 +397,7 @@ def report(
     for r in results:
         alone, flooded, f = r["alone"], r["flood"], r["flooder"]
         print(
-            f"| {r['flood_set']} | {r['senders']} | {'fair' if r['fair'] else 'off'} "
+            f"| {r['flood_set']} | {r['senders']} | {r['mode']} "
             f"| {alone['answered'] / alone['sent']:.1%} "
             f"| {flooded['answered'] / flooded['sent']:.1%} "
             f"| {alone['p99_ms']:.2f} | {flooded['p99_ms']:.2f} "

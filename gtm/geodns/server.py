@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from gtm.errors import ConfigError, Problem
+from gtm.geodns import steering
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
@@ -94,9 +95,30 @@ READ_BATCH = 256  # datagrams read per loop turn at most, before the loop serves
 # network then costs the loop little more than reading it, so the reader catches up and the
 # kernel's buffer (shared by every sender, and a FIFO) stops delaying and dropping the others.
 TURN_SHARE = 64
+# Datagrams read per loop turn at most from each socket of a group (gtm.geodns.steering): a
+# socket's datagrams wait behind at most one such batch of every other socket's, a flood's
+# included, so a smaller batch bounds their wait; the loop's own cost per turn (a poll and a
+# call per ready socket) is then still small beside it. Its share, as TURN_SHARE of READ_BATCH.
+SOCKET_BATCH = 64
+SOCKET_SHARE = 16
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
 # in the kernel's buffer while it runs (gtm.geodns.admission).
 SLOW_TURN_S = 0.001
+
+
+class _Socket:
+    """One socket of a listener's group and what its last read found."""
+
+    __slots__ = ("behind", "shared", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        # The last read stopped at READ_BATCH with datagrams still waiting: the reader is
+        # behind on this socket.
+        self.behind = False
+        # Whether its last full batch came from more than one network: only then is a network
+        # held to TURN_SHARE (a large resolver alone is not capped).
+        self.shared = False
 
 
 class _FairUdp:
@@ -104,42 +126,63 @@ class _FairUdp:
 
     asyncio's datagram transport reads one datagram per loop turn: behind a flood that fills
     the slow path, a cached answer waits for every query read before it, and what the kernel's
-    buffer cannot hold meanwhile is dropped whoever sent it. Here every datagram waiting is read
-    in one turn (up to :data:`READ_BATCH`), those a cache holds answered at once; the others are
-    queued per sender /24 (/56) and drained round robin, ``slow_batch`` a turn, so each loop
-    turn reads and answers the cached queries first and gives the slow path a bounded slice;
-    one query a turn while the reader is behind (datagrams still waiting after a full batch)."""
+    buffer cannot hold meanwhile is dropped whoever sent it. Here the listen address has a
+    group of sockets, each sender network steered by the kernel to one of them
+    (:mod:`gtm.geodns.steering`), so a flood fills and overflows only its own socket's buffer.
+    Each loop turn reads every socket that has datagrams waiting, up to :data:`SOCKET_BATCH`
+    each (:data:`READ_BATCH` from a lone socket), and answers those a cache holds at once; the
+    others are queued per sender /24 (/56) and drained round robin, ``slow_batch`` a turn, so
+    each loop turn reads and answers the cached queries first and gives the slow path a
+    bounded slice; one query a turn while the reader is behind (datagrams still waiting after
+    a full batch) on any socket."""
 
     def __init__(
-        self, sock: socket.socket, responder: Responder, lane: SlowLane[_Queued], slow_batch: int
+        self,
+        socks: list[socket.socket],
+        responder: Responder,
+        lane: SlowLane[_Queued],
+        slow_batch: int,
     ) -> None:
-        self.sock = sock
+        self.socks = socks
         self.responder = responder
         self.lane = lane
         self.slow_batch = slow_batch
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
         self._closed = False
-        # The last read stopped at READ_BATCH with datagrams still waiting: the reader is
-        # behind, so the slow path gets one query a turn until it catches up (cached answers
-        # first; what the kernel's buffer cannot hold it drops whoever sent it).
-        self._behind = False
+        self._sockets = [_Socket(sock) for sock in socks]
+        self._batch, self._share = (
+            (READ_BATCH, TURN_SHARE) if len(socks) == 1 else (SOCKET_BATCH, SOCKET_SHARE)
+        )
+        # Sockets whose last read stopped at READ_BATCH with datagrams still waiting: while
+        # any is, the slow path gets one query a turn until the reader catches up (cached
+        # answers first; what a socket's buffer cannot hold the kernel drops, from that socket).
+        self._behind = 0
         # Sender host string -> its network (the queue it waits in); a memo, cleared when full.
         self._networks: dict[str, Hashable] = {}
-        # Whether the last full batch read came from more than one network: only then is a
-        # network held to TURN_SHARE (a large resolver alone is not capped).
-        self._shared = False
+
+    @property
+    def sock(self) -> socket.socket:
+        """The group's first socket (the one a test or a bench looks at)."""
+        return self.socks[0]
 
     def start(self) -> None:
-        self._loop.add_reader(self.sock.fileno(), self._readable)
+        for state in self._sockets:
+            self._loop.add_reader(state.sock.fileno(), self._readable, state)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._loop.remove_reader(self.sock.fileno())
+        for state in self._sockets:
+            self._loop.remove_reader(state.sock.fileno())
         self.lane.clear()  # counted as dropped at shutdown
-        self.sock.close()
+        for state in self._sockets:
+            state.sock.close()
+
+    def receive_drops(self) -> int:
+        """Datagrams the kernel dropped at this listener's full receive buffers."""
+        return sum(steering.receive_drops(state.sock) for state in self._sockets)
 
     def _network(self, host: str) -> Hashable:
         network = self._networks.get(host)
@@ -149,29 +192,33 @@ class _FairUdp:
             network = self._networks[host] = sender_network(host)
         return network
 
-    def _readable(self) -> None:
+    def _readable(self, state: _Socket) -> None:
         r = self.responder
-        sock = self.sock
+        sock = state.sock
         lane = self.lane
         networks = self._networks
-        # Behind (the last batch stopped at READ_BATCH) with other networks sending: each
-        # network's datagrams past TURN_SHARE in this batch are dropped as they are read.
-        share = self._behind and self._shared
+        # Behind (the last batch stopped at READ_BATCH) with other networks sending on this
+        # socket: each network's datagrams past TURN_SHARE in this batch are dropped as read.
+        share = state.behind and state.shared
         taken: dict[Hashable, int] = {}
-        self._behind = True
-        for _ in range(READ_BATCH):
+        turn_share = self._share
+        if not state.behind:
+            self._behind += 1
+        state.behind = True
+        for _ in range(self._batch):
             try:
                 data, addr = sock.recvfrom(65535)
             except InterruptedError:
                 continue
             except OSError:  # nothing more waiting (BlockingIOError), or an ICMP error
-                self._behind = False
+                state.behind = False
+                self._behind -= 1
                 break
             network = networks.get(addr[0])
             if network is None:
                 network = self._network(addr[0])
             n = taken.get(network, 0)
-            if share and n >= TURN_SHARE:
+            if share and n >= turn_share:
                 lane.counts.dropped[OVER_SHARE] += 1
                 continue
             taken[network] = n + 1
@@ -191,7 +238,7 @@ class _FairUdp:
                                 exact.first = now
                                 r._tallied.append(exact)
                             exact.last = now
-                            self._send(data[:2] + exact.tail, addr)
+                            self._send(sock, data[:2] + exact.tail, addr)
                             continue
                 # Not a first-level answer, from a network whose queue is at its bound: it
                 # would be dropped anyway, so the other caches are not even looked at (a flood
@@ -208,13 +255,13 @@ class _FairUdp:
                 r.runtime.failures.record("dns.udp", exc, peer=str(addr[0]))
                 continue
             if out is SLOW:
-                if lane.offer(network, (data, addr)) and not self._scheduled:
+                if lane.offer(network, (data, addr, sock)) and not self._scheduled:
                     self._scheduled = True
                     self._loop.call_soon(self._drain)
             elif out is not None:
-                self._send(out, addr)
-        if self._behind:
-            self._shared = len(taken) > 1
+                self._send(sock, out, addr)
+        if state.behind:
+            state.shared = len(taken) > 1
 
     def _drain(self) -> None:
         """One turn's slice of the slow path: ``slow_batch`` queued queries, one per network in
@@ -234,7 +281,7 @@ class _FairUdp:
             taken = lane.take(1)
             if not taken:
                 break
-            data, addr = taken[0]
+            data, addr, sock = taken[0]
             counts.admitted += 1
             try:
                 out = r.answer_udp(data, addr[0], checked=True)
@@ -243,22 +290,23 @@ class _FairUdp:
                 r.runtime.failures.record("dns.udp", exc, peer=str(addr[0]))
                 continue
             if out is not None:
-                self._send(out, addr)
+                self._send(sock, out, addr)
             if time.perf_counter() >= until:
                 break
         if self.lane.size:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
-    def _send(self, out: bytes, addr: Any) -> None:
+    def _send(self, sock: socket.socket, out: bytes, addr: Any) -> None:
         try:
-            self.sock.sendto(out, addr)
+            sock.sendto(out, addr)
         except OSError as exc:  # the send buffer full (BlockingIOError), or unroutable
             self.responder.stats.send_dropped += 1
             log.debug("dns.udp_send_error", error=str(exc))
 
 
-_Queued = tuple[bytes, Any]  # a datagram waiting for the slow path, and its sender's address
+# A datagram waiting for the slow path, its sender's address and the socket it came in on.
+_Queued = tuple[bytes, Any, socket.socket]
 _NETWORK_MEMO = 1 << 16  # sender hosts whose network is memoised
 
 
@@ -292,6 +340,8 @@ class DnsServer:
         slow_per_network: int = 256,
         slow_total: int = 4096,
         slow_batch: int = 32,
+        udp_sockets: int = 1,
+        steer_group: int | None = None,
     ) -> None:
         self.responder = responder
         self.listens = listens
@@ -302,6 +352,12 @@ class DnsServer:
         self.slow_per_network = slow_per_network
         self.slow_total = slow_total
         self.slow_batch = slow_batch
+        # UDP sockets per listen address with fair admission (gtm.geodns.steering), and the
+        # size of the reuseport group they join: with worker processes sharing the port, every
+        # worker's sockets (the program picks among all of them).
+        self.sockets_per_address = udp_sockets
+        self.steer_group = steer_group or udp_sockets
+        self.steered = False  # whether the kernel took the steering program
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[_FairUdp] = []
         self._tcp: list[asyncio.Server] = []
@@ -313,6 +369,7 @@ class DnsServer:
             slow_batch=slow_batch,
         )
         self.bound: list[tuple[str, int]] = []  # (host, port) actually bound, for port 0
+        responder.stats.receive_drops = self.receive_drops
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -331,12 +388,11 @@ class DnsServer:
             self._tcp.append(server)
             port = server.sockets[0].getsockname()[1]
             if self.fair:
-                sock = _bind_udp(host, port, family, self.reuse_port)
-                _widen_receive_buffer(sock)
+                socks = self._bind_group(host, port, family)
                 lane: SlowLane[_Queued] = SlowLane(
                     self.slow_per_network, self.slow_total, self.responder.stats.lane
                 )
-                listener = _FairUdp(sock, self.responder, lane, self.slow_batch)
+                listener = _FairUdp(socks, self.responder, lane, self.slow_batch)
                 listener.start()
                 self._fair.append(listener)
             else:
@@ -351,11 +407,45 @@ class DnsServer:
             self.bound.append((host, port))
             log.info("dns.listening", host=host, port=port)
 
+    def _bind_group(
+        self, host: str, port: int, family: socket.AddressFamily
+    ) -> list[socket.socket]:
+        """The listen address's UDP sockets, each sender network steered to one of them
+        (:mod:`gtm.geodns.steering`); one socket when ``udp_sockets`` is 1."""
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(self.sockets_per_address):
+                sock = _bind_udp(
+                    host, port, family, self.reuse_port or self.sockets_per_address > 1
+                )
+                socks.append(sock)
+                _widen_receive_buffer(sock)
+            if self.steer_group > 1:
+                self.steered = steering.attach(socks[0], self.steer_group)
+                if not self.steered:
+                    log.warning(
+                        "dns.udp_steering_refused",
+                        host=host,
+                        port=port,
+                        detail="the kernel spreads datagrams by its own hash of addresses",
+                    )
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            raise
+        return socks
+
     def udp_sockets(self) -> list[Any]:
-        """The UDP listeners' sockets (asyncio's socket wrappers when fairness is off)."""
-        return [listener.sock for listener in self._fair] + [
+        """Every UDP socket (asyncio's socket wrappers when fairness is off)."""
+        return [sock for listener in self._fair for sock in listener.socks] + [
             transport.get_extra_info("socket") for transport in self._udp
         ]
+
+    def receive_drops(self) -> int:
+        """Datagrams the kernel dropped at the UDP listeners' full receive buffers."""
+        return sum(listener.receive_drops() for listener in self._fair) + sum(
+            steering.receive_drops(transport.get_extra_info("socket")) for transport in self._udp
+        )
 
     async def stop(self) -> None:
         for transport in self._udp:
@@ -419,4 +509,8 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         slow_per_network=s.dns_slow_queue_per_network,
         slow_total=s.dns_slow_queue_total,
         slow_batch=s.dns_slow_batch,
+        udp_sockets=s.dns_udp_sockets,
+        # Worker processes on the same port join one reuseport group: the program picks
+        # among every worker's sockets.
+        steer_group=s.dns_udp_sockets * (s.workers if reuse_port else 1),
     )

@@ -10,7 +10,7 @@ counters trail the answers by up to a flush interval, and always equal what the 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
@@ -40,6 +40,9 @@ class DnsStats:
         self.tcp_lane = LaneCounts()  # TCP messages waiting for the slow path (gtm.geodns.tcp)
         # UDP responses the kernel would not take (send buffer full): not sent.
         self.send_dropped = 0
+        # Datagrams the kernel dropped at the UDP listeners' full receive buffers, read from
+        # the sockets when scraped (the DNS server sets it; the kernel keeps the count).
+        self.receive_drops: Callable[[], int] = lambda: 0
 
 
 class DnsCollector(Collector):
@@ -79,6 +82,12 @@ class DnsCollector(Collector):
                 s.lane.admitted,
             ),
             ("gtm_dns_send_dropped", "UDP responses the send buffer refused", s.send_dropped),
+            (
+                "gtm_dns_receive_dropped",
+                "UDP queries the kernel dropped at a full receive buffer, before they were read "
+                "(each sender network fills its own socket's: gtm.geodns.steering)",
+                s.receive_drops(),
+            ),
             (
                 "gtm_dns_tcp_slow_deferred",
                 "TCP messages no first-level cache held, queued per sender network",

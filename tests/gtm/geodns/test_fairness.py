@@ -30,6 +30,7 @@ from gtm.geodns.admission import (
 )
 from gtm.geodns.server import TURN_SHARE
 from gtm.geodns.stats import DnsCollector
+from gtm.geodns.steering import socket_index
 from gtm.node import Node
 
 from .conftest import StartNode, port_of, udp
@@ -154,8 +155,13 @@ async def test_in_the_order_read_the_flood_is_answered_first(start_node: StartNo
 
 
 async def test_queues_are_bounded_and_every_drop_is_counted(start_node: StartNode) -> None:
+    # One socket: the datagrams are read in the order sent (with a socket per network they
+    # are read a socket at a time, and the drops below fall elsewhere).
     node = await start_node(
-        dns_listen=("127.0.0.1:0",), dns_slow_queue_per_network=8, dns_slow_queue_total=20
+        dns_listen=("127.0.0.1:0",),
+        dns_slow_queue_per_network=8,
+        dns_slow_queue_total=20,
+        dns_udp_sockets=1,
     )
     assert node.dns is not None
     stats = node.dns.responder.stats
@@ -256,8 +262,9 @@ async def test_a_network_over_its_share_of_a_batch_is_dropped_as_read_while_behi
     the flood's datagrams past TURN_SHARE of a read batch are dropped as they are read, and
     counted; the other network's are all answered. All 510 datagrams wait in the kernel's
     buffer before the server reads one: the first batch (READ_BATCH, from both networks) is
-    read whole, so the reader is behind; in the second, the flood gets TURN_SHARE."""
-    node = await start_node(dns_listen=("127.0.0.1:0",))
+    read whole, so the reader is behind; in the second, the flood gets TURN_SHARE. One socket:
+    the two networks share its buffer, as networks steered to the same socket do."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_udp_sockets=1)
     assert node.dns is not None
     await prime(node, "127.0.1.1")
     await prime(node, "127.0.2.1")
@@ -293,6 +300,92 @@ async def test_a_network_alone_is_not_dropped_over_its_share(start_node: StartNo
         answers = await receive(f, 500)
     assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(500))
     assert node.dns.responder.stats.lane.dropped[OVER_SHARE] == 0
+
+
+FLOOD_DATAGRAMS = 30_000  # far more than a receive buffer holds (some 5,000 at 2 MiB)
+
+
+def other_socket_sender(flood_from: str, sockets: int) -> str:
+    """A sender address (its own /24) that the steering program puts in another socket than
+    ``flood_from``'s."""
+    flood_socket = socket_index(flood_from, sockets)
+    for third in range(2, 250):
+        host = f"127.0.{third}.1"
+        if socket_index(host, sockets) != flood_socket:
+            return host
+    raise AssertionError("every /24 tried shares the flood's socket")
+
+
+async def overflow_then(node: Node, flood_from: str, legit_from: str) -> socket.socket:
+    """Prime ``legit_from``, then send FLOOD_DATAGRAMS cached queries from ``flood_from`` and 50
+    from ``legit_from``, all before the server reads one (no await in between): whatever one
+    receive buffer cannot hold, the kernel drops. Returns the legitimate sender's socket (the
+    caller closes it)."""
+    await prime(node, legit_from)
+    target = ("127.0.0.1", port_of(node))
+    legit = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    legit.setblocking(False)
+    legit.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    legit.bind((legit_from, 0))
+    with sender(flood_from) as f:
+        for i in range(FLOOD_DATAGRAMS):
+            f.sendto(with_id(CACHED, i % 60_000), target)
+        for i in range(50):
+            legit.sendto(with_id(CACHED, 60_000 + i), target)
+    return legit
+
+
+async def test_a_flood_that_overflows_its_socket_drops_nothing_of_another_network(
+    start_node: StartNode,
+) -> None:
+    """A network floods far more than a receive buffer holds, all sent before the server reads
+    any: the kernel steers it to its own socket (gtm.geodns.steering) and drops only from that
+    socket's buffer, so another network's 50 queries, sent after the whole flood, are all
+    answered; the drops are counted (gtm_dns_receive_dropped). With one socket for everyone
+    (below, and the listener before) the same 50 are dropped in the kernel, unread."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None and node.dns.steered
+    sockets = node.dns.steer_group
+    assert sockets > 1
+    legit_from = other_socket_sender("127.0.1.1", sockets)
+    legit = await overflow_then(node, "127.0.1.1", legit_from)
+    with legit:
+        answers = await receive(legit, 50)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(60_000, 60_050))
+    drops = node.dns.receive_drops()
+    assert 0 < drops < FLOOD_DATAGRAMS  # the flood's socket overflowed; nothing else
+    metrics = {
+        m.name: m.samples[0].value for m in DnsCollector(node.dns_stats).collect() if m.samples
+    }
+    assert metrics["gtm_dns_receive_dropped"] == drops
+
+
+async def test_in_one_socket_a_flood_that_overflows_it_drops_every_network_alike(
+    start_node: StartNode,
+) -> None:
+    """The same flood with one socket for every sender (GTM_DNS_UDP_SOCKETS=1): the buffer is
+    full when the other network's 50 arrive, and none is answered. What steering prevents."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_udp_sockets=1)
+    assert node.dns is not None and not node.dns.steered
+    legit = await overflow_then(node, "127.0.1.1", "127.0.2.1")
+    with legit:
+        # Every datagram that reached the buffer is read (it is empty again) before the marker
+        # is sent; the server reads in order, so the marker's answer comes after any answer to
+        # the 50 that were not dropped. The server reads in this loop: yielding lets it, and no
+        # event marks a kernel buffer empty.
+        while _queued_bytes(node.dns.udp_sockets()[0]):  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        legit.sendto(with_id(CACHED, 65_000), ("127.0.0.1", port_of(node)))
+        answers = await receive(legit, 1)
+        while int.from_bytes(answers[-1][:2], "big") != 65_000:
+            answers += await receive(legit, 1)
+    assert [int.from_bytes(a[:2], "big") for a in answers] == [65_000]
+    assert node.dns.receive_drops() >= 50
+
+
+def _queued_bytes(sock: socket.socket) -> int:
+    """Bytes waiting in a socket's receive buffer (SO_MEMINFO's first field)."""
+    return int(struct.unpack_from("=I", sock.getsockopt(socket.SOL_SOCKET, 55, 4 * 9))[0])
 
 
 def framed(wire: bytes) -> bytes:
