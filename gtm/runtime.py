@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +29,7 @@ from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter, queued_rows
 from gtm.control.log import ControlLog
 from gtm.decision import memos
-from gtm.decision.bundle import Documents, load_documents, parse_documents
+from gtm.decision.bundle import Documents, load_documents
 from gtm.decision.geoip import GeoDatabase, GeoIPSource, default_database_path, memo_entries
 from gtm.decision.memos import MemoLimits
 from gtm.decision.routing import spill_share
@@ -40,8 +39,9 @@ from gtm.errors import ConfigError
 from gtm.failures import Failures
 from gtm.fleet import roster, shared_state
 from gtm.fleet.capacity import CapacityIntake
+from gtm.fleet.documents_in_force import DocumentsInForce
 from gtm.fleet.health import TargetHealth, Thresholds
-from gtm.fleet.local_documents import Accepted, read_accepted, review, write_accepted
+from gtm.fleet.local_documents import Accepted
 from gtm.fleet.observation_seal import (
     ObservationGate,
     gate_for,
@@ -52,19 +52,11 @@ from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
 from gtm.fleet.shared_state import NodeStatus, Published
-from gtm.fleet.signed_documents import Untrusted, load_public_keys
 from gtm.fleet.state_sync import StateSync
 from gtm.settings import Settings
 from regional_lb.capacity_report import CapacityReport
 
 log = structlog.get_logger(__name__)
-
-
-def documents_from_published(published: Published) -> Documents:
-    """Documents published through the shared database, validated like files."""
-    return parse_documents(
-        published.topology, published.policies, f"published documents #{published.id}"
-    )
 
 
 def geoip_path(settings: Settings) -> Path:
@@ -82,13 +74,17 @@ class Runtime:
         self.settings = settings
         # The decision core's memos are bounded by shares of the same budget (rule 8).
         memos.bound(MemoLimits.from_mb(settings.dns_cache_budget_mb))
-        docs = load_documents(settings.config, settings.policies)
-        # Signed versions (gtm.fleet.signed_documents): the keys trusted, and the version this
-        # node accepted before it restarted, from its own disk and verified again: it answers
-        # from that, not from its files, until the database offers something newer.
-        self.document_keys = load_public_keys(settings.document_keys)
-        self.accepted: Accepted | None = None
-        docs = self._accepted_from_disk(docs)
+        # Signed versions (gtm.fleet.documents_in_force): the keys trusted, and the version
+        # this node accepted before it restarted, from its own disk and verified again: it
+        # answers from that, not from its files, until the database offers something newer.
+        self.documents = DocumentsInForce(
+            settings,
+            put=self._documents_put,
+            database_read=lambda: self.sync.last_ok is not None,
+            serving_policy=lambda: self.store.current.versions.policy,
+        )
+        self.document_keys = self.documents.keys
+        docs = self.documents.start_from(load_documents(settings.config, settings.policies))
         self.geoip = GeoIPSource(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
         self.store = SnapshotStore(
             Snapshot(1, docs.topology, docs.policy, self.geoip.current, built_at=time.time())
@@ -169,7 +165,7 @@ class Runtime:
             interval_s=settings.state_sync_interval_s,
             own_observations=self._own_observations,
             on_compose=self._apply_composed,
-            on_documents=self._apply_documents,
+            on_documents=self.documents.apply,
             own_status=self._own_status,
             # The node's own view of the control log (overrides), its mark on its own disk.
             control=ControlLog(
@@ -179,24 +175,18 @@ class Runtime:
                 / f"{settings.spool_dir.name}-control-log.node.json",
             ),
         )
-        # The sequence of the signed version in force (None while the node answers from its
-        # own files: no signed version exists, here or in the database).
-        self.document_sequence: int | None = (
-            None if self.accepted is None else self.accepted.sequence
-        )
-        # The sequence alone, also kept on disk (and all a node upgraded from before the copy
-        # has): when the copy cannot be used, no older version comes into force.
-        self._sequence_file = settings.spool_dir / "documents-in-force"
-        self._sequence_floor = _read_sequence(self._sequence_file)
-        # The newest valid sequence the database has offered, and whether it is refused for
-        # being behind this node's ("behind") or forking from it ("fork").
-        self._database_head: int | None = None
-        self._diverged: str | None = None
-        self._documents_reviewed = False  # the first review sees every row: history is no alarm
-        metrics.DOCUMENT_SEQUENCE.set(self.document_sequence or 0)
-        metrics.DOCUMENTS_DIVERGED.set(0)
         metrics.STATE_SYNC_AGE.set_function(lambda: self.sync.age_s)
         metrics.SNAPSHOT_VERSION.set(1)
+
+    @property
+    def document_sequence(self) -> int | None:
+        """The sequence of the signed version in force (None: the node's own files)."""
+        return self.documents.sequence
+
+    @property
+    def accepted(self) -> Accepted | None:
+        """The signed version in force, as this node accepted it."""
+        return self.documents.accepted
 
     async def start(self) -> None:
         if self.settings.migrate_on_start and not await self._migrate():
@@ -219,7 +209,7 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self._sync_marks(), name="report-marks"))
         await self._refuse_a_fleet_without_membership()
         await self.sync.start()  # adopts the fleet's published documents before probing starts
-        self._check_database_head()  # a database emptied of documents offers no row at all
+        self.documents.check_database_head()  # a database emptied of documents offers no row at all
         self._tasks.append(asyncio.create_task(self._poll_geoip(), name="geoip-poll"))
         if self.prober is not None:
             await self.prober.start()
@@ -438,7 +428,7 @@ class Runtime:
             self.settings.node_id,
             self.settings.observer_id or self.settings.node_id,
             now,
-            self.document_sequence,
+            self.documents.sequence,
             versions.snapshot,
             versions.topology,
             versions.policy,
@@ -452,136 +442,15 @@ class Runtime:
             audit_drained=None if spool is None else spool[0],
         )
 
-    def _must_exceed(self) -> int | None:
-        """The sequence a published version must be above: the one in force, or, until one is,
-        one below what this node had before it restarted (that version may come back)."""
-        if self.document_sequence is not None:
-            return self.document_sequence
-        return None if self._sequence_floor is None else self._sequence_floor - 1
-
-    def _accepted_from_disk(self, files: Documents) -> Documents:
-        """The documents to start with: the signed version this node accepted before, when its
-        copy verifies again; else its files."""
-        path = self.settings.document_state_path
-        try:
-            accepted = read_accepted(path, self.document_keys, self.settings.policy_approvals)
-        except Untrusted as exc:
-            metrics.DOCUMENTS_REFUSED.labels(exc.reason).inc()
-            log.error(
-                "documents.local_copy_refused",
-                path=str(path),
-                reason=exc.reason,
-                detail=exc.detail,
-            )
-            return files
-        if accepted is None:
-            return files
-        try:
-            docs = parse_documents(accepted.topology, accepted.policies, f"{path}")
-        except ConfigError as exc:
-            metrics.DOCUMENTS_REFUSED.labels("invalid").inc()
-            log.error(
-                "documents.local_copy_rejected",
-                path=str(path),
-                problems=[str(p) for p in exc.problems],
-            )
-            return files
-        self.accepted = accepted
-        log.info(
-            "documents.local_copy",
-            path=str(path),
-            sequence=accepted.sequence,
-            version=accepted.manifest.version,
-            policy=docs.policy.version,
-        )
-        return docs
-
-    def _refuse(self, published: Published, reason: str, detail: str) -> None:
-        # Whatever the database says, an unapproved, unsigned, replayed or forked version never
-        # moves traffic here (DESIGN.md rule 6): the version in force stays.
-        metrics.DOCUMENTS_REFUSED.labels(reason).inc()
-        log.error("documents.refused", id=published.id, reason=reason, detail=detail)
-
-    def _apply_documents(self, rows: list[Published]) -> None:
-        """Put in force the signed version with the highest sequence among ``rows``, if it is
-        above the one in force; refuse, and say why, every row that does not verify (whatever it
-        holds: this never raises for a row), and say loudly when the database is behind this
-        node's version or forks from it."""
-        first = not self._documents_reviewed
-        self._documents_reviewed = True
-        result = review(rows, self.document_keys, self.settings.policy_approvals)
-        for published, exc in result.refused:
-            self._refuse(published, exc.reason, exc.detail)
-        held = self.accepted
-        threshold = self._must_exceed()
-        newer: list[tuple[Accepted, Published]] = []
-        for accepted, published in result.valid:
-            sequence = accepted.sequence
-            self._database_head = max(sequence, self._database_head or sequence)
-            if held is not None and sequence == held.sequence:
-                if accepted.manifest_hash != held.manifest_hash:
-                    detail = (
-                        f"sequence {sequence} signed again as {accepted.manifest_hash[:16]}, "
-                        f"not the {held.manifest_hash[:16]} in force"
-                    )
-                    self._refuse(published, "fork", detail)
-                    self._diverge("fork", detail)
-            elif threshold is None or sequence > threshold:
-                newer.append((accepted, published))
-            elif not first:
-                # A new row with an old, validly signed version: a copy, or rows renumbered by a
-                # restore or a failover. It never comes into force (it is not after the one in
-                # force), and it is no alarm: its signature proves it is an activation the
-                # fleet made, so it can only be old. Rows that do not verify are the alarm.
-                # (At the first look every row is offered; the older ones are history.)
-                metrics.DOCUMENTS_SUPERSEDED.inc()
-                log.info(
-                    "documents.superseded",
-                    id=published.id,
-                    sequence=sequence,
-                    in_force=threshold,
-                )
-        for accepted, published in newer:  # highest sequence first
-            if self._put_in_force(accepted, published):
-                break
-        self._check_database_head()
-
-    def _put_in_force(self, accepted: Accepted, published: Published) -> bool:
-        try:
-            docs = documents_from_published(published)
-        except ConfigError as exc:
-            # The admin service validated them; a node that still cannot (an older version)
-            # keeps what it has and says why, rather than answering from half a configuration.
-            metrics.DOCUMENTS_REFUSED.labels("invalid").inc()
-            log.error(
-                "documents.rejected",
-                id=published.id,
-                problems=[str(p) for p in exc.problems],
-            )
-            return False
+    def _documents_put(self, docs: Documents, accepted: Accepted, published: Published) -> None:
+        """A new signed version in force (gtm.fleet.documents_in_force): the node follows it."""
         manifest = accepted.manifest
-        self.accepted = accepted
-        self.document_sequence = manifest.sequence
-        try:
-            write_accepted(self.settings.document_state_path, accepted)
-            _write_sequence(self._sequence_file, manifest.sequence)
-        except OSError as exc:
-            # In force all the same: the database offered it and it verified. A restart before
-            # the disk is back starts from the database (or the previous copy) again.
-            log.error(
-                "documents.local_copy_not_written",
-                path=str(self.settings.document_state_path),
-                error=str(exc),
-            )
-        metrics.DOCUMENT_SEQUENCE.set(manifest.sequence)
-        if self._diverged is not None:
-            self._undiverge(f"sequence {manifest.sequence} put in force")
         current = self.store.current
         if (
             docs.topology.fingerprint() == current.topology.fingerprint()
             and docs.policy.version == current.policy.version
         ):
-            return True
+            return
         topology = docs.topology
         self.swap(topology=topology, policy=docs.policy)
         self.book.retarget(tuple(r.id for r in topology.regions))
@@ -607,43 +476,6 @@ class Runtime:
             topology=topology.fingerprint(),
             policy=docs.policy.version,
         )
-        return True
-
-    def _check_database_head(self) -> None:
-        """Once the database has been read: refuse it loudly when its newest valid signed
-        version is below the one this node holds (rows deleted or edited: a rollback)."""
-        held = self.document_sequence if self.accepted is not None else self._sequence_floor
-        if held is None or self.sync.last_ok is None:
-            return
-        head = self._database_head
-        if head is not None and head >= held:
-            if self._diverged == "behind":
-                self._undiverge(f"the database offers sequence {head} again")
-            return
-        self._diverge(
-            "behind",
-            f"the database's newest valid signed version is {head if head is not None else 'none'}"
-            f", below the {held} this node accepted",
-        )
-
-    def _diverge(self, kind: str, detail: str) -> None:
-        if self._diverged == kind:
-            return  # one error per episode, not one per sync
-        self._diverged = kind
-        metrics.DOCUMENTS_DIVERGED.set(1)
-        metrics.DOCUMENTS_ROLLBACK_REFUSED.labels(kind).inc()
-        log.error(
-            "documents.database_refused",
-            kind=kind,
-            detail=detail,
-            serving=self.document_sequence,
-            policy=self.store.current.versions.policy,
-        )
-
-    def _undiverge(self, detail: str) -> None:
-        log.warning("documents.database_agrees", was=self._diverged, detail=detail)
-        self._diverged = None
-        metrics.DOCUMENTS_DIVERGED.set(0)
 
     async def _reprobe(self, topology: Topology) -> None:
         if self.prober is not None:
@@ -670,24 +502,6 @@ class Runtime:
                 await self.reload_geoip()
             except Exception:  # the poller must outlive any single bad read
                 log.exception("geoip.poll_failed")
-
-
-def _read_sequence(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_sequence(path: Path, sequence: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(f"{sequence}\n")
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
 
 
 def _routing_view(health: Mapping[str, RegionHealth]) -> dict[str, tuple[HealthState, float]]:
