@@ -28,7 +28,7 @@ from gtm.geodns.admission import (
     SlowLane,
     sender_network,
 )
-from gtm.geodns.server import TURN_SHARE
+from gtm.geodns.server import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import socket_index
 from gtm.node import Node
@@ -381,6 +381,78 @@ async def test_in_one_socket_a_flood_that_overflows_it_drops_every_network_alike
             answers += await receive(legit, 1)
     assert [int.from_bytes(a[:2], "big") for a in answers] == [65_000]
     assert node.dns.receive_drops() >= 50
+
+
+SO_TIMESTAMPNS = 35  # <asm-generic/socket.h> (SCM_TIMESTAMPNS, the same number, in the reply)
+
+
+async def readable(sock: socket.socket) -> None:
+    """Until ``sock`` has a datagram waiting (none is read)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await asyncio.wait_for(ready, DEADLINE_S)
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def _stamped(sock: socket.socket) -> list[tuple[int, bytes]]:
+    """Every datagram waiting in ``sock`` (SO_TIMESTAMPNS on), with the time the kernel queued
+    it, in nanoseconds."""
+    out = []
+    while True:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(65535, 1024)
+        except BlockingIOError:
+            return out
+        stamp = next(
+            (d for _, kind, d in ancillary if kind == SO_TIMESTAMPNS),
+            None,
+        )
+        assert stamp is not None
+        seconds, nanoseconds = struct.unpack("=qq", stamp[:16])
+        out.append((seconds * 1_000_000_000 + nanoseconds, data))
+
+
+@pytest.mark.parametrize("sockets", [8, 1])
+async def test_another_networks_queries_wait_behind_one_batch_of_a_flood_at_most(
+    start_node: StartNode, sockets: int
+) -> None:
+    """2,000 cached queries from a flooding network, then 5 from another, all waiting before the
+    server reads one. Steered to their own sockets, the five are answered after at most one
+    socket batch (SOCKET_BATCH) of the flood's answers, by the kernel's receive timestamps;
+    in one socket they wait behind a full read batch of the flood's at least."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_udp_sockets=sockets)
+    assert node.dns is not None
+    legit_from = (
+        other_socket_sender("127.0.1.1", node.dns.steer_group) if sockets > 1 else ("127.0.2.1")
+    )
+    await prime(node, legit_from)
+    target = ("127.0.0.1", port_of(node))
+    with sender("127.0.1.1") as f, sender(legit_from) as g:
+        for sock in (f, g):
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        for i in range(2000):
+            f.sendto(with_id(CACHED, i), target)
+        for i in range(5):
+            g.sendto(with_id(CACHED, 3000 + i), target)
+        got: list[tuple[int, bytes]] = []
+        while len(got) < 5:
+            await readable(g)
+            got += _stamped(g)
+        last = max(stamp for stamp, _ in got)
+        # Every flood answer the server sent before the legitimate ones' last (the rest come).
+        check = dns.message.make_query("chat.gtm.example.", "A")
+        assert (await udp(node, check, source="127.0.1.1")).answer  # read after all 2,000
+        flood = _stamped(f)
+    assert sorted(int.from_bytes(d[:2], "big") for _, d in got) == list(range(3000, 3005))
+    before = sum(1 for stamp, _ in flood if stamp < last)
+    if sockets > 1:
+        assert before <= SOCKET_BATCH
+    else:
+        assert before >= READ_BATCH
 
 
 def _queued_bytes(sock: socket.socket) -> int:
