@@ -11,7 +11,9 @@ every reply timed (``-v``). The flood: this script's ``flood`` mode, an open loo
 fast as one Python process can (nice 10, so it does not take the core from dnsperf) from
 ``--senders`` sender networks (1: one resolver; 256: spoofed-looking senders, one /24 each,
 127.1.x.1), looping over a ``bench/dns/flood.py`` query set (``ecs-200k``, ``ecs-2m``: random
-/24s; ``names-200k``: random names), and counting the answers it gets back.
+/24s; ``names-200k``: random names; ``malformed-200k``: issue 32's repro, an IPv4 and an IPv6
+ECS query then the IPv4 one with 4 octets appended, from new /24s, best with ``--flood-rate
+10000``), and counting the answers it gets back.
 
 For each flood set and each admission mode (``fair``: GTM_DNS_FAIR_ADMISSION=true, the
 default, each sender network steered to its own socket; ``fair-1socket``: the same with every
@@ -60,8 +62,14 @@ LEGIT_FROM = "127.0.2.1"
 # Admission modes compared: fair admission with sender networks steered to their own sockets
 # (the default), the same in one socket (GTM_DNS_UDP_SOCKETS=1), and off (the order read).
 MODES = ("fair", "fair-1socket", "off")
-FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k")
-SIZES = {"ecs-200k": 200_000, "names-200k": 200_000, "ecs-2m": 2_000_000, "tcp-names-200k": 200_000}
+FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k", "malformed-200k")
+SIZES = {
+    "ecs-200k": 200_000,
+    "names-200k": 200_000,
+    "ecs-2m": 2_000_000,
+    "tcp-names-200k": 200_000,
+    "malformed-200k": 200_000,
+}
 
 
 def legit_dnsperf(

@@ -88,7 +88,22 @@ def write_set(path: Path, name: str, count: int, seed: int = 17) -> Path:
     dnspython would take minutes for two million messages."""
     rng = random.Random(seed)
     with path.open("wb") as f:
-        if name.startswith("ecs"):
+        if name.startswith("malformed"):
+            # Issue 32's repro, over and over from new subnets: an IPv4 /24 ECS query, an IPv6
+            # /56 one (teaching the sender both shapes), then the IPv4 one with 4 octets
+            # appended (7 octets after the IPv4 shape's key: once a crash, now FORMERR).
+            v4 = dns.message.make_query(
+                "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.ECSOption("192.0.2.0", 24)]
+            ).to_wire()
+            v6 = dns.message.make_query(
+                "chat.gtm.example.", "A", use_edns=0,
+                options=[dns.edns.ECSOption("2001:db8::", 56)],
+            ).to_wire()  # fmt: skip
+            for net in random_slash24s(count // 3, rng):
+                wire = v4[:-3] + net.to_bytes(3, "big")
+                for message in (wire, v6, wire + b"\x00\x00\x00\x01"):
+                    f.write(struct.pack("!H", len(message)) + message)
+        elif name.startswith("ecs"):
             source = {"ecs20-": 20, "ecs32-": 32}.get(name[:6], 24)
             template = dns.message.make_query(
                 "chat.gtm.example.",
