@@ -113,11 +113,11 @@ class _Socket:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        # The last read stopped at READ_BATCH with datagrams still waiting: the reader is
+        # The last read stopped at a full batch with datagrams still waiting: the reader is
         # behind on this socket.
         self.behind = False
         # Whether its last full batch came from more than one network: only then is a network
-        # held to TURN_SHARE (a large resolver alone is not capped).
+        # held to its share of a batch (a large resolver alone is not capped).
         self.shared = False
 
 
@@ -154,17 +154,12 @@ class _FairUdp:
         self._batch, self._share = (
             (READ_BATCH, TURN_SHARE) if len(socks) == 1 else (SOCKET_BATCH, SOCKET_SHARE)
         )
-        # Sockets whose last read stopped at READ_BATCH with datagrams still waiting: while
+        # Sockets whose last read stopped at a full batch with datagrams still waiting: while
         # any is, the slow path gets one query a turn until the reader catches up (cached
         # answers first; what a socket's buffer cannot hold the kernel drops, from that socket).
         self._behind = 0
         # Sender host string -> its network (the queue it waits in); a memo, cleared when full.
         self._networks: dict[str, Hashable] = {}
-
-    @property
-    def sock(self) -> socket.socket:
-        """The group's first socket (the one a test or a bench looks at)."""
-        return self.socks[0]
 
     def start(self) -> None:
         for state in self._sockets:
@@ -197,8 +192,8 @@ class _FairUdp:
         sock = state.sock
         lane = self.lane
         networks = self._networks
-        # Behind (the last batch stopped at READ_BATCH) with other networks sending on this
-        # socket: each network's datagrams past TURN_SHARE in this batch are dropped as read.
+        # Behind (the last batch was full) with other networks sending on this socket: each
+        # network's datagrams past its share of this batch are dropped as read.
         share = state.behind and state.shared
         taken: dict[Hashable, int] = {}
         turn_share = self._share
