@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from regional_lb.balancing.cost import TimingSample
 from regional_lb.balancing.gpus import batch_slowdown, batch_throughput
 
+# The prefill-speed learner's memory (seconds with prompts pending) and the weight of the
+# declared speed in it (InstanceState.prefill_speed).
+PREFILL_HORIZON_S = 60.0
+PREFILL_PRIOR_S = 5.0
+
 
 @dataclass(slots=True)
 class Flight:
@@ -74,6 +79,11 @@ class SpeedLearner:
     def speed(self) -> float:
         return self.unit_speed * self._gain
 
+    @property
+    def gain(self) -> float:
+        """A full batch's throughput over one sequence's (``speed / unit_speed``)."""
+        return self._gain
+
     def busy(self, now: float, in_flight: int) -> None:
         """Call after every change of the in-flight count."""
         if self._n > 0 and now > self._last:
@@ -128,6 +138,11 @@ class InstanceState:
     # and since when the instance has been working through it (see prefill_backlog()).
     pending_prefill: float = 0.0
     prefill_since: float = 0.0
+    # Prefill speed, learned apart from the batched speed (see prefill_speed): decayed sums of
+    # the prefill finished (at first tokens) and of the wall time prompts were pending.
+    _pf_work: float = 0.0
+    _pf_time: float = 0.0
+    _pf_at: float = 0.0
     # When the instance last showed it is working: a request completed or a stream produced a
     # token. A saturated instance queues a model probe behind its batch; this tells busy from
     # dead (see regional_lb.upstream.probes).
@@ -158,6 +173,7 @@ class InstanceState:
         if model:
             self.loaded[model] = now
         self.outstanding += cost
+        self._prefill_clock(now)
         if prefill > 0 and self.pending_prefill <= 0:
             self.prefill_since = now
         self.pending_prefill += prefill
@@ -187,6 +203,8 @@ class InstanceState:
         if flight is not None and math.isnan(flight.first_token_at):
             flight.first_token_at = now
             flight.clock_first = self.progress_clock(now)
+            self._prefill_clock(now)
+            self._pf_work += flight.prefill
             if flight.prefill > 0:
                 self.prefill_since = now
             self._prefilled(flight)
@@ -207,6 +225,11 @@ class InstanceState:
         flight = self.flights.pop(request_id, None)
         if flight is None:
             return False
+        self._prefill_clock(now)
+        if actual_cost is not None:
+            # Completed without a first token seen (an answer not streamed): its prompt was
+            # prefilled all the same, within the time counted.
+            self._pf_work += flight.prefill
         if self.flights:
             self.outstanding -= flight.remaining
             self.pending_prefill -= flight.prefill
@@ -257,8 +280,50 @@ class InstanceState:
         whole until its first token arrived."""
         if self.pending_prefill <= 0:
             return 0.0
-        done = max(0.0, now - self.prefill_since) * self.speed.unit_speed
+        done = max(0.0, now - self.prefill_since) * self.prefill_speed
         return max(0.0, self.pending_prefill - done)
+
+    @property
+    def prefill_speed(self) -> float:
+        """Reference seconds of prompt prefill the instance gets through per second, learned
+        from the prompts routed with a prefill split (:meth:`add`): the prefill finished at
+        their first tokens over the wall time prompts were pending here (decayed sums over
+        ``PREFILL_HORIZON_S``), starting from the declared speed as ``PREFILL_PRIOR_S``
+        seconds of observation; the single-sequence speed until the first such prompt.
+        Learned apart from :class:`SpeedLearner`, whose clock counts each second at the
+        batch gain of the requests in flight: prompts are prefilled one after another at
+        gain 1, so crediting them there taught unit speeds of 0.16-0.75 instead of
+        1.0 on the Mooncake trace (long prompts under load), different on each instance, and
+        the picker overpriced queued prompts by 2.4 s on average."""
+        if self._pf_time <= 0:
+            return self.speed.unit_speed
+        return self._pf_work / self._pf_time
+
+    def split_speeds(self) -> tuple[float, float]:
+        """(full-batch speed, single-sequence speed) for a pick that splits its cost into
+        batched work and prompt prefill: both from :attr:`prefill_speed` once it has been
+        learned (the full batch at the GPU profile's gain over it), else the batched
+        learner's. One speed factor per instance, as the GPU profiles declare it, read from
+        the signal that measures it directly; the batched learner's would need the prefill
+        and decode shares of each busy second, which the balancer does not see."""
+        if self._pf_time <= 0:
+            return self.speed.speed, self.speed.unit_speed
+        pf = self.prefill_speed
+        return pf * self.speed.gain, pf
+
+    def _prefill_clock(self, now: float) -> None:
+        """Count the time since the last call as prefill time when prompts were pending."""
+        if now > self._pf_at and self.pending_prefill > 0:
+            if self._pf_time <= 0:  # the declared speed, as that much observation to start
+                self._pf_work, self._pf_time = (
+                    self.speed.declared * PREFILL_PRIOR_S,
+                    PREFILL_PRIOR_S,
+                )
+            dt = now - self._pf_at
+            decay = math.exp(-dt / PREFILL_HORIZON_S)
+            self._pf_work *= decay
+            self._pf_time = self._pf_time * decay + dt
+        self._pf_at = max(self._pf_at, now)
 
     def recompute(self) -> None:
         """Rebuild the running total from the flights (drift guard, called now and then)."""

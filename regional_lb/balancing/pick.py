@@ -24,7 +24,12 @@ second of decode work is shared by the whole batch. The score becomes
        + this request's prefill, less what its cached blocks save there) / single-sequence speed
 
 so a cache hit (``PickRequest.prefill_saved``) and queued prompts trade second for second, in
-the same unit as the rest of the score. Without the split (``prefill`` None) the score is
+the same unit as the rest of the score. Both speeds then come from the instance's learned
+prefill speed (:meth:`regional_lb.balancing.instance.InstanceState.split_speeds`), measured
+on the prompts themselves, not from the batched learner, whose clock counts serial prefill at
+the batch's gain (on the Mooncake trace it learned 0.16-0.75 for GPUs of speed 1.0, unequal
+across identical instances, and for 36% of requests the pick chose an instance at least 0.1 s
+slower to their first token than the best). Without the split (``prefill`` None) the score is
 exactly the one above: all work batched, a hit subtracted at the single-sequence speed.
 """
 
@@ -178,8 +183,13 @@ def pick(
         # work; what the instance has not yet got through is priced serially.
         pending = min(inst.pending_prefill, work)
         backlog = min(inst.prefill_backlog(now), pending)
-        rate = max(inst.speed.speed, 1e-9) * ramp
-        unit = max(inst.speed.unit_speed, 1e-9) * ramp
+        full, single = (
+            inst.split_speeds()
+            if req.prefill is not None
+            else (inst.speed.speed, inst.speed.unit_speed)
+        )
+        rate = max(full, 1e-9) * ramp
+        unit = max(single, 1e-9) * ramp
         cut = saved.get(inst.id, 0.0) if saved else 0.0
         if req.prefill is not None:
             cut = min(cut, own_prefill)
