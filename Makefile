@@ -16,9 +16,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m gtm.demo
 
-## test: the suite CI runs (slow suites excluded; PostgreSQL tests need GTM_TEST_POSTGRES_URL or pg_ctl)
+## test: the suite CI runs (slow suites excluded; PostgreSQL tests need GTM_TEST_POSTGRES_URL or pg_ctl).
+## On TEST_WORKERS processes (pytest-xdist), a file's tests on one worker: most tests wait on
+## subprocesses, servers and sockets, so more workers than cores still pays. Then the tests
+## marked timing (they hold the product to seconds of wall clock) alone, unloaded by the rest.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/pytest -m "not slow and not llamacpp" -q --durations=15
+	$(BIN)/pytest -m "not slow and not llamacpp and not timing" -n $(TEST_WORKERS) --dist loadfile \
+	  -q --durations=15
+	$(BIN)/pytest -m "timing and not slow and not llamacpp" -q --durations=5
 
 ## test-llamacpp: the regional balancer in front of a real llama-cpp-python server. Installs the
 ## llamacpp extra first: llama-cpp-python compiles llama.cpp from source (about ten minutes on

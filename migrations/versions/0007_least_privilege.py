@@ -69,12 +69,18 @@ $$
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
+    # Roles and memberships are the cluster's, shared by its databases: two databases migrated
+    # at once both find a role missing and both create it, and the later insert fails on the
+    # catalog's unique index once the first commits. That one's role is the role wanted.
     for role in ROLES:
         op.execute(
             f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') "
-            f"THEN CREATE ROLE {role} NOLOGIN; END IF; END $$"
+            f"THEN CREATE ROLE {role} NOLOGIN; END IF; "
+            "EXCEPTION WHEN unique_violation OR duplicate_object THEN NULL; END $$"
         )
-    op.execute("GRANT gtm_node TO gtm_admin")
+    op.execute(
+        "DO $$ BEGIN GRANT gtm_node TO gtm_admin; EXCEPTION WHEN unique_violation THEN NULL; END $$"
+    )
     for role in ROLES:
         op.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
         op.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")

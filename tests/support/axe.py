@@ -5,6 +5,7 @@ requires the tools (``GTM_TEST_REQUIRE_TOOLS=1``)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -40,6 +41,15 @@ def axe_script(pytestconfig: pytest.Config) -> Path:
     # pytest's cache (.pytest_cache/d/axe-core); with the cache plugin off, the temp directory.
     prefix = cache.mkdir("axe-core") if cache is not None else Path(gettempdir()) / "gtm-axe-core"
     script = prefix / "node_modules" / "axe-core" / "axe.min.js"
+    prefix.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist's workers share the cache: one installs while the others wait on the lock,
+    # then find the script (two npm installs into one prefix would trip over each other).
+    with (prefix / "install.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _installed(prefix, script)
+
+
+def _installed(prefix: Path, script: Path) -> Path:
     if script.exists():
         return script
     npm = shutil.which("npm")

@@ -12,9 +12,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import dns.dnssec
@@ -204,13 +205,20 @@ def unbound(work: Path, auth: int, key: ZoneKey) -> list[str]:
     )
 
 
-def pdns_recursor(work: Path, auth: int, key: ZoneKey) -> list[str]:
+def socket_dir(stack: ExitStack) -> Path:
+    """A directory for PowerDNS Recursor's control socket, removed with ``stack``. A UNIX
+    socket's path has at most 107 bytes, and pytest's temporary directories pass that: one
+    level deeper under each xdist worker, longer as the run's number grows."""
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gtm-pdns-")))
+
+
+def pdns_recursor(work: Path, auth: int, key: ZoneKey, sockets: Path) -> list[str]:
     (work / "recursor.conf").write_text("")
     (work / "anchor.lua").write_text(f"addTA('{APEX}', '{key.ds(APEX).to_text()}')\n")
     return [
         require("pdns_recursor"),
         f"--config-dir={work}",
-        f"--socket-dir={work}",
+        f"--socket-dir={sockets}",
         "--local-address=127.0.0.1",
         f"--local-port={resolver_port(work)}",
         f"--forward-zones=gtm.example=127.0.0.1:{auth}",

@@ -15,8 +15,9 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import psycopg
 import pytest
@@ -85,9 +86,28 @@ def _throwaway_cluster() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _unavailable(exc: Exception, hint: str) -> NoReturn:
+    reason = f"no PostgreSQL for tests ({hint}): {exc}"
+    if os.environ.get("GTM_TEST_REQUIRE_POSTGRES") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@contextmanager
+def fresh_cluster(databases: int) -> Iterator[list[str]]:
+    """URLs of ``databases`` new databases on a throwaway cluster of their own, for what is the
+    cluster's rather than a database's (roles): the shared server has them from earlier runs."""
+    with ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(_throwaway_cluster())
+            urls = [stack.enter_context(_database_on(cluster)) for _ in range(databases)]
+        except (OSError, psycopg.Error, subprocess.CalledProcessError) as exc:
+            _unavailable(exc, "this test starts its own cluster: pg_ctl and initdb")
+        yield urls
+
+
 @contextmanager
 def postgres_database() -> Iterator[str]:
-    required = os.environ.get("GTM_TEST_REQUIRE_POSTGRES") == "1"
     server = os.environ.get("GTM_TEST_POSTGRES_URL")
     try:
         if server:
@@ -97,7 +117,4 @@ def postgres_database() -> Iterator[str]:
         with _throwaway_cluster() as cluster, _database_on(cluster) as url:
             yield url
     except (OSError, psycopg.Error, subprocess.CalledProcessError) as exc:
-        reason = f"no PostgreSQL for tests (set GTM_TEST_POSTGRES_URL): {exc}"
-        if required:
-            pytest.fail(reason)
-        pytest.skip(reason)
+        _unavailable(exc, "set GTM_TEST_POSTGRES_URL")

@@ -4,6 +4,8 @@ read. And a node runs with nothing more than its role (the admin service: tests/
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from ipaddress import ip_address
 from pathlib import Path
@@ -22,8 +24,9 @@ from gtm.fleet.region_state import RegionEvent
 from gtm.fleet.shared_state import append_events
 from gtm.runtime import Runtime
 from gtm.settings import Settings
-from tests.conftest import DEMO, POLICIES
+from tests.conftest import DEMO, POLICIES, ROOT
 from tests.gtm.audit.test_audit import records
+from tests.support.postgres import fresh_cluster
 
 pytestmark = pytest.mark.postgres
 
@@ -118,3 +121,36 @@ async def test_a_flush_the_database_refuses_keeps_every_row_spooled(
         assert Spool(tmp_path / "spool", "refused").pending() == []
     finally:
         await node.dispose()
+
+
+def test_databases_migrated_at_once_on_a_fresh_cluster_share_its_roles() -> None:
+    """The roles are the cluster's, not a database's: migrated at the same time on a cluster
+    that has none yet, each database finds them missing and creates them; one creation wins,
+    the others find its roles and go on (before, they failed on pg_authid's unique index)."""
+    with fresh_cluster(databases=3) as urls:
+        # Processes, not threads: alembic's ``op`` is one per process.
+        upgrade = "import sys; from gtm.audit import migrate; migrate.upgrade(sys.argv[1])"
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-c", upgrade, url],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for url in urls
+        ]
+        errors = [run.communicate(timeout=120)[1] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0, 0], "\n".join(errors)[-3000:]
+        # Each database's grants went to the one set of roles.
+        for url in urls:
+            with psycopg.connect(make_url(url).set(drivername="postgresql")
+                                 .render_as_string(False)) as conn:  # fmt: skip
+                row = conn.execute(
+                    "SELECT pg_has_role('gtm_admin', 'gtm_node', 'MEMBER'),"
+                    " has_table_privilege('gtm_admin', 'documents', 'INSERT'),"
+                    " has_table_privilege('gtm_node', 'decisions', 'INSERT'),"
+                    " has_table_privilege('gtm_node', 'decisions', 'UPDATE'),"
+                    " has_table_privilege('gtm_reader', 'decisions', 'SELECT')"
+                ).fetchone()
+            assert row == (True, True, True, False, True), url

@@ -20,6 +20,10 @@ from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
 from tests.support.balancer import SECRET, FakeBalancer
 
+# Probes every 0.2 s with a 0.15 s timeout, failover held to seconds, a one-second re-admission
+# ramp sampled as it grows: measured alone, not beside other tests' load (`make test`).
+pytestmark = pytest.mark.timing
+
 INTERVAL = 0.2
 DE = "198.51.100.0/24"
 READMIT_S = 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from gtm.fleet.region_state import Force
 from tests.conftest import POLICIES
 from tests.support import resolvers
 from tests.support.control import KeyHolder
+from tests.support.dns_peers import socket_dir
 from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
@@ -47,12 +49,12 @@ NAME = "chat.eu.gtm.example."
 StartResolver = Callable[[str, int], Awaitable[int]]
 
 
-def pdns_recursor_argv(work: Path, port: int, auth: int) -> list[str]:
+def pdns_recursor_argv(work: Path, port: int, auth: int, sockets: Path) -> list[str]:
     (work / "recursor.conf").write_text("")
     return [
         require("pdns_recursor"),
         f"--config-dir={work}",
-        f"--socket-dir={work}",
+        f"--socket-dir={sockets}",
         "--local-address=127.0.0.1",
         f"--local-port={port}",
         f"--forward-zones=gtm.example=127.0.0.1:{auth}",
@@ -70,7 +72,8 @@ def pdns_recursor_argv(work: Path, port: int, auth: int) -> list[str]:
     ]
 
 
-def unbound_argv(work: Path, port: int, auth: int) -> list[str]:
+def unbound_argv(work: Path, port: int, auth: int, sockets: Path) -> list[str]:
+    del sockets  # its remote control is off: no socket
     return resolvers.unbound_argv(require("unbound"), work, port, auth)
 
 
@@ -81,6 +84,8 @@ ARGV = {"pdns_recursor": pdns_recursor_argv, "unbound": unbound_argv}
 async def start_resolver(tmp_path: Path) -> AsyncIterator[StartResolver]:
     """Start a resolver forwarding the zone to ``auth``; its port once it answers."""
     running = resolvers.Resolvers()
+    stack = ExitStack()
+    sockets = socket_dir(stack)
 
     async def answers(port: int) -> bool:
         return (await ask(port, "gtm.example.", "SOA")).rcode() == dns.rcode.NOERROR
@@ -90,11 +95,12 @@ async def start_resolver(tmp_path: Path) -> AsyncIterator[StartResolver]:
         work.mkdir()
         port = free_tcp_udp_port()
         return await running.start(
-            ARGV[kind](work, port, auth), work, port, answers, f"{kind} answering"
+            ARGV[kind](work, port, auth, sockets), work, port, answers, f"{kind} answering"
         )
 
-    yield start
-    await running.stop()
+    with stack:
+        yield start
+        await running.stop()
 
 
 async def ask(

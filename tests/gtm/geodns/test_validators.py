@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,13 +141,18 @@ def resolvers_for(running: ExitStack, work: Path, auth: int, key: ZoneKey) -> St
     """unbound and PowerDNS Recursor forwarding the zone to ``auth``, anchored on ``key``;
     delv needs no process (it asks the server itself and validates on its own)."""
     work.mkdir(exist_ok=True)
+    sockets = dns_peers.socket_dir(running)
+    argvs: dict[str, Callable[[Path], list[str]]] = {
+        "unbound": lambda folder: dns_peers.unbound(folder, auth, key),
+        "pdns_recursor": lambda folder: dns_peers.pdns_recursor(folder, auth, key, sockets),
+    }
     ports = {}
-    for kind, argv in (("unbound", dns_peers.unbound), ("pdns_recursor", dns_peers.pdns_recursor)):
+    for kind, argv in argvs.items():
         folder = work / kind
         folder.mkdir()
         ports[kind] = running.enter_context(
             dns_peers.running(
-                argv(folder, auth, key),
+                argv(folder),
                 folder / "log",
                 dns_peers.resolver_port(folder),
                 lambda port: dns_peers.answers_soa(port, recursion=True),

@@ -10,6 +10,7 @@ import random
 import time
 
 import httpx
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -342,9 +343,12 @@ async def _stream_mix(
 
 # One stream at a time: with several, the simulator, the balancer and the client share one
 # Python process here and each stream adds CPU time to every step, which the fit would rightly
-# learn but a wall-clock reference could not predict. Batches are covered above.
+# learn but a wall-clock reference could not predict. Batches are covered above. For the same
+# reason these run alone (marked timing): other tests' load during the mix, and not during the
+# reference measured around it, is learned too.
 
 
+@pytest.mark.timing
 async def test_a_misconfigured_model_is_corrected_from_its_streams() -> None:
     speedup = 10.0
     # Configured 4x too dear to decode, 10x too cheap to prefill.
@@ -382,6 +386,7 @@ async def test_a_misconfigured_model_is_corrected_from_its_streams() -> None:
             assert 0.0 <= float(util.split()[-1]) < 0.5
 
 
+@pytest.mark.timing
 async def test_a_slow_gpu_does_not_make_the_model_look_expensive() -> None:
     learned: dict[str, float] = {}
     # Wall-clock seconds per token, measured before and after the mix (a loaded machine makes
