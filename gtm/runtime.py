@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import metrics
@@ -83,7 +84,6 @@ class Runtime:
             database_read=lambda: self.sync.last_ok is not None,
             serving_policy=lambda: self.store.current.versions.policy,
         )
-        self.document_keys = self.documents.keys
         docs = self.documents.start_from(load_documents(settings.config, settings.policies))
         self.geoip = GeoIPSource(geoip_path(settings), memo_entries(settings.dns_cache_budget_mb))
         self.store = SnapshotStore(
@@ -169,7 +169,7 @@ class Runtime:
             own_status=self._own_status,
             # The node's own view of the control log (overrides), its mark on its own disk.
             control=ControlLog(
-                self.document_keys,
+                self.documents.keys,
                 mark=settings.spool_dir.parent
                 / "state"
                 / f"{settings.spool_dir.name}-control-log.node.json",
@@ -184,9 +184,10 @@ class Runtime:
         return self.documents.sequence
 
     @property
-    def accepted(self) -> Accepted | None:
-        """The signed version in force, as this node accepted it."""
-        return self.documents.accepted
+    def document_keys(self) -> dict[str, Ed25519PublicKey]:
+        """The trusted document keys by id: a signed version or control-log entry verifies
+        under one of them."""
+        return self.documents.keys
 
     async def start(self) -> None:
         if self.settings.migrate_on_start and not await self._migrate():
