@@ -117,16 +117,28 @@ def attach(sock: socket.socket, sockets: int) -> bool:
 
 
 SO_MEMINFO = 55  # <asm-generic/socket.h>
-_SK_MEMINFO_DROPS = 8  # index of the drop count in the u32 array SO_MEMINFO returns
+# Indexes in the u32 array SO_MEMINFO returns (SK_MEMINFO_RMEM_ALLOC, SK_MEMINFO_DROPS).
+_RMEM_ALLOC, _DROPS = 0, 8
+
+
+def _meminfo(sock: socket.socket, index: int) -> int:
+    """One field of the kernel's SO_MEMINFO for ``sock``; 0 where the kernel does not say."""
+    size = 4 * (_DROPS + 1)
+    try:
+        info = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, size)
+    except OSError:
+        return 0
+    if len(info) < size:
+        return 0
+    return int(struct.unpack_from("=I", info, 4 * index)[0])
 
 
 def receive_drops(sock: socket.socket) -> int:
     """Datagrams the kernel dropped at this socket (its receive buffer full), since it opened;
     0 where the kernel does not say."""
-    try:
-        info = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (_SK_MEMINFO_DROPS + 1))
-    except OSError:
-        return 0
-    if len(info) < 4 * (_SK_MEMINFO_DROPS + 1):
-        return 0
-    return int(struct.unpack_from("=I", info, 4 * _SK_MEMINFO_DROPS)[0])
+    return _meminfo(sock, _DROPS)
+
+
+def receive_queued(sock: socket.socket) -> int:
+    """Bytes waiting in this socket's receive buffer now, as the kernel accounts them."""
+    return _meminfo(sock, _RMEM_ALLOC)

@@ -30,7 +30,7 @@ from gtm.geodns.admission import (
 )
 from gtm.geodns.server import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.geodns.stats import DnsCollector
-from gtm.geodns.steering import socket_index
+from gtm.geodns.steering import receive_queued, socket_index
 from gtm.node import Node
 
 from .conftest import StartNode, port_of, udp
@@ -373,7 +373,7 @@ async def test_in_one_socket_a_flood_that_overflows_it_drops_every_network_alike
         # is sent; the server reads in order, so the marker's answer comes after any answer to
         # the 50 that were not dropped. The server reads in this loop: yielding lets it, and no
         # event marks a kernel buffer empty.
-        while _queued_bytes(node.dns.udp_sockets()[0]):  # noqa: ASYNC110
+        while receive_queued(node.dns.udp_sockets()[0]):  # noqa: ASYNC110
             await asyncio.sleep(0)
         legit.sendto(with_id(CACHED, 65_000), ("127.0.0.1", port_of(node)))
         answers = await receive(legit, 1)
@@ -455,11 +455,6 @@ async def test_another_networks_queries_wait_behind_one_batch_of_a_flood_at_most
         assert before >= READ_BATCH
 
 
-def _queued_bytes(sock: socket.socket) -> int:
-    """Bytes waiting in a socket's receive buffer (SO_MEMINFO's first field)."""
-    return int(struct.unpack_from("=I", sock.getsockopt(socket.SOL_SOCKET, 55, 4 * 9))[0])
-
-
 def framed(wire: bytes) -> bytes:
     return struct.pack("!H", len(wire)) + wire
 
@@ -476,6 +471,16 @@ async def tcp_answer(sock: socket.socket) -> bytes:
     while len(data) < 2 or len(data) < 2 + int.from_bytes(data[:2], "big"):
         data += await asyncio.wait_for(loop.sock_recv(sock, 65535), DEADLINE_S)
     return data[2:]
+
+
+async def end_of_stream(sock: socket.socket) -> bool:
+    """Whether the server closed the connection (end of stream, or a reset) before sending
+    anything more on it."""
+    try:
+        data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 65535), DEADLINE_S)
+    except ConnectionResetError:
+        return True
+    return data == b""
 
 
 def answers_waiting(sock: socket.socket) -> int:
@@ -543,7 +548,6 @@ async def test_at_the_connection_cap_a_newcomer_closes_the_biggest_networks_olde
     served, and the first network's oldest connection is closed for it (counted as refused). A
     fourth from the first network is refused: it holds as many as the other would then."""
     node = await start_node(dns_listen=("127.0.0.1:0",), dns_tcp_max_connections=3)
-    loop = asyncio.get_running_loop()
     flood = [tcp_connection(node, "127.0.1.1") for _ in range(3)]
     others: list[socket.socket] = []
     try:
@@ -554,21 +558,13 @@ async def test_at_the_connection_cap_a_newcomer_closes_the_biggest_networks_olde
         others[0].send(framed(CACHED))
         assert dns.message.from_wire(await tcp_answer(others[0])).answer
         # The oldest flood connection was closed: end of stream (or a reset).
-        try:
-            closed = await asyncio.wait_for(loop.sock_recv(flood[0], 65535), DEADLINE_S)
-        except ConnectionResetError:
-            closed = b""
-        assert closed == b""
+        assert await end_of_stream(flood[0])
         assert node.dns_stats.tcp_refused == 1
         flood[1].send(framed(CACHED))  # the others still answer
         assert dns.message.from_wire(await tcp_answer(flood[1])).answer
         others.append(tcp_connection(node, "127.0.1.1"))
         others[1].send(framed(CACHED))
-        try:
-            refused = await asyncio.wait_for(loop.sock_recv(others[1], 65535), DEADLINE_S)
-        except ConnectionResetError:
-            refused = b""
-        assert refused == b""
+        assert await end_of_stream(others[1])
         assert node.dns_stats.tcp_refused == 2
     finally:
         for sock in [*flood, *others]:
