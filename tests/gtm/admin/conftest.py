@@ -62,6 +62,22 @@ class Admin:
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=20)
 
 
+def capacity_report(**extra: Any) -> dict[str, Any]:
+    """A fresh capacity report from eu-west (42% used), as its balancer pushes it; ``extra``
+    changes or adds fields."""
+    return {
+        "region": "eu-west",
+        "seq": 1,
+        "ts": time.time(),
+        "instances_healthy": 2,
+        "instances_total": 2,
+        "capacity": 100.0,
+        "outstanding": 42.0,
+        "utilisation": 0.42,
+        **extra,
+    }
+
+
 def run_gtm(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``gtm ARGS`` in a process of its own with ``env`` over this one's. stdin is no
     terminal: the CLI must not wait on a question nobody can answer."""

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 from gtm.admin.permissions import Role
 from regional_lb.capacity_report import CapacityReport
-from tests.gtm.admin.conftest import AdminFactory, run_gtm
+from tests.gtm.admin.conftest import AdminFactory, capacity_report, run_gtm
 
 
 async def test_region_status_has_a_header_and_each_regions_utilisation(
@@ -21,20 +20,7 @@ async def test_region_status_has_a_header_and_each_regions_utilisation(
         def report(seq: int) -> None:
             """A fresh report from eu-west: each gtm run below takes seconds on a loaded
             machine, longer together than a report stays fresh."""
-            admin.runtime.apply_report(
-                CapacityReport.model_validate(
-                    {
-                        "region": "eu-west",
-                        "seq": seq,
-                        "ts": time.time(),
-                        "instances_healthy": 2,
-                        "instances_total": 2,
-                        "capacity": 100.0,
-                        "outstanding": 42.0,
-                        "utilisation": 0.42,
-                    }
-                )
-            )
+            admin.runtime.apply_report(CapacityReport.model_validate(capacity_report(seq=seq)))
 
         report(1)
         viewer = await admin.token("vera", Role.VIEWER)

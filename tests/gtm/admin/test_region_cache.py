@@ -7,29 +7,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any
 
 from prometheus_client import REGISTRY
 
 from gtm.admin.permissions import Role
 from gtm.fleet.capacity import CapacityIntake, Rejected
 from regional_lb.capacity_report import CapacityReport
-from tests.gtm.admin.conftest import AdminFactory
+from tests.gtm.admin.conftest import AdminFactory, capacity_report
 from tests.gtm.admin.console_client import sign_in
-
-
-def report(**extra: Any) -> dict[str, Any]:
-    return {
-        "region": "eu-west",
-        "seq": 1,
-        "ts": time.time(),
-        "instances_healthy": 2,
-        "instances_total": 2,
-        "capacity": 100.0,
-        "outstanding": 42.0,
-        "utilisation": 0.42,
-        **extra,
-    }
 
 
 def test_intake_refuses_figures_out_of_range_and_takes_reports_without_them() -> None:
@@ -39,13 +24,13 @@ def test_intake_refuses_figures_out_of_range_and_takes_reports_without_them() ->
         {"kv_free_fraction": -0.1},
         {"kv_free_blocks": -3},
     ):
-        got = intake.accept(json.dumps(report(**bad)).encode(), None, time.time())
+        got = intake.accept(json.dumps(capacity_report(**bad)).encode(), None, time.time())
         assert isinstance(got, Rejected) and "not a capacity report" in got.reason, bad
-    nan = json.dumps(report(seq=2)).replace(
+    nan = json.dumps(capacity_report(seq=2)).replace(
         '"capacity": 100.0', '"capacity": 100.0, "prefix_cache_hit_rate": NaN'
     )
     assert isinstance(intake.accept(nan.encode(), None, time.time()), Rejected)
-    older = intake.accept(json.dumps(report(seq=3)).encode(), None, time.time())
+    older = intake.accept(json.dumps(capacity_report(seq=3)).encode(), None, time.time())
     assert isinstance(older, CapacityReport) and older.prefix_cache_hit_rate is None
 
 
@@ -55,7 +40,9 @@ async def test_the_regions_cache_figures_reach_the_api_the_metrics_and_the_conso
     async with start_admin() as admin:
         admin.runtime.apply_report(
             CapacityReport.model_validate(
-                report(prefix_cache_hit_rate=0.634, kv_free_fraction=0.41, kv_free_blocks=16400)
+                capacity_report(
+                    prefix_cache_hit_rate=0.634, kv_free_fraction=0.41, kv_free_blocks=16400
+                )
             )
         )
         viewer = await admin.token("vera", Role.VIEWER)
@@ -82,7 +69,7 @@ async def test_the_regions_cache_figures_reach_the_api_the_metrics_and_the_conso
         assert us_row is not None
         assert '<td class="n" data-field="prefix-cache-hits">—</td>' in us_row.group(1)
         # A later report without the figures: the gauges do not keep the old ones.
-        admin.runtime.apply_report(CapacityReport.model_validate(report(seq=2)))
+        admin.runtime.apply_report(CapacityReport.model_validate(capacity_report(seq=2)))
         assert (
             REGISTRY.get_sample_value("gtm_region_prefix_cache_hit_rate", {"region": "eu-west"})
             is None
