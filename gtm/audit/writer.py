@@ -470,6 +470,9 @@ class AuditWriter:
                 or self._backlog
                 or self._behind
                 or (bool(self._queued) and not oldest)
+                # An earlier window not in yet (its drain has not run): this one first would
+                # make the database skip its rows for good (it skips what it holds already).
+                or batch.first_seq > (self._db_seq or 0) + 1
             )
             if backlog:
                 self._behind = False  # a read of the spool takes every window sealed so far
