@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # kernel to one of them (gtm.geodns.steering): a flood fills and overflows only its own
     # socket's receive buffer, not the one every client shares. 1: one socket, as before.
     dns_udp_sockets: int = Field(default=8, ge=1, le=64)
+    # Sender networks kept as established (gtm.geodns.established): read steadily while nothing
+    # was dropped, they get the first half of those sockets to themselves, so a flood from
+    # networks never seen before cannot overflow their buffers. The kernel map's size; 0: off.
+    # Needs CAP_BPF (else a warning, and the hash alone) and one worker process.
+    dns_established_networks: int = Field(default=16384, ge=0, le=1_000_000)
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
     # in the DNSKEY RRset for a rollover. A configured file that is missing, loose or malformed

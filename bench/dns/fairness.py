@@ -16,9 +16,11 @@ ECS query then the IPv4 one with 4 octets appended, from new /24s, best with ``-
 10000``), and counting the answers it gets back.
 
 For each flood set and each admission mode (``fair``: GTM_DNS_FAIR_ADMISSION=true, the
-default, each sender network steered to its own socket; ``fair-1socket``: the same with every
-sender in one socket, GTM_DNS_UDP_SOCKETS=1; ``off``: every datagram answered in the order
-read, in one socket), a fresh server
+default, each sender network steered to its own socket and the established networks, the
+legitimate sender among them, on sockets of their own; ``fair-hashed``: the same without
+established networks, GTM_DNS_ESTABLISHED_NETWORKS=0, every network hashed over all the
+sockets; ``fair-1socket``: every sender in one socket, GTM_DNS_UDP_SOCKETS=1; ``off``: every
+datagram answered in the order read, in one socket), a fresh server
 (pinned to CPU 0; both clients on CPU 1) serves, in one run: the legitimate load alone, then
 the same load with the flood. Reported: legitimate answers / sent, their p99 with the flood as
 a ratio of the p99 alone (targets, from the issue: >= 95% and <= 2x), the flood's sending
@@ -60,8 +62,9 @@ from gtm.decision.geoip import default_database_path  # noqa: E402
 
 LEGIT_FROM = "127.0.2.1"
 # Admission modes compared: fair admission with sender networks steered to their own sockets
-# (the default), the same in one socket (GTM_DNS_UDP_SOCKETS=1), and off (the order read).
-MODES = ("fair", "fair-1socket", "off")
+# and established ones to sockets of their own (the default), the same hashed only
+# (GTM_DNS_ESTABLISHED_NETWORKS=0), in one socket (GTM_DNS_UDP_SOCKETS=1), and off.
+MODES = ("fair", "fair-hashed", "fair-1socket", "off")
 FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k", "malformed-200k")
 SIZES = {
     "ecs-200k": 200_000,
@@ -157,7 +160,7 @@ def admission_metrics(metrics_port: int | None) -> dict[str, float]:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(("gtm_dns_slow_", "gtm_dns_send_dropped_total")):
+        if line.startswith(("gtm_dns_slow_", "gtm_dns_send_dropped_total", "gtm_dns_established")):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -294,6 +297,8 @@ def one_server(
     server.env["GTM_DNS_FAIR_ADMISSION"] = "false" if mode == "off" else "true"
     if mode == "fair-1socket":
         server.env["GTM_DNS_UDP_SOCKETS"] = "1"  # every sender network in one receive buffer
+    if mode == "fair-hashed":
+        server.env["GTM_DNS_ESTABLISHED_NETWORKS"] = "0"  # every network hashed, as before
     row: dict[str, Any] = {}
     with running(server):
         legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
@@ -399,8 +404,9 @@ def report(
     print(
         "| flood | senders | admission | legit answered/sent alone | legit answered/sent "
         "flooded | p99 alone ms | p99 flooded ms | p99 ratio | flood sent/s | flood goodput/s "
-        "| lost in server buffer | server CPU share | peak RSS MiB | heap growth MiB |\n"
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| lost in server buffer | server CPU share | established | peak RSS MiB "
+        "| heap growth MiB |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for r in results:
         alone, flooded, f = r["alone"], r["flood"], r["flooder"]
@@ -412,6 +418,7 @@ def report(
             f"| {flooded['p99_ms'] / alone['p99_ms']:.2f} "
             f"| {f['sent'] / f['seconds']:.0f} | {f['answered'] / f['seconds']:.0f} "
             f"| {flooded['server_buffer_drops']:.0f} | {flooded['server_cpu']:.2f} "
+            f"| {r['admission'].get('gtm_dns_established_networks', 0):.0f} "
             f"| {r['rss_mb']:.0f} | {r['heap_growth_mb']:.0f} |"
         )
     print("\ntargets: legitimate answered >= 95% of sent; p99 flooded <= 2x p99 alone")

@@ -26,6 +26,7 @@ from gtm.geodns import steering
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
 from gtm.geodns.budget import Budget
 from gtm.geodns.dnssec import make_signer
+from gtm.geodns.established import EstablishedNetworks
 from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import SLOW, Responder
@@ -101,6 +102,8 @@ TURN_SHARE = 64
 # call per ready socket) is then still small beside it. Its share, as TURN_SHARE of READ_BATCH.
 SOCKET_BATCH = 64
 SOCKET_SHARE = 16
+# The established set's tick (gtm.geodns.established): how often it is updated.
+TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
 # in the kernel's buffer while it runs (gtm.geodns.admission).
 SLOW_TURN_S = 0.001
@@ -109,10 +112,12 @@ SLOW_TURN_S = 0.001
 class _Socket:
     """One socket of a listener's group and what its last read found."""
 
-    __slots__ = ("behind", "shared", "sock")
+    __slots__ = ("behind", "protected", "shared", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, protected: bool = False) -> None:
         self.sock = sock
+        # It serves established networks only (gtm.geodns.established).
+        self.protected = protected
         # The last read stopped at a full batch with datagrams still waiting: the reader is
         # behind on this socket.
         self.behind = False
@@ -142,6 +147,8 @@ class _FairUdp:
         responder: Responder,
         lane: SlowLane[_Queued],
         slow_batch: int,
+        split: steering.SplitGroup | None = None,
+        established: EstablishedNetworks | None = None,
     ) -> None:
         self.socks = socks
         self.responder = responder
@@ -150,7 +157,19 @@ class _FairUdp:
         self._loop = asyncio.get_running_loop()
         self._scheduled = False
         self._closed = False
-        self._sockets = [_Socket(sock) for sock in socks]
+        # With a split group, its first sockets serve the established networks
+        # (gtm.geodns.established), whose set a timer updates every TICK_S.
+        self.split = split
+        self.established = established if split is not None else None
+        protected = split.protected if split is not None else 0
+        self._sockets = [_Socket(sock, i < protected) for i, sock in enumerate(socks)]
+        # Networks read this tick, on the general and on the protected sockets; those over
+        # their share on a protected socket (to demote).
+        self._seen_general: dict[Hashable, int] = {}
+        self._seen_protected: dict[Hashable, int] = {}
+        self._over: set[Hashable] = set()
+        self._dropped_before = 0
+        self._timer: asyncio.TimerHandle | None = None
         self._batch, self._share = (
             (READ_BATCH, TURN_SHARE) if len(socks) == 1 else (SOCKET_BATCH, SOCKET_SHARE)
         )
@@ -164,20 +183,82 @@ class _FairUdp:
     def start(self) -> None:
         for state in self._sockets:
             self._loop.add_reader(state.sock.fileno(), self._readable, state)
+        if self.established is not None:
+            self._dropped_before = self._dropped()
+            self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         for state in self._sockets:
             self._loop.remove_reader(state.sock.fileno())
         self.lane.clear()  # counted as dropped at shutdown
         for state in self._sockets:
             state.sock.close()
+        if self.split is not None:
+            self.split.close()
+
+    def _dropped(self) -> int:
+        """Datagrams lost so far, by the kernel's buffers or by admission."""
+        return self.receive_drops() + sum(self.lane.counts.dropped.values())
+
+    def tick(self) -> None:
+        """Close a tick of the established set: who was read, whether anything was lost; the
+        map follows what it decides."""
+        established, split = self.established, self.split
+        assert established is not None
+        assert split is not None
+        dropped = self._dropped()
+        calm, self._dropped_before = dropped == self._dropped_before, dropped
+        for network in self._over:
+            if established.demote(network):
+                self._unsteer(network)
+        self._over.clear()
+        general, self._seen_general = self._seen_general, {}
+        protected, self._seen_protected = self._seen_protected, {}
+        changes = established.end_tick(general, protected, calm=calm)
+        for network in changes.removed:
+            self._unsteer(network)
+        for network in changes.added:
+            try:
+                split.add(network)
+            except OSError as exc:  # the map full or gone: not established after all
+                established.forget(network)
+                log.warning("dns.established_map_error", error=str(exc))
+                break
+
+    def _unsteer(self, network: Hashable) -> None:
+        assert self.split is not None
+        with contextlib.suppress(OSError):  # not in the map (already out): nothing to undo
+            self.split.remove(network)
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.tick()
+        except Exception as exc:  # the set stays as it was; answering goes on
+            self.responder.runtime.failures.record("dns.established", exc)
+        self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def receive_drops(self) -> int:
         """Datagrams the kernel dropped at this listener's full receive buffers."""
         return sum(steering.receive_drops(state.sock) for state in self._sockets)
+
+    def socket_of(self, host: str) -> int:
+        """The socket of this listener (its index) that datagrams from ``host`` land on now, as
+        the kernel's program picks it (a group this process bound alone)."""
+        n = len(self._sockets)
+        split = self.split
+        if split is None:
+            return steering.socket_index(host, n) if n > 1 else 0
+        network = sender_network(host)
+        if self.established is not None and network in self.established:
+            return steering.protected_index(network, split.protected)
+        return steering.split_index(host, split.general, split.protected)
 
     def _network(self, host: str) -> Hashable:
         network = self._networks.get(host)
@@ -215,6 +296,8 @@ class _FairUdp:
             n = taken.get(network, 0)
             if share and n >= turn_share:
                 lane.counts.dropped[OVER_SHARE] += 1
+                if state.protected:
+                    self._over.add(network)  # an established network flooding: demoted
                 continue
             taken[network] = n + 1
             if r.rrl is None:
@@ -257,6 +340,8 @@ class _FairUdp:
                 self._send(sock, out, addr)
         if state.behind:
             state.shared = len(taken) > 1
+        if self.established is not None:
+            (self._seen_protected if state.protected else self._seen_general).update(taken)
 
     def _drain(self) -> None:
         """One turn's slice of the slow path: ``slow_batch`` queued queries, one per network in
@@ -337,6 +422,7 @@ class DnsServer:
         slow_batch: int = 32,
         udp_sockets: int = 1,
         steer_group: int | None = None,
+        established_networks: int = 0,
     ) -> None:
         self.responder = responder
         self.listens = listens
@@ -353,6 +439,11 @@ class DnsServer:
         self.sockets_per_address = udp_sockets
         self.steer_group = steer_group or udp_sockets
         self.steered = False  # whether the kernel took the steering program
+        # Established sender networks (gtm.geodns.established) kept at most per listen address,
+        # on the first half of its sockets; 0: off. One process only: the split program names
+        # sockets by their place in the group, known only for the sockets this process bound.
+        self.established_networks = established_networks
+        self.split = False  # whether the kernel took the split program
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[_FairUdp] = []
         self._tcp: list[asyncio.Server] = []
@@ -383,11 +474,17 @@ class DnsServer:
             self._tcp.append(server)
             port = server.sockets[0].getsockname()[1]
             if self.fair:
-                socks = self._bind_group(host, port, family)
+                socks, split = self._bind_group(host, port, family)
                 lane: SlowLane[_Queued] = SlowLane(
                     self.slow_per_network, self.slow_total, self.responder.stats.lane
                 )
-                listener = _FairUdp(socks, self.responder, lane, self.slow_batch)
+                established = None
+                if split is not None:
+                    established = EstablishedNetworks(self.established_networks)
+                    self.responder.stats.established.append(established)
+                listener = _FairUdp(
+                    socks, self.responder, lane, self.slow_batch, split, established
+                )
                 listener.start()
                 self._fair.append(listener)
             else:
@@ -404,10 +501,13 @@ class DnsServer:
 
     def _bind_group(
         self, host: str, port: int, family: socket.AddressFamily
-    ) -> list[socket.socket]:
+    ) -> tuple[list[socket.socket], steering.SplitGroup | None]:
         """The listen address's UDP sockets, each sender network steered to one of them
-        (:mod:`gtm.geodns.steering`); one socket when ``udp_sockets`` is 1."""
+        (:mod:`gtm.geodns.steering`); one socket when ``udp_sockets`` is 1. With established
+        networks on, and the kernel's leave, the group is split (the map and program
+        returned)."""
         socks: list[socket.socket] = []
+        split = None
         try:
             for _ in range(self.sockets_per_address):
                 sock = _bind_udp(
@@ -415,7 +515,8 @@ class DnsServer:
                 )
                 socks.append(sock)
                 _widen_receive_buffer(sock)
-            if self.steer_group > 1:
+            split = self._split(socks, host, port)
+            if split is None and self.steer_group > 1:
                 self.steered = steering.attach(socks[0], self.steer_group)
                 if not self.steered:
                     log.warning(
@@ -425,16 +526,48 @@ class DnsServer:
                         detail="the kernel spreads datagrams by its own hash of addresses",
                     )
         except BaseException:
+            if split is not None:
+                split.close()
             for sock in socks:
                 sock.close()
             raise
-        return socks
+        return socks, split
+
+    def _split(
+        self, socks: list[socket.socket], host: str, port: int
+    ) -> steering.SplitGroup | None:
+        """The split program on ``socks``' group, where it applies and the kernel takes it;
+        None (logged when refused) leaves the group to the hash alone."""
+        n = len(socks)
+        if self.established_networks <= 0 or n < 2 or self.steer_group != n:
+            return None
+        try:
+            split = steering.SplitGroup.open(
+                socks[0], n // 2, n - n // 2, self.established_networks
+            )
+        except OSError as exc:
+            log.warning(
+                "dns.established_refused",
+                host=host,
+                port=port,
+                error=str(exc).split("\n")[0],
+                detail="the eBPF program needs CAP_BPF: every sender network shares the hashed "
+                "sockets, a flood from many networks with them",
+            )
+            return None
+        self.steered = self.split = True
+        return split
 
     def udp_sockets(self) -> list[Any]:
         """Every UDP socket (asyncio's socket wrappers when fairness is off)."""
         return [sock for listener in self._fair for sock in listener.socks] + [
             transport.get_extra_info("socket") for transport in self._udp
         ]
+
+    def socket_of(self, host: str) -> int:
+        """The socket of the first UDP listener that ``host``'s datagrams land on now (tests and
+        the docs: :meth:`_FairUdp.socket_of`)."""
+        return self._fair[0].socket_of(host)
 
     def receive_drops(self) -> int:
         """Datagrams the kernel dropped at the UDP listeners' full receive buffers."""
@@ -505,6 +638,7 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         slow_total=s.dns_slow_queue_total,
         slow_batch=s.dns_slow_batch,
         udp_sockets=s.dns_udp_sockets,
+        established_networks=s.dns_established_networks,
         # Worker processes on the same port join one reuseport group: the program picks
         # among every worker's sockets.
         steer_group=s.dns_udp_sockets * (s.workers if reuse_port else 1),

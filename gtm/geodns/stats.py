@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SHUTDOWN, TOTAL_FULL, LaneCounts
+from gtm.geodns.established import DEMOTED, EXPIRED, PROMOTED, EstablishedNetworks
 
 
 class DnsStats:
@@ -43,6 +44,9 @@ class DnsStats:
         # Datagrams the kernel dropped at the UDP listeners' full receive buffers, read from
         # the sockets when scraped (the DNS server sets it; the kernel keeps the count).
         self.receive_drops: Callable[[], int] = lambda: 0
+        # The established sender networks of the UDP listeners (gtm.geodns.established), one
+        # set per listen address; empty where the kernel took no split program.
+        self.established: list[EstablishedNetworks] = []
 
 
 class DnsCollector(Collector):
@@ -119,6 +123,19 @@ class DnsCollector(Collector):
         yield GaugeMetricFamily(
             "gtm_dns_tcp_connections", "open TCP connections", value=s.tcp_connections
         )
+        yield GaugeMetricFamily(
+            "gtm_dns_established_networks",
+            "sender networks steered to the protected UDP sockets (gtm.geodns.established)",
+            value=sum(len(e) for e in s.established),
+        )
+        changes = CounterMetricFamily(
+            "gtm_dns_established_changes",
+            "sender networks established, expired (idle) or demoted (over their share)",
+            labels=["change"],
+        )
+        for change in (PROMOTED, EXPIRED, DEMOTED):
+            changes.add_metric([change], sum(e.changes[change] for e in s.established))
+        yield changes
 
 
 def register(stats: DnsStats) -> DnsCollector:

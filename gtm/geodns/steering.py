@@ -11,8 +11,12 @@ only its own socket's buffer, and the kernel drops only from it; the listener re
 socket in turn each loop turn, a bounded batch from each, so the others' datagrams wait behind
 at most one batch of the flood's, not behind all of it.
 
-What it does not do: many spoofed networks spread over every socket, as any hash spreads them;
-a network that shares a socket with a flooding one (one in ``sockets``) shares its fate.
+What a hash cannot do: many spoofed networks spread over every socket, as any hash spreads
+them; a network that shares a socket with a flooding one (one in ``sockets``) shares its fate.
+So where the kernel allows eBPF (``CAP_BPF``), the group is split instead
+(:func:`split_program`, :class:`SplitGroup`): the networks in a map the process fills
+(:mod:`gtm.geodns.established`: steady clients) have the first half of the sockets to
+themselves, and every other network hashes over the second half.
 
 The program reads the sender's address at the network header (``SKF_NET_OFF``), so it works on
 IPv4, IPv6 and dual-stack sockets alike. Where the kernel refuses it, the sockets still share
@@ -25,9 +29,13 @@ sender's source port still lands on one socket (:func:`attach` says whether it t
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import struct
+from collections.abc import Hashable
 from ipaddress import IPv4Address, IPv6Address, ip_address
+
+from gtm.geodns import bpf
 
 SO_ATTACH_REUSEPORT_CBPF = 51  # <asm-generic/socket.h>; not in Python's socket module
 _NET = 0xFFF00000  # SKF_NET_OFF: loads relative to the network header
@@ -114,6 +122,177 @@ def attach(sock: socket.socket, sockets: int) -> bool:
     except OSError:
         return False
     return True
+
+
+SO_ATTACH_REUSEPORT_EBPF = 52  # <asm-generic/socket.h>
+_FAMILY_SHIFT = 56  # a network's key: its family (4, 6) above its 56 bits (/24 or /56)
+
+
+def network_key(host: str) -> int:
+    """The key of ``host``'s network in the map of established networks, as the eBPF program
+    builds it from a datagram: the family (4 or 6) in the top byte, then the /24 or /56.
+
+    >>> hex(network_key("192.0.2.77")), network_key("::ffff:192.0.2.1") == network_key("192.0.2.9")
+    ('0x400000000c00002', True)
+    """
+    address = ip_address(host.split("%", 1)[0])
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if isinstance(address, IPv4Address):
+        return (4 << _FAMILY_SHIFT) | (int(address) >> 8)
+    return (6 << _FAMILY_SHIFT) | (int(address) >> 72)
+
+
+def key_of_network(network: Hashable) -> int:
+    """The map key of a sender network as the listener names it
+    (:func:`gtm.geodns.admission.sender_network`: ``"a.b.c"`` or ``(6, /56)``)."""
+    if isinstance(network, str):
+        a, b, c = (int(octet) for octet in network.split("."))
+        return (4 << _FAMILY_SHIFT) | (a << 16) | (b << 8) | c
+    if isinstance(network, tuple) and len(network) == 2 and network[0] == 6:
+        return (6 << _FAMILY_SHIFT) | int(network[1])
+    raise ValueError(f"not a sender network: {network!r}")
+
+
+def split_index(host: str, general: int, protected: int) -> int:
+    """The socket the split program picks for ``host`` when its network is not in the map:
+    one of the ``general`` sockets after the ``protected`` ones."""
+    return protected + socket_index(host, general)
+
+
+def protected_index(network: Hashable, protected: int) -> int:
+    """The protected socket an established network is given: spread by the same hash."""
+    key = key_of_network(network)
+    if key >> _FAMILY_SHIFT == 4:
+        a = (key & 0xFFFFFF) * _GOLDEN & 0xFFFFFFFF
+    else:
+        n = key & ((1 << 56) - 1)
+        x, w0 = n & 0xFFFFFF, n >> 24
+        a = ((w0 * _GOLDEN & 0xFFFFFFFF) ^ x) * _GOLDEN & 0xFFFFFFFF
+    return (a >> 16) % protected
+
+
+_CALLEE_SAVED = (bpf.R7, bpf.R8, bpf.R9)
+
+
+def split_program(map_fd: int, protected: int, general: int) -> bytes:
+    """The eBPF program of a group whose first ``protected`` sockets serve established
+    networks: a datagram whose sender network is in the map (fd ``map_fd``, 8-byte keys from
+    :func:`network_key`, 4-byte socket indexes) goes to the socket the map names; any other to
+    one of the ``general`` sockets after them, by the classic program's hash of its network.
+
+    Loads use the legacy packet access (``BPF_LD | BPF_ABS``, relative to the network header
+    like the classic program's), which needs the context in r6 and leaves r1-r5 clobbered."""
+    if protected < 1 or general < 1:
+        raise ValueError("a split group has protected and general sockets")
+    i = bpf.insn
+    alu32, alu64 = bpf.ALU, bpf.ALU64
+    r0, r1, r2, r6, r7, r8, r9, r10 = bpf.R0, bpf.R1, bpf.R2, bpf.R6, *_CALLEE_SAVED, bpf.R10
+    ld_w, ld_b = bpf.LD | bpf.ABS | bpf.W, bpf.LD | bpf.ABS | bpf.B
+    net = _NET - (1 << 32)  # SKF_NET_OFF as the signed immediate
+    ipv6 = [
+        i(ld_w, imm=net + 8),  # r0 = source octets 0..3
+        i(alu64 | bpf.MOV | bpf.X, r7, r0),
+        i(ld_w, imm=net + 12),  # source octets 4..7
+        i(alu32 | bpf.RSH | bpf.K, r0, imm=8),  # octets 4..6: with the first four, the /56
+        i(alu64 | bpf.MOV | bpf.X, r8, r0),
+        # key = 6 << 56 | octets 0..3 << 24 | octets 4..6
+        i(alu64 | bpf.MOV | bpf.X, r1, r7),
+        i(alu64 | bpf.LSH | bpf.K, r1, imm=24),
+        i(alu64 | bpf.OR | bpf.X, r1, r8),
+        i(alu64 | bpf.MOV | bpf.K, r2, imm=6),
+        i(alu64 | bpf.LSH | bpf.K, r2, imm=_FAMILY_SHIFT),
+        i(alu64 | bpf.OR | bpf.X, r1, r2),
+        i(bpf.STX | bpf.MEM | bpf.DW, r10, r1, off=-8),
+        # the classic program's hash, in 32 bits: ((w0 * G) ^ x) * G >> 16
+        i(alu32 | bpf.MOV | bpf.X, r9, r7),
+        i(alu32 | bpf.MUL | bpf.K, r9, imm=_GOLDEN),
+        i(alu32 | bpf.XOR | bpf.X, r9, r8),
+        i(alu32 | bpf.MUL | bpf.K, r9, imm=_GOLDEN),
+        i(alu32 | bpf.RSH | bpf.K, r9, imm=16),
+    ]
+    ipv4 = [
+        i(ld_w, imm=net + 12),  # r0 = source address
+        i(alu32 | bpf.RSH | bpf.K, r0, imm=8),  # its /24
+        i(alu64 | bpf.MOV | bpf.X, r1, r0),
+        i(alu64 | bpf.MOV | bpf.K, r2, imm=4),
+        i(alu64 | bpf.LSH | bpf.K, r2, imm=_FAMILY_SHIFT),
+        i(alu64 | bpf.OR | bpf.X, r1, r2),
+        i(bpf.STX | bpf.MEM | bpf.DW, r10, r1, off=-8),
+        i(alu32 | bpf.MOV | bpf.X, r9, r0),
+        i(alu32 | bpf.MUL | bpf.K, r9, imm=_GOLDEN),
+        i(alu32 | bpf.RSH | bpf.K, r9, imm=16),
+    ]
+    lookup = [
+        bpf.load_map_fd(r1, map_fd),
+        i(alu64 | bpf.MOV | bpf.X, r2, r10),
+        i(alu64 | bpf.ADD | bpf.K, r2, imm=-8),
+        i(bpf.JMP | bpf.CALL, imm=bpf.FUNC_MAP_LOOKUP_ELEM),
+        i(bpf.JMP | bpf.JEQ | bpf.K, r0, off=2, imm=0),  # not established: the general sockets
+        i(bpf.LDX | bpf.MEM | bpf.W, r0, r0),  # the socket the map names
+        i(bpf.JMP | bpf.EXIT),
+        i(alu32 | bpf.MOV | bpf.X, r0, r9),
+        i(alu32 | bpf.MOD | bpf.K, r0, imm=general),
+        i(alu32 | bpf.ADD | bpf.K, r0, imm=protected),
+        i(bpf.JMP | bpf.EXIT),
+    ]
+    head = [
+        i(alu64 | bpf.MOV | bpf.X, r6, r1),  # the context, where BPF_ABS loads look for it
+        i(ld_b, imm=net + 0),  # version and header length
+        i(alu32 | bpf.RSH | bpf.K, r0, imm=4),
+        i(bpf.JMP | bpf.JNE | bpf.K, r0, off=len(ipv6) + 1, imm=6),  # IPv4: past the IPv6 part
+    ]
+    jump = [i(bpf.JMP | bpf.JA, off=len(ipv4))]  # IPv6 done: over the IPv4 part to the lookup
+    return b"".join(head + ipv6 + jump + ipv4 + lookup)
+
+
+class SplitGroup:
+    """The map of established networks behind a split group's program, and the program.
+
+    :meth:`open` loads both and attaches the program to a socket's group; where the kernel
+    refuses (no ``CAP_BPF``), it raises :class:`~gtm.geodns.bpf.BpfError` and nothing is
+    attached."""
+
+    def __init__(self, table: bpf.HashMap, prog_fd: int, protected: int, general: int) -> None:
+        self.table = table
+        self.prog_fd = prog_fd
+        self.protected = protected
+        self.general = general
+
+    @classmethod
+    def open(cls, sock: socket.socket, protected: int, general: int, capacity: int) -> SplitGroup:
+        table = bpf.HashMap.create(8, 4, capacity, b"gtm_established")
+        try:
+            code = split_program(table.fd, protected, general)
+            prog_fd = bpf.load_program(bpf.PROG_TYPE_SOCKET_FILTER, code, b"gtm_steer")
+            try:
+                sock.setsockopt(
+                    socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, struct.pack("i", prog_fd)
+                )
+            except OSError as exc:
+                os.close(prog_fd)
+                raise bpf.BpfError(exc.errno, f"attach: {exc.strerror}") from None
+        except BaseException:
+            table.close()
+            raise
+        return cls(table, prog_fd, protected, general)
+
+    def add(self, network: Hashable) -> int:
+        """Steer ``network`` to its protected socket from now on; the socket's index."""
+        index = protected_index(network, self.protected)
+        self.table.put(struct.pack("=Q", key_of_network(network)), struct.pack("=I", index))
+        return index
+
+    def remove(self, network: Hashable) -> None:
+        self.table.delete(struct.pack("=Q", key_of_network(network)))
+
+    def close(self) -> None:
+        """The map and program as this process holds them (the group keeps the program until
+        its sockets close)."""
+        self.table.close()
+        if self.prog_fd >= 0:
+            os.close(self.prog_fd)
+            self.prog_fd = -1
 
 
 SO_MEMINFO = 55  # <asm-generic/socket.h>

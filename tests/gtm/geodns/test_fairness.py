@@ -30,7 +30,7 @@ from gtm.geodns.admission import (
 )
 from gtm.geodns.server import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.geodns.stats import DnsCollector
-from gtm.geodns.steering import receive_queued, socket_index
+from gtm.geodns.steering import receive_queued
 from gtm.node import Node
 
 from .conftest import StartNode, port_of, udp
@@ -305,13 +305,14 @@ async def test_a_network_alone_is_not_dropped_over_its_share(start_node: StartNo
 FLOOD_DATAGRAMS = 30_000  # far more than a receive buffer holds (some 5,000 at 2 MiB)
 
 
-def other_socket_sender(flood_from: str, sockets: int) -> str:
+def other_socket_sender(node: Node, flood_from: str) -> str:
     """A sender address (its own /24) that the steering program puts in another socket than
     ``flood_from``'s."""
-    flood_socket = socket_index(flood_from, sockets)
+    assert node.dns is not None
+    flood_socket = node.dns.socket_of(flood_from)
     for third in range(2, 250):
         host = f"127.0.{third}.1"
-        if socket_index(host, sockets) != flood_socket:
+        if node.dns.socket_of(host) != flood_socket:
             return host
     raise AssertionError("every /24 tried shares the flood's socket")
 
@@ -345,9 +346,8 @@ async def test_a_flood_that_overflows_its_socket_drops_nothing_of_another_networ
     (below, and the listener before) the same 50 are dropped in the kernel, unread."""
     node = await start_node(dns_listen=("127.0.0.1:0",))
     assert node.dns is not None and node.dns.steered
-    sockets = node.dns.steer_group
-    assert sockets > 1
-    legit_from = other_socket_sender("127.0.1.1", sockets)
+    assert node.dns.steer_group > 1
+    legit_from = other_socket_sender(node, "127.0.1.1")
     legit = await overflow_then(node, "127.0.1.1", legit_from)
     with legit:
         answers = await receive(legit, 50)
@@ -425,9 +425,7 @@ async def test_another_networks_queries_wait_behind_one_batch_of_a_flood_at_most
     in one socket they wait behind a full read batch of the flood's at least."""
     node = await start_node(dns_listen=("127.0.0.1:0",), dns_udp_sockets=sockets)
     assert node.dns is not None
-    legit_from = (
-        other_socket_sender("127.0.1.1", node.dns.steer_group) if sockets > 1 else ("127.0.2.1")
-    )
+    legit_from = other_socket_sender(node, "127.0.1.1") if sockets > 1 else ("127.0.2.1")
     await prime(node, legit_from)
     target = ("127.0.0.1", port_of(node))
     with sender("127.0.1.1") as f, sender(legit_from) as g:

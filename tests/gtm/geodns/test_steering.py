@@ -20,13 +20,21 @@ from pathlib import Path
 
 import pytest
 
-from gtm.geodns.steering import attach, program, socket_index
+from gtm.geodns.admission import sender_network
+from gtm.geodns.steering import (
+    SplitGroup,
+    attach,
+    program,
+    protected_index,
+    socket_index,
+    split_index,
+    split_program,
+)
 
 SOCKETS = 8
 
 
-@contextmanager
-def group(family: socket.AddressFamily, host: str) -> Iterator[tuple[list[socket.socket], int]]:
+def bind_group(family: socket.AddressFamily, host: str) -> list[socket.socket]:
     socks: list[socket.socket] = []
     port = 0
     try:
@@ -37,11 +45,46 @@ def group(family: socket.AddressFamily, host: str) -> Iterator[tuple[list[socket
             sock.bind((host, port))
             port = sock.getsockname()[1]
             sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+@contextmanager
+def group(family: socket.AddressFamily, host: str) -> Iterator[tuple[list[socket.socket], int]]:
+    socks = bind_group(family, host)
+    try:
         assert attach(socks[0], SOCKETS)
-        yield socks, port
+        yield socks, socks[0].getsockname()[1]
     finally:
         for sock in socks:
             sock.close()
+
+
+@contextmanager
+def split_group(
+    family: socket.AddressFamily, host: str
+) -> Iterator[tuple[list[socket.socket], int, SplitGroup]]:
+    """A group whose first half serves the networks in its map (gtm.geodns.established)."""
+    socks = bind_group(family, host)
+    split = None
+    try:
+        split = SplitGroup.open(socks[0], SOCKETS // 2, SOCKETS - SOCKETS // 2, 64)
+        yield socks, socks[0].getsockname()[1], split
+    finally:
+        if split is not None:
+            split.close()
+        for sock in socks:
+            sock.close()
+
+
+def split_expected(host: str, members: set[object]) -> int:
+    network = sender_network(host)
+    if network in members:
+        return protected_index(network, SOCKETS // 2)
+    return split_index(host, SOCKETS - SOCKETS // 2, SOCKETS // 2)
 
 
 def landed(socks: list[socket.socket]) -> list[int]:
@@ -86,11 +129,64 @@ def test_ipv4_senders_on_a_dual_stack_socket_are_steered_by_their_own_slash_24()
         assert landed(socks) == [socket_index("::1", SOCKETS)]
 
 
+def test_a_split_group_puts_networks_in_its_map_on_their_protected_socket_and_others_after() -> (
+    None
+):
+    """The split program (gtm.geodns.steering.split_program) against real datagrams: a network
+    in the map lands on the protected socket the map names, whatever its host and port; every
+    other network on one of the general sockets, by the hash; taken out of the map, a network
+    is back on the general sockets."""
+    with split_group(socket.AF_INET, "127.0.0.1") as (socks, port, split):
+        members: set[object] = set()
+        for net in range(0, 60, 3):
+            network = sender_network(f"127.0.{net}.1")
+            assert split.add(network) == protected_index(network, SOCKETS // 2)
+            members.add(network)
+        protected, general = set(), set()
+        for net in range(60):
+            for host in (1, 200):
+                source = f"127.0.{net}.{host}"
+                expected = split_expected(source, members)
+                send_from(socket.AF_INET, source, ("127.0.0.1", port))
+                assert landed(socks) == [expected], source
+                (protected if sender_network(source) in members else general).add(expected)
+        assert protected == set(range(SOCKETS // 2))  # members spread over the protected half
+        assert general == set(range(SOCKETS // 2, SOCKETS))  # the rest over the general half
+        for network in list(members)[:5]:
+            split.remove(network)
+            members.discard(network)
+        for net in range(0, 60, 3):
+            source = f"127.0.{net}.9"
+            send_from(socket.AF_INET, source, ("127.0.0.1", port))
+            assert landed(socks) == [split_expected(source, members)], source
+
+
+def test_a_split_group_on_a_dual_stack_socket_keys_ipv4_senders_by_their_slash_24() -> None:
+    with split_group(socket.AF_INET6, "::") as (socks, port, split):
+        members: set[object] = {sender_network("127.0.7.1"), sender_network("::1")}
+        for network in members:
+            split.add(network)
+        for source in ("127.0.7.1", "127.0.7.99", "127.0.8.1"):
+            send_from(socket.AF_INET, source, ("127.0.0.1", port))
+            assert landed(socks) == [split_expected(source, members)], source
+        send_from(socket.AF_INET6, "::1", ("::1", port))
+        assert landed(socks) == [split_expected("::1", members)]
+        assert split_expected("::1", members) < SOCKETS // 2
+
+
+def test_the_split_program_refuses_a_group_without_both_halves() -> None:
+    with pytest.raises(ValueError, match="protected and general"):
+        split_program(3, 0, 4)
+
+
 NAMESPACE_CHECK = textwrap.dedent(
     """
     import socket, subprocess, sys
+    from gtm.geodns.admission import sender_network
     from gtm.geodns.steering import socket_index
-    from tests.gtm.geodns.test_steering import SOCKETS, group, landed, send_from
+    from tests.gtm.geodns.test_steering import (
+        SOCKETS, group, landed, send_from, split_expected, split_group
+    )
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     # /56s that differ in each octet of the prefix, and hosts within one /56.
@@ -109,6 +205,16 @@ NAMESPACE_CHECK = textwrap.dedent(
             seen.add(expected)
     if len(seen) < SOCKETS // 2:
         sys.exit(f"16 /56s spread over only {sorted(seen)}")
+    # Split: every other /56 in the map, on its protected socket; the rest on the general ones.
+    members = {sender_network(h) for h in hosts[:16:2]}
+    with split_group(socket.AF_INET6, "::1") as (socks, port, split):
+        for network in members:
+            split.add(network)
+        for host in hosts:
+            send_from(socket.AF_INET6, host, ("::1", port))
+            got, expected = landed(socks), split_expected(host, members)
+            if got != [expected]:
+                sys.exit(f"split: {host}: landed on {got}, expected {expected}")
     print("ok", len(hosts))
     """
 )

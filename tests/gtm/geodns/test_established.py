@@ -1,0 +1,259 @@
+"""Established sender networks (gtm.geodns.established): who gets the protected sockets, and
+what that is worth when many networks flood at once, over real sockets on loopback.
+
+The flood is sent whole before the server reads a datagram (the test runs in the node's own
+loop and does not yield while sending), so what the kernel's buffers cannot hold is dropped
+there, as under a flood faster than the node reads; nothing here measures time. The set's
+ticks are run by the test (the timer is pushed out of the way): when a network becomes
+established is then a matter of what was read, not of the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from gtm.geodns import server as dns_server
+from gtm.geodns.admission import sender_network
+from gtm.geodns.established import (
+    AGE_TICKS,
+    BAR_TICKS,
+    DEMOTED,
+    EXPIRED,
+    IDLE_TICKS,
+    PER_TICK,
+    PROMOTED,
+    EstablishedNetworks,
+)
+from gtm.geodns.stats import DnsCollector
+from gtm.geodns.steering import protected_index, receive_queued
+from gtm.node import Node
+
+from .conftest import StartNode, port_of
+from .test_fairness import CACHED, prime, receive, sender, with_id
+
+FLOOD_NETWORKS = 256
+FLOOD_EACH = 160  # 40,960 datagrams: each general socket gets some 10,000, twice what it holds
+
+
+def ticks(est: EstablishedNetworks, networks: list[str], n: int, *, calm: bool = True) -> list[str]:
+    added: list[str] = []
+    for _ in range(n):
+        added += [str(x) for x in est.end_tick(networks, (), calm=calm).added]
+    return added
+
+
+def test_a_network_read_in_consecutive_calm_ticks_is_established() -> None:
+    est = EstablishedNetworks(capacity=100)
+    assert ticks(est, ["a"], AGE_TICKS - 1) == []
+    assert ticks(est, ["a"], 1) == ["a"]
+    assert "a" in est and len(est) == 1
+    assert est.changes[PROMOTED] == 1
+
+
+def test_a_tick_that_lost_datagrams_or_a_tick_unseen_starts_the_streak_again() -> None:
+    est = EstablishedNetworks(capacity=100)
+    ticks(est, ["a", "b"], AGE_TICKS - 1)
+    ticks(est, ["a", "b"], 1, calm=False)  # a flood: nobody is established, streaks reset
+    assert ticks(est, ["a"], AGE_TICKS - 1) == []
+    est.end_tick([], (), calm=True)  # "a" not read this tick
+    assert ticks(est, ["a"], AGE_TICKS - 1) == []
+    assert ticks(est, ["a"], 1) == ["a"]
+    assert "b" not in est
+
+
+def test_networks_seen_once_each_never_are_and_their_memory_stays_bounded() -> None:
+    """A spoofed flood in calm ticks (below what the node drops): new networks every tick."""
+    est = EstablishedNetworks(capacity=10)
+    for t in range(20):
+        est.end_tick([f"spoof-{t}-{i}" for i in range(100)], (), calm=True)
+        assert len(est._candidates) <= 4 * est.capacity or len(est._candidates) == 100
+    assert len(est) == 0
+
+
+def test_the_set_is_bounded_by_its_capacity_and_a_ticks_promotions_by_per_tick() -> None:
+    est = EstablishedNetworks(capacity=5)
+    ticks(est, [f"n{i}" for i in range(8)], AGE_TICKS)
+    assert len(est) == 5
+    big = EstablishedNetworks(capacity=PER_TICK * 3)
+    added = ticks(big, [f"n{i}" for i in range(PER_TICK + 10)], AGE_TICKS)
+    assert len(added) == PER_TICK
+    assert len(ticks(big, [f"n{i}" for i in range(PER_TICK + 10)], 1)) == 10  # the rest next
+
+
+def test_a_member_idle_for_idle_ticks_expires() -> None:
+    est = EstablishedNetworks(capacity=10)
+    ticks(est, ["a", "b"], AGE_TICKS)
+    removed: list[object] = []
+    for _ in range(IDLE_TICKS):
+        removed += est.end_tick([], ["b"], calm=True).removed  # "b" keeps asking
+    assert removed == ["a"]
+    assert "b" in est and est.changes[EXPIRED] == 1
+
+
+def test_a_demoted_network_is_barred_then_may_come_back() -> None:
+    est = EstablishedNetworks(capacity=10)
+    ticks(est, ["a"], AGE_TICKS)
+    assert est.demote("a") and not est.demote("a")
+    assert est.changes[DEMOTED] == 1
+    assert ticks(est, ["a"], BAR_TICKS - 1) == []  # read every tick, still barred
+    assert ticks(est, ["a"], 1) == ["a"]
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        EstablishedNetworks(capacity=0)
+
+
+# --- the listener --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def manual_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The set's timer out of the way: each test runs the ticks it means."""
+    monkeypatch.setattr(dns_server, "TICK_S", 3600.0)
+
+
+def listener(node: Node) -> dns_server._FairUdp:
+    assert node.dns is not None
+    return node.dns._fair[0]
+
+
+async def establish(node: Node, source: str) -> None:
+    """``source``'s network asks in AGE_TICKS calm ticks in a row."""
+    fair = listener(node)
+    assert fair.established is not None
+    for _ in range(AGE_TICKS):
+        await prime(node, source)
+        fair.tick()
+    assert sender_network(source) in fair.established
+
+
+async def flood_from_many_then(node: Node, legit_from: str) -> socket.socket:
+    """FLOOD_NETWORKS networks send FLOOD_EACH cached queries each, then ``legit_from`` sends 50,
+    all before the server reads one. Returns the legitimate sender (the caller closes it)."""
+    target = ("127.0.0.1", port_of(node))
+    legit = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    legit.setblocking(False)
+    legit.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    legit.bind((legit_from, 0))
+    floods = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOOD_NETWORKS)]
+    try:
+        for i, f in enumerate(floods):
+            f.bind((f"127.1.{i}.1", 0))
+        for k in range(FLOOD_EACH):
+            for f in floods:
+                f.sendto(with_id(CACHED, k), target)
+        for i in range(50):
+            legit.sendto(with_id(CACHED, 60_000 + i), target)
+    finally:
+        for f in floods:
+            f.close()
+    return legit
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_a_flood_from_many_new_networks_drops_nothing_of_an_established_one(
+    start_node: StartNode,
+) -> None:
+    """256 networks flood more than every general socket holds, then an established network
+    sends 50 queries: it has a protected socket to itself, and all 50 are answered. The flood
+    lost datagrams (counted), and none of its networks became established: the tick after a
+    flood is not calm."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None and node.dns.split
+    fair = listener(node)
+    assert fair.split is not None and fair.established is not None
+    await establish(node, "127.0.5.1")
+    assert node.dns.socket_of("127.0.5.1") < fair.split.protected
+    legit = await flood_from_many_then(node, "127.0.5.1")
+    with legit:
+        answers = await receive(legit, 50)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(60_000, 60_050))
+    assert node.dns.receive_drops() > 0
+    # The flood's networks were read (some of their datagrams): still, none is established.
+    await prime(node, "127.0.5.1")
+    fair.tick()
+    assert len(fair.established) == 1
+    for _ in range(AGE_TICKS):
+        fair.tick()  # nobody read: nobody new
+    assert len(fair.established) == 1
+    metrics = {
+        (m.name, tuple(s.labels.values())): s.value
+        for m in DnsCollector(node.dns_stats).collect()
+        for s in m.samples
+    }
+    assert metrics[("gtm_dns_established_networks", ())] == 1
+    assert metrics[("gtm_dns_established_changes", ("established",))] == 1
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_without_established_networks_the_same_flood_drops_the_legitimate_queries(
+    start_node: StartNode,
+) -> None:
+    """The same flood and the same 50 with the split off (GTM_DNS_ESTABLISHED_NETWORKS=0, the
+    listener before): the legitimate network hashes to a socket the flood's networks share,
+    whose buffer is full when its queries come, and some are dropped unread."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_established_networks=0)
+    assert node.dns is not None and not node.dns.split and node.dns.steered
+    await prime(node, "127.0.5.1")
+    legit = await flood_from_many_then(node, "127.0.5.1")
+    with legit:
+        got = await answered(node, legit)
+    assert len(got) < 50
+
+
+async def answered(node: Node, legit: socket.socket) -> set[int]:
+    """The ids of ``legit``'s answers once every datagram that reached a buffer was read: a
+    marker from ``legit`` is answered after them (the server reads a socket in order; the
+    loop yields until the buffers are empty, as no event marks one empty)."""
+    assert node.dns is not None
+    for sock in node.dns.udp_sockets():
+        while receive_queued(sock):  # noqa: ASYNC110
+            await asyncio.sleep(0)
+    legit.sendto(with_id(CACHED, 65_000), ("127.0.0.1", port_of(node)))
+    ids = [int.from_bytes(a[:2], "big") for a in await receive(legit, 1)]
+    while ids[-1] != 65_000:
+        ids += [int.from_bytes(a[:2], "big") for a in await receive(legit, 1)]
+    return set(ids[:-1])
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_an_established_network_that_floods_its_protected_socket_is_demoted(
+    start_node: StartNode,
+) -> None:
+    """Two established networks share a protected socket; one sends 2,000 queries at once
+    while the other asks 20: past its share of a batch, the first is dropped as read
+    (OVER_SHARE) and, at the tick, demoted to the general sockets; the other keeps its place
+    and all its answers."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None and node.dns.split
+    fair = listener(node)
+    assert fair.split is not None and fair.established is not None
+    flooder = "127.0.5.1"
+    # Another network whose protected socket is the flooder's.
+    other = next(
+        f"127.0.{third}.1"
+        for third in range(6, 250)
+        if protected_index(sender_network(f"127.0.{third}.1"), fair.split.protected)
+        == protected_index(sender_network(flooder), fair.split.protected)
+    )
+    for _ in range(AGE_TICKS):
+        await prime(node, flooder)
+        await prime(node, other)
+        fair.tick()
+    assert node.dns.socket_of(flooder) == node.dns.socket_of(other) < fair.split.protected
+    port = port_of(node)
+    with sender(flooder) as f, sender(other) as g:
+        for i in range(2000):
+            f.sendto(with_id(CACHED, i), ("127.0.0.1", port))
+            if i % 100 == 0:  # the other network asks meanwhile: the batches are shared
+                g.sendto(with_id(CACHED, 61_000 + i // 100), ("127.0.0.1", port))
+        answers = await receive(g, 20)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(61_000, 61_020))
+    fair.tick()
+    assert sender_network(flooder) not in fair.established
+    assert sender_network(other) in fair.established
+    assert node.dns.socket_of(flooder) >= fair.split.protected
+    assert fair.established.changes[DEMOTED] == 1
