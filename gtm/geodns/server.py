@@ -102,6 +102,11 @@ TURN_SHARE = 64
 # call per ready socket) is then still small beside it. Its share, as TURN_SHARE of READ_BATCH.
 SOCKET_BATCH = 64
 SOCKET_SHARE = 16
+# A general socket's batch while the general sockets are behind (flooded) and established
+# networks have sockets of their own (gtm.geodns.established): newcomers get less of the loop
+# during a flood, and an established network's queries wait behind at most this much of each.
+GENERAL_BATCH = 16
+GENERAL_SHARE = 4
 # The established set's tick (gtm.geodns.established): how often it is updated.
 TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
@@ -177,6 +182,7 @@ class _FairUdp:
         # any is, the slow path gets one query a turn until the reader catches up (cached
         # answers first; what a socket's buffer cannot hold the kernel drops, from that socket).
         self._behind = 0
+        self._general_behind = 0  # of them, the general sockets of a split group
         # Sender host string -> its network (the queue it waits in); a memo, cleared when full.
         self._networks: dict[str, Hashable] = {}
 
@@ -277,11 +283,21 @@ class _FairUdp:
         # network's datagrams past its share of this batch are dropped as read.
         share = state.behind and state.shared
         taken: dict[Hashable, int] = {}
-        turn_share = self._share
+        batch, turn_share = self._batch, self._share
+        if state.protected:
+            # Established networks' sockets are read as a lone socket is: the other sockets'
+            # turn is bounded below, so these drain at the loop's speed.
+            batch, turn_share = READ_BATCH, TURN_SHARE
+        elif self._general_behind and self.established:
+            # The general sockets are flooded while established networks wait: they get a
+            # small batch each per turn, so the turn (what an established query waits behind
+            # at most) stays short; the kernel drops the rest of the flood, at no cost here.
+            batch, turn_share = GENERAL_BATCH, GENERAL_SHARE
         if not state.behind:
             self._behind += 1
+            self._general_behind += not state.protected
         state.behind = True
-        for _ in range(self._batch):
+        for _ in range(batch):
             try:
                 data, addr = sock.recvfrom(65535)
             except InterruptedError:
@@ -289,6 +305,7 @@ class _FairUdp:
             except OSError:  # nothing more waiting (BlockingIOError), or an ICMP error
                 state.behind = False
                 self._behind -= 1
+                self._general_behind -= not state.protected
                 break
             network = networks.get(addr[0])
             if network is None:

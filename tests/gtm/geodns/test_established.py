@@ -10,7 +10,9 @@ established is then a matter of what was read, not of the clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import time
 
 import pytest
 
@@ -26,12 +28,22 @@ from gtm.geodns.established import (
     PROMOTED,
     EstablishedNetworks,
 )
+from gtm.geodns.server import GENERAL_BATCH
 from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import protected_index, receive_queued
 from gtm.node import Node
 
 from .conftest import StartNode, port_of
-from .test_fairness import CACHED, prime, receive, sender, with_id
+from .test_fairness import (
+    CACHED,
+    SO_TIMESTAMPNS,
+    _stamped,
+    prime,
+    readable,
+    receive,
+    sender,
+    with_id,
+)
 
 FLOOD_NETWORKS = 256
 FLOOD_EACH = 160  # 40,960 datagrams: each general socket gets some 10,000, twice what it holds
@@ -257,3 +269,51 @@ async def test_an_established_network_that_floods_its_protected_socket_is_demote
     assert sender_network(other) in fair.established
     assert node.dns.socket_of(flooder) >= fair.split.protected
     assert fair.established.changes[DEMOTED] == 1
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_while_the_general_sockets_are_flooded_an_established_query_waits_behind_little(
+    start_node: StartNode,
+) -> None:
+    """One flooding network on each general socket, 8,000 cached queries each (more than a
+    buffer holds); once the server is reading them, an established network sends 5. Between
+    its sending and its last answer, by the kernel's timestamps, the flood got about two loop
+    turns' worth of answers at GENERAL_BATCH per general socket (the turn under way and the
+    next, before the protected socket's turn came), not at SOCKET_BATCH."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None and node.dns.split
+    fair = listener(node)
+    assert fair.split is not None
+    await establish(node, "127.0.5.1")
+    general = range(fair.split.protected, len(fair.socks))
+    flooders: dict[int, str] = {}
+    for i in range(250):
+        host = f"127.1.{i}.1"
+        flooders.setdefault(node.dns.socket_of(host), host)
+        if set(flooders) >= set(general):
+            break
+    assert set(flooders) == set(general)
+    target = ("127.0.0.1", port_of(node))
+    with contextlib.ExitStack() as stack:
+        floods = [stack.enter_context(sender(host)) for host in flooders.values()]
+        legit = stack.enter_context(sender("127.0.5.1"))
+        for sock in (*floods, legit):
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        for k in range(8000):
+            for f in floods:
+                f.sendto(with_id(CACHED, k), target)
+        await readable(floods[0])  # the server is answering the flood: its sockets are behind
+        sent_at = time.time_ns()
+        for i in range(5):
+            legit.sendto(with_id(CACHED, 62_000 + i), target)
+        got: list[tuple[int, bytes]] = []
+        while len(got) < 5:
+            await readable(legit)
+            got += _stamped(legit)
+        last = max(stamp for stamp, _ in got)
+        flood = [stamp for f in floods for stamp, _ in _stamped(f)]
+    assert sorted(int.from_bytes(d[:2], "big") for _, d in got) == list(range(62_000, 62_005))
+    between = sum(1 for stamp in flood if sent_at < stamp < last)
+    # About two turns (129 here, every run); at SOCKET_BATCH a general socket, 513.
+    assert between < 3 * len(general) * GENERAL_BATCH
