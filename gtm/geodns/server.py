@@ -105,8 +105,8 @@ SOCKET_SHARE = 16
 # A general socket's batch while the general sockets are behind (flooded) and established
 # networks have sockets of their own (gtm.geodns.established): newcomers get less of the loop
 # during a flood, and an established network's queries wait behind at most this much of each.
-GENERAL_BATCH = 16
-GENERAL_SHARE = 4
+GENERAL_BATCH = 8
+GENERAL_SHARE = 2
 # The established set's tick (gtm.geodns.established): how often it is updated.
 TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait

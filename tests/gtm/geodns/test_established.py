@@ -315,5 +315,5 @@ async def test_while_the_general_sockets_are_flooded_an_established_query_waits_
         flood = [stamp for f in floods for stamp, _ in _stamped(f)]
     assert sorted(int.from_bytes(d[:2], "big") for _, d in got) == list(range(62_000, 62_005))
     between = sum(1 for stamp in flood if sent_at < stamp < last)
-    # About two turns (129 here, every run); at SOCKET_BATCH a general socket, 513.
+    # About two turns (65 here, every run); at SOCKET_BATCH a general socket, 513.
     assert between < 3 * len(general) * GENERAL_BATCH
