@@ -107,6 +107,9 @@ SOCKET_SHARE = 16
 # during a flood, and an established network's queries wait behind at most this much of each.
 GENERAL_BATCH = 8
 GENERAL_SHARE = 2
+# Of the slow path's queries while both lanes wait, the established networks' lane gets this
+# many in every so many (gtm.geodns.established).
+PRIORITY_SHARE = (3, 4)
 # The established set's tick (gtm.geodns.established): how often it is updated.
 TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
@@ -166,6 +169,13 @@ class _FairUdp:
         # (gtm.geodns.established), whose set a timer updates every TICK_S.
         self.split = split
         self.established = established if split is not None else None
+        # With a split group, the slow path of the established networks' sockets waits in a
+        # lane of its own, which gets PRIORITY_SHARE of the slow path's queries while both
+        # wait: their cache misses (a cache dropped, new subnets) are not one share among
+        # every flooding network's, and newcomers still get the rest. Same bounds, counters.
+        self.priority: SlowLane[_Queued] | None = (
+            SlowLane(lane.per_network, lane.total, lane.counts) if split is not None else None
+        )
         protected = split.protected if split is not None else 0
         self._sockets = [_Socket(sock, i < protected) for i, sock in enumerate(socks)]
         # Networks read this tick, on the general and on the protected sockets; those over
@@ -173,6 +183,7 @@ class _FairUdp:
         self._seen_general: dict[Hashable, int] = {}
         self._seen_protected: dict[Hashable, int] = {}
         self._over: set[Hashable] = set()
+        self._slow_taken = 0  # queries the slow path took while both lanes waited
         self._dropped_before = 0
         self._timer: asyncio.TimerHandle | None = None
         self._batch, self._share = (
@@ -202,6 +213,8 @@ class _FairUdp:
         for state in self._sockets:
             self._loop.remove_reader(state.sock.fileno())
         self.lane.clear()  # counted as dropped at shutdown
+        if self.priority is not None:
+            self.priority.clear()
         for state in self._sockets:
             state.sock.close()
         if self.split is not None:
@@ -278,6 +291,8 @@ class _FairUdp:
         r = self.responder
         sock = state.sock
         lane = self.lane
+        if state.protected and self.priority is not None:
+            lane = self.priority
         networks = self._networks
         # Behind (the last batch was full) with other networks sending on this socket: each
         # network's datagrams past its share of this batch are dropped as read.
@@ -367,7 +382,7 @@ class _FairUdp:
         if self._closed:
             return
         r = self.responder
-        lane = self.lane
+        lane, priority = self.lane, self.priority
         counts = lane.counts
         # slow_batch queries at most (one while the reader is behind), and no more once
         # SLOW_TURN_S has passed: new subnets or names cost unequal times (a GeoIP look-up, a
@@ -375,7 +390,13 @@ class _FairUdp:
         limit = 1 if self._behind else self.slow_batch
         until = time.perf_counter() + SLOW_TURN_S
         for _ in range(limit):
-            taken = lane.take(1)
+            taken = None
+            if priority is not None and priority.size:
+                self._slow_taken += 1
+                if self._slow_taken % PRIORITY_SHARE[1] < PRIORITY_SHARE[0] or not lane.size:
+                    taken = priority.take(1)
+            if not taken:
+                taken = lane.take(1)
             if not taken:
                 break
             data, addr, sock = taken[0]
@@ -390,7 +411,7 @@ class _FairUdp:
                 self._send(sock, out, addr)
             if time.perf_counter() >= until:
                 break
-        if self.lane.size:
+        if lane.size or (priority is not None and priority.size):
             self._scheduled = True
             self._loop.call_soon(self._drain)
 

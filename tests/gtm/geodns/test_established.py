@@ -17,7 +17,7 @@ import time
 import pytest
 
 from gtm.geodns import server as dns_server
-from gtm.geodns.admission import sender_network
+from gtm.geodns.admission import TOTAL_FULL, sender_network
 from gtm.geodns.established import (
     AGE_TICKS,
     BAR_TICKS,
@@ -32,12 +32,14 @@ from gtm.geodns.server import GENERAL_BATCH
 from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import protected_index, receive_queued
 from gtm.node import Node
+from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of
 from .test_fairness import (
     CACHED,
     SO_TIMESTAMPNS,
     _stamped,
+    missing_name,
     prime,
     readable,
     receive,
@@ -317,3 +319,64 @@ async def test_while_the_general_sockets_are_flooded_an_established_query_waits_
     between = sum(1 for stamp in flood if sent_at < stamp < last)
     # About two turns (65 here, every run); at SOCKET_BATCH a general socket, 513.
     assert between < 3 * len(general) * GENERAL_BATCH
+
+
+async def misses_after_a_full_slow_lane(node: Node, legit_from: str) -> set[int]:
+    """100 new networks send 300 queries each that no cache holds (new names): more than the
+    slow path's queues hold, and more than the buffers hold. Once the queues are full,
+    ``legit_from`` sends 20 queries no cache holds either. The ids of its answers."""
+    assert node.dns is not None
+    fair = listener(node)
+    target = ("127.0.0.1", port_of(node))
+    with contextlib.ExitStack() as stack:
+        floods = [stack.enter_context(sender(f"127.1.{i}.1")) for i in range(100)]
+        legit = stack.enter_context(sender(legit_from))
+        for k in range(300):
+            for i, f in enumerate(floods):
+                f.sendto(with_id(missing_name(1000 * i + k), k), target)
+        lane = fair.lane
+        # Each sleep(0) is one loop turn: the legitimate queries go out in the turn after the
+        # first one the full queues dropped, while the buffers still hold thousands.
+        while not lane.counts.dropped[TOTAL_FULL]:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        for i in range(20):
+            legit.sendto(with_id(missing_name(900_000 + i), 63_000 + i), target)
+        # Every datagram read and every query taken (or dropped): nothing more will come.
+        await eventually(lambda: lane.size == 0 and not fair._behind, 60.0, "the flood read")
+        priority = fair.priority
+        if priority is not None:
+            await eventually(lambda: priority.size == 0, 60.0, "the priority lane drained")
+        ids = set()
+        while True:
+            try:
+                data = legit.recv(65535)
+            except BlockingIOError:
+                return ids
+            ids.add(int.from_bytes(data[:2], "big"))
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_an_established_networks_misses_are_not_one_share_among_a_floods(
+    start_node: StartNode,
+) -> None:
+    """An established network's queries that no cache holds wait in a lane of their own, which
+    the slow path serves first (3 in 4): behind 100 flooding networks' full queues, all 20
+    are answered."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    assert node.dns is not None and node.dns.split
+    await establish(node, "127.0.5.1")
+    answered = await misses_after_a_full_slow_lane(node, "127.0.5.1")
+    assert answered == set(range(63_000, 63_020))
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_without_established_networks_the_same_misses_find_the_queues_full(
+    start_node: StartNode,
+) -> None:
+    """The same with the split off: the network's 20 find every queue full and are dropped,
+    bar the odd one that takes a place freed between two reads."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_established_networks=0)
+    assert node.dns is not None and not node.dns.split
+    await prime(node, "127.0.5.1")
+    answered = await misses_after_a_full_slow_lane(node, "127.0.5.1")
+    assert len(answered) < 10
