@@ -33,7 +33,7 @@ NETWORK_FULL = "network_full"  # its sender network's queue was at its bound
 TOTAL_FULL = "total_full"  # all queues together were at their bound
 SHUTDOWN = "shutdown"  # still queued when the listener stopped
 # Dropped as read, before any cache was looked at: its network had its share of a read batch
-# while the reader was behind (gtm.geodns.server.TURN_SHARE).
+# while the reader was behind (gtm.geodns.udp.TURN_SHARE).
 OVER_SHARE = "over_share"
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from gtm.geodns import server as dns_server
+from gtm.geodns import udp
 from gtm.geodns.admission import TOTAL_FULL, sender_network
 from gtm.geodns.established import (
     AGE_TICKS,
@@ -28,9 +28,9 @@ from gtm.geodns.established import (
     PROMOTED,
     EstablishedNetworks,
 )
-from gtm.geodns.server import GENERAL_BATCH
 from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import protected_index, receive_queued
+from gtm.geodns.udp import GENERAL_BATCH, FairUdp
 from gtm.node import Node
 from tests.support.waiting import eventually
 
@@ -126,10 +126,10 @@ def test_bad_bounds_are_refused() -> None:
 @pytest.fixture
 def manual_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The set's timer out of the way: each test runs the ticks it means."""
-    monkeypatch.setattr(dns_server, "TICK_S", 3600.0)
+    monkeypatch.setattr(udp, "TICK_S", 3600.0)
 
 
-def listener(node: Node) -> dns_server._FairUdp:
+def listener(node: Node) -> FairUdp:
     assert node.dns is not None
     return node.dns._fair[0]
 

@@ -28,9 +28,9 @@ from gtm.geodns.admission import (
     SlowLane,
     sender_network,
 )
-from gtm.geodns.server import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import receive_queued
+from gtm.geodns.udp import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.node import Node
 
 from .conftest import StartNode, port_of, udp
