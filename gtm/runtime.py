@@ -26,8 +26,9 @@ from gtm.audit.checkpoints import open_sink
 from gtm.audit.database import is_sqlite, make_async_engine
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
+from gtm.audit.rows import queued_rows
 from gtm.audit.spool import Spool
-from gtm.audit.writer import AuditWriter, queued_rows
+from gtm.audit.writer import AuditWriter
 from gtm.control.log import ControlLog
 from gtm.decision import memos
 from gtm.decision.bundle import Documents, load_documents

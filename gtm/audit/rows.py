@@ -21,6 +21,7 @@ from gtm.audit.pacing import Slices
 from gtm.audit.record import AuditRecord, RowForm, row_body, shared
 from gtm.audit.schema import decisions
 from gtm.audit.spool import Spool
+from gtm.decision.memos import tables_mb
 
 COLUMNS = [str(c.name) for c in decisions.c if c.name != "id"]
 _JSON_COLUMNS = frozenset(str(c.name) for c in decisions.c if isinstance(c.type, JSON))
@@ -113,6 +114,24 @@ class Batch:
             )
             out.append(values if _PICK is None else _PICK(values))
         return out
+
+
+# Sealed rows kept in memory for the drain while it inserts earlier ones; beyond, it reads
+# them back from the spool, which has them all. A queued row holds its record's form, three
+# numbers and a hash (about 1,500 bytes under a random-subnet flood, where forms are rarely
+# shared: the drain task's batch measured 3.7 MiB for some 2,500 rows). Their bound is a share
+# of the node's memory budget (gtm.geodns.budget counts QUEUE_SHARE among its tables'): a
+# fixed 25,000 came to some 37 MiB, more than half of the default budget, whenever the
+# database fell behind.
+QUEUED_ROW_BYTES = 1500
+QUEUE_SHARE = 0.06
+_MIN_QUEUED_ROWS = 256
+
+
+def queued_rows(budget_mb: float) -> int:
+    """Sealed rows the writer keeps for the drain under a budget of ``budget_mb`` MiB."""
+    rows = tables_mb(budget_mb) * (1 << 20) * QUEUE_SHARE / QUEUED_ROW_BYTES
+    return max(_MIN_QUEUED_ROWS, int(rows))
 
 
 class Window:

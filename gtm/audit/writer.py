@@ -58,33 +58,15 @@ from gtm.audit.drain import Database
 from gtm.audit.journal import JOURNAL_REPLAYED, Journal
 from gtm.audit.pacing import Slices, run_in_background
 from gtm.audit.record import GENESIS, AuditRecord, row_body, row_form
-from gtm.audit.rows import Batch, Window, append_batch, static_params
+from gtm.audit.rows import Batch, Window, append_batch, queued_rows, static_params
 from gtm.audit.spool import ChainHead, Spool
-from gtm.decision.memos import DEFAULT_BUDGET_MB, tables_mb
+from gtm.decision.memos import DEFAULT_BUDGET_MB
 
 log = structlog.get_logger(__name__)
 
 # (record, answers, first answer, last answer), times in unix seconds.
 Tally = tuple[AuditRecord, int, float, float]
 TallySource = Callable[[], Iterator[Tally]]
-
-# Sealed rows kept in memory for the drain while it inserts earlier ones; beyond, it reads
-# them back from the spool, which has them all. A queued row holds its record's form, three
-# numbers and a hash (about 1,500 bytes under a random-subnet flood, where forms are rarely
-# shared: the drain task's batch measured 3.7 MiB for some 2,500 rows). Their bound is a share
-# of the node's memory budget (gtm.geodns.budget counts QUEUE_SHARE among its tables'): a
-# fixed 25,000 came to some 37 MiB, more than half of the default budget, whenever the
-# database fell behind.
-QUEUED_ROW_BYTES = 1500
-QUEUE_SHARE = 0.06
-_MIN_QUEUED_ROWS = 256
-
-
-def queued_rows(budget_mb: float) -> int:
-    """Sealed rows the writer keeps for the drain under a budget of ``budget_mb`` MiB."""
-    rows = tables_mb(budget_mb) * (1 << 20) * QUEUE_SHARE / QUEUED_ROW_BYTES
-    return max(_MIN_QUEUED_ROWS, int(rows))
-
 
 _MAX_QUEUED_ROWS = queued_rows(DEFAULT_BUDGET_MB)
 _REST = 6.0  # paced flushes rest this many times as long as each slice of work took

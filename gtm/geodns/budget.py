@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from gtm.audit.writer import QUEUE_SHARE
+from gtm.audit.rows import QUEUE_SHARE
 from gtm.decision.geoip import GEO_SHARE
 from gtm.decision.memos import MEMO_SHARES, tables_mb
 from gtm.geodns.wire import PARSED_SHARE, parsed_entries
@@ -88,7 +88,7 @@ _CLASS_SHARE, _SHAPE_SHARE, _SUBNET_SHARE = 0.04, 0.01, 0.36
 # population, and that set's goodput fell by a tenth in bench/dns/flood.py.)
 # The rest is the GeoIP memos' (gtm.decision.geoip.GEO_SHARE): the DNS path's per-subnet
 # lookups, so counted here; and the audit writer's sealed rows waiting for the database
-# (gtm.audit.writer.QUEUE_SHARE): the rows the DNS path's new decisions become; and the slow
+# (gtm.audit.rows.QUEUE_SHARE): the rows the DNS path's new decisions become; and the slow
 # path's memos. The shares sum to the whole budget (tests/gtm/geodns/test_budget.py).
 SHARES = (
     _EXACT_SHARE, _RENDERED_SHARE, _RATE_SHARE, _AUDIT_SHARE, _PLACED_SHARE, _NETWORK_SHARE,

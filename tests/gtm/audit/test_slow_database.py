@@ -107,7 +107,7 @@ async def test_the_rows_queued_for_a_slow_database_stay_within_their_bound(
     postgres_url: str, tmp_path: Path, snapshot: Snapshot
 ) -> None:
     """Windows sealed while the database holds the drain wait in memory only up to the
-    writer's bound (a share of the node's memory budget, gtm.audit.writer.queued_rows); past
+    writer's bound (a share of the node's memory budget, gtm.audit.rows.queued_rows); past
     it they wait in the spool alone, and are read back from it once the database lets them in:
     every answer still lands."""
     bound = 2 * len(records(snapshot))
