@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import dns.message
+import dns.query
 import pytest
 
 from gtm.geodns import udp
@@ -32,9 +40,11 @@ from gtm.geodns.stats import DnsCollector
 from gtm.geodns.steering import protected_index, receive_queued
 from gtm.geodns.udp import GENERAL_BATCH, FairUdp
 from gtm.node import Node
+from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of
+from .test_dig import serve_env
 from .test_fairness import (
     CACHED,
     SO_TIMESTAMPNS,
@@ -380,3 +390,44 @@ async def test_without_established_networks_the_same_misses_find_the_queues_full
     await prime(node, "127.0.5.1")
     answered = await misses_after_a_full_slow_lane(node, "127.0.5.1")
     assert len(answered) < 10
+
+
+def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path) -> None:
+    """``gtm serve`` with CAP_BPF (and CAP_SYS_ADMIN) out of its bounding set, as an unprivileged
+    service runs where unprivileged eBPF is off: the kernel refuses the map, the node logs
+    dns.established_refused once per address and serves on the hashed group."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        reason = "dropping CAP_BPF needs setpriv (util-linux) as root"
+        if os.environ.get("GTM_TEST_REQUIRE_TOOLS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    port = free_tcp_udp_port()
+    proc = subprocess.Popen(
+        [
+            setpriv,
+            "--bounding-set=-bpf,-sys_admin",
+            sys.executable,
+            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
+        ],
+        env=serve_env(tmp_path),
+        cwd=Path(__file__).resolve().parents[3],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        seen = ""
+        deadline = time.monotonic() + 60
+        while "gtm.ready" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.readline()
+        assert "gtm.ready" in seen, seen
+        assert seen.count("dns.established_refused") == 1
+        assert "CAP_BPF" in seen and "dns.udp_steering_refused" not in seen
+        query = dns.message.make_query("chat.gtm.example.", "A")
+        reply = dns.query.udp(query, "127.0.0.1", port=port, timeout=10)
+        assert reply.answer
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        proc.stderr.close()
