@@ -134,16 +134,30 @@ class HashMap:
 
 def load_program(prog_type: int, code: bytes, name: bytes) -> int:
     """Load ``code`` (instructions); the program's fd. A verifier refusal raises
-    :class:`BpfError` with the verifier's log in its message."""
+    :class:`BpfError` with the verifier's log in its message (the load is tried again with
+    the log on, as libbpf does: a log costs the verifier time, and past its buffer fails the
+    load by itself)."""
     program = ctypes.create_string_buffer(code, len(code))
     license_ = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(1 << 16)
-    attr = struct.pack(
-        "=IIQQIIQII16s", prog_type, len(code) // 8, ctypes.addressof(program),
-        ctypes.addressof(license_), 1, len(log), ctypes.addressof(log), 0, 0, name[:15],
-    )  # fmt: skip
-    try:
+
+    def attempt(log: ctypes.Array[ctypes.c_char] | None) -> int:
+        level, size, address = (
+            (1, len(log), ctypes.addressof(log)) if log is not None else (0, 0, 0)
+        )
+        attr = struct.pack(
+            "=IIQQIIQII16s", prog_type, len(code) // 8, ctypes.addressof(program),
+            ctypes.addressof(license_), level, size, address, 0, 0, name[:15],
+        )  # fmt: skip
         return _bpf(_PROG_LOAD, attr)
+
+    try:
+        return attempt(None)
+    except BpfError as first:
+        if first.errno not in (errno.EINVAL, errno.EACCES):
+            raise  # no privilege, no memory: the log would say nothing more
+    log = ctypes.create_string_buffer(1 << 16)
+    try:
+        return attempt(log)
     except BpfError as exc:
         detail = log.value.decode(errors="replace").strip()
         message = f"{exc.strerror}: {detail[-2000:]}" if detail else exc.strerror

@@ -9,7 +9,8 @@ A flood from networks never seen before then overflows the general sockets, and 
 that were being answered before it began keep their own buffers.
 
 A network is established once it has been read in :data:`AGE_TICKS` consecutive ticks (a
-second each) that were calm: no datagram dropped, by the kernel's buffers or by admission. So
+second each) that were calm: next to no datagram dropped, by the kernel's buffers or by
+admission (:func:`is_calm`). So
 a client that asks steadily is established within seconds of an ordinary day, and during a
 flood nobody new is: the flood's networks, new by definition, never are, and a legitimate
 newcomer waits on the general sockets with them until the flood ends. What a member loses:
@@ -37,6 +38,23 @@ BAR_TICKS = 60  # ticks a network demoted for flooding waits before it may be es
 PER_TICK = 1024  # networks established in one tick at most (each is a system call)
 
 PROMOTED, EXPIRED, DEMOTED = "established", "expired", "demoted"
+# What a tick may lose and still be calm: a few stray datagrams (a bad checksum, one client's
+# burst past its queue, a drop on another address) must not stop anyone being established for
+# good; a flood's thousands do.
+CALM_DROPS = 16
+CALM_SHARE = 0.001  # of the datagrams read in the tick
+
+
+def is_calm(dropped: int, read: int) -> bool:
+    """Whether a tick that read ``read`` datagrams and lost ``dropped`` (kernel buffers and
+    admission) was calm.
+
+    >>> is_calm(0, 0), is_calm(16, 0), is_calm(17, 0)
+    (True, True, False)
+    >>> is_calm(110, 100_000), is_calm(5_000, 100_000)
+    (True, False)
+    """
+    return dropped <= CALM_DROPS + CALM_SHARE * read
 
 
 class Changes(NamedTuple):

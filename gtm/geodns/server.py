@@ -182,8 +182,8 @@ class DnsServer:
                     established = EstablishedNetworks(self.established_networks)
                     self.responder.stats.established.append(established)
                 listener = FairUdp(socks, self.responder, lane, self.slow_batch, split, established)
+                self._fair.append(listener)  # closed by stop(), whatever happens next
                 listener.start()
-                self._fair.append(listener)
             else:
                 transport, _ = await loop.create_datagram_endpoint(
                     lambda: _UdpProtocol(self.responder),

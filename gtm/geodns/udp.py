@@ -18,8 +18,9 @@ import structlog
 
 from gtm.geodns import steering
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
-from gtm.geodns.established import EstablishedNetworks
+from gtm.geodns.established import EstablishedNetworks, is_calm
 from gtm.geodns.responder import SLOW, Responder
+from gtm.geodns.steering import receive_queued
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +45,9 @@ SOCKET_SHARE = 16
 # during a flood, and an established network's queries wait behind at most this much of each.
 GENERAL_BATCH = 8
 GENERAL_SHARE = 2
+# Bytes waiting in a general socket after a full small batch above which it is flooded: about
+# a usual batch's datagrams as the kernel accounts them (some 800 bytes each, small or not).
+FLOODED_BYTES = SOCKET_BATCH * 1024
 # Of the slow path's queries while both lanes wait, the established networks' lane gets this
 # many in every so many (gtm.geodns.established).
 PRIORITY_SHARE = (3, 4)
@@ -121,6 +125,7 @@ class FairUdp:
         self._seen_protected: dict[Hashable, int] = {}
         self._over: set[Hashable] = set()
         self._slow_taken = 0  # queries the slow path took while both lanes waited
+        self._read = 0  # datagrams read this tick (what its drops are measured against)
         self._dropped_before = 0
         self._timer: asyncio.TimerHandle | None = None
         self._batch, self._share = (
@@ -168,7 +173,8 @@ class FairUdp:
         assert established is not None
         assert split is not None
         dropped = self._dropped()
-        calm, self._dropped_before = dropped == self._dropped_before, dropped
+        calm = is_calm(dropped - self._dropped_before, self._read)
+        self._dropped_before, self._read = dropped, 0
         for network in self._over:
             if established.demote(network):
                 self._unsteer(network)
@@ -178,11 +184,12 @@ class FairUdp:
         changes = established.end_tick(general, protected, calm=calm)
         for network in changes.removed:
             self._unsteer(network)
-        for network in changes.added:
+        for i, network in enumerate(changes.added):
             try:
                 split.add(network)
-            except OSError as exc:  # the map full or gone: not established after all
-                established.forget(network)
+            except OSError as exc:  # the map full or gone: these are not established after all
+                for unwritten in changes.added[i:]:
+                    established.forget(unwritten)
                 log.warning("dns.established_map_error", error=str(exc))
                 break
 
@@ -309,8 +316,15 @@ class FairUdp:
                 self._send(sock, out, addr)
         if state.behind:
             state.shared = len(taken) > 1
+        if state.behind and batch == GENERAL_BATCH and receive_queued(sock) < FLOODED_BYTES:
+            # A small batch came back full, but no more than a usual batch waits: not flooded
+            # (else steady traffic would keep the small batch, and the small batch "behind").
+            state.behind = False
+            self._behind -= 1
+            self._general_behind -= 1
         if self.established is not None:
             (self._seen_protected if state.protected else self._seen_general).update(taken)
+            self._read += sum(taken.values())
 
     def _drain(self) -> None:
         """One turn's slice of the slow path: ``slow_batch`` queued queries, one per network in

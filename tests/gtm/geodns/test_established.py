@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -29,15 +30,17 @@ from gtm.geodns.admission import TOTAL_FULL, sender_network
 from gtm.geodns.established import (
     AGE_TICKS,
     BAR_TICKS,
+    CALM_DROPS,
     DEMOTED,
     EXPIRED,
     IDLE_TICKS,
     PER_TICK,
     PROMOTED,
     EstablishedNetworks,
+    is_calm,
 )
 from gtm.geodns.stats import DnsCollector
-from gtm.geodns.steering import protected_index, receive_queued
+from gtm.geodns.steering import key_of_network, protected_index, receive_queued
 from gtm.geodns.udp import GENERAL_BATCH, FairUdp
 from gtm.node import Node
 from tests.support.ports import free_tcp_udp_port
@@ -435,3 +438,34 @@ def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         proc.stderr.close()
+
+
+def test_a_tick_with_a_few_stray_drops_is_calm_and_a_floods_is_not() -> None:
+    """One bad checksum, one burst past a queue, must not stop anyone being established for
+    good; a flood's thousands of drops must."""
+    assert is_calm(0, 10)
+    assert is_calm(CALM_DROPS, 0)
+    assert not is_calm(CALM_DROPS + 1, 0)
+    assert is_calm(CALM_DROPS + 100, 100_000)
+    assert not is_calm(5_000, 100_000)
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_networks_the_map_could_not_take_are_not_members(start_node: StartNode) -> None:
+    """The kernel map holds 2; the set would take 10. Four networks become established in one
+    tick: the two the map took are members with a map entry, the two after the refused one are
+    not members at all (a member without an entry would hold a place and steer nothing)."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_established_networks=2)
+    fair = listener(node)
+    assert fair.split is not None
+    fair.established = EstablishedNetworks(capacity=10)
+    hosts = [f"127.0.{third}.1" for third in (11, 12, 13, 14)]
+    for _ in range(AGE_TICKS):
+        for host in hosts:
+            await prime(node, host)
+        fair.tick()
+    members = [h for h in hosts if sender_network(h) in fair.established]
+    assert len(members) == 2
+    for host in hosts:
+        key = struct.pack("=Q", key_of_network(sender_network(host)))
+        assert (fair.split.table.get(key) is not None) == (host in members), host
