@@ -96,17 +96,20 @@ def program(sockets: int) -> bytes:
 def socket_index(host: str, sockets: int) -> int:
     """The socket of a group of ``sockets`` that the program picks for datagrams from ``host``
     (as the kernel sees it: an IPv4 sender on a dual-stack socket arrives as IPv4)."""
-    address = ip_address(host.split("%", 1)[0])
-    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    raw = address.packed
-    if isinstance(address, IPv4Address):
-        a = (int.from_bytes(raw, "big") >> 8) * _GOLDEN & 0xFFFFFFFF
+    return _hash(network_key(host)) % sockets
+
+
+def _hash(key: int) -> int:
+    """What both programs compute from a sender's network (its :func:`network_key`) before
+    taking it modulo a count of sockets: IPv4, the /24 times the constant; IPv6, the first
+    four octets times the constant, mixed with the next three, times the constant again; of
+    the 32-bit product, the high 16 bits."""
+    if key >> _FAMILY_SHIFT == 4:
+        a = (key & 0xFFFFFF) * _GOLDEN & 0xFFFFFFFF
     else:
-        x = int.from_bytes(raw[4:8], "big") >> 8
-        a = int.from_bytes(raw[0:4], "big") * _GOLDEN & 0xFFFFFFFF
-        a = ((a ^ x) * _GOLDEN) & 0xFFFFFFFF
-    return (a >> 16) % sockets
+        first, rest = (key >> 24) & 0xFFFFFFFF, key & 0xFFFFFF
+        a = ((first * _GOLDEN & 0xFFFFFFFF) ^ rest) * _GOLDEN & 0xFFFFFFFF
+    return a >> 16
 
 
 def attach(sock: socket.socket, sockets: int) -> bool:
@@ -162,14 +165,7 @@ def split_index(host: str, general: int, protected: int) -> int:
 
 def protected_index(network: Hashable, protected: int) -> int:
     """The protected socket an established network is given: spread by the same hash."""
-    key = key_of_network(network)
-    if key >> _FAMILY_SHIFT == 4:
-        a = (key & 0xFFFFFF) * _GOLDEN & 0xFFFFFFFF
-    else:
-        n = key & ((1 << 56) - 1)
-        x, w0 = n & 0xFFFFFF, n >> 24
-        a = ((w0 * _GOLDEN & 0xFFFFFFFF) ^ x) * _GOLDEN & 0xFFFFFFFF
-    return (a >> 16) % protected
+    return _hash(key_of_network(network)) % protected
 
 
 _CALLEE_SAVED = (bpf.R7, bpf.R8, bpf.R9)

@@ -121,8 +121,8 @@ class FairUdp:
         self._sockets = [_Socket(sock, i < protected) for i, sock in enumerate(socks)]
         # Networks read this tick, on the general and on the protected sockets; those over
         # their share on a protected socket (to demote).
-        self._seen_general: dict[Hashable, int] = {}
-        self._seen_protected: dict[Hashable, int] = {}
+        self._seen_general: set[Hashable] = set()
+        self._seen_protected: set[Hashable] = set()
         self._over: set[Hashable] = set()
         self._slow_taken = 0  # queries the slow path took while both lanes waited
         self._read = 0  # datagrams read this tick (what its drops are measured against)
@@ -179,8 +179,8 @@ class FairUdp:
             if established.demote(network):
                 self._unsteer(network)
         self._over.clear()
-        general, self._seen_general = self._seen_general, {}
-        protected, self._seen_protected = self._seen_protected, {}
+        general, self._seen_general = self._seen_general, set()
+        protected, self._seen_protected = self._seen_protected, set()
         changes = established.end_tick(general, protected, calm=calm)
         for network in changes.removed:
             self._unsteer(network)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import signal
 import socket
 import struct
@@ -57,8 +55,10 @@ from .test_fairness import (
     readable,
     receive,
     sender,
+    stamped_answers,
     with_id,
 )
+from .test_steering import root_tool
 
 FLOOD_NETWORKS = 256
 # 81,920 datagrams: a general socket of the split group gets some 20,000, a socket of the
@@ -98,7 +98,7 @@ def test_networks_seen_once_each_never_are_and_their_memory_stays_bounded() -> N
     est = EstablishedNetworks(capacity=10)
     for t in range(20):
         est.end_tick([f"spoof-{t}-{i}" for i in range(100)], (), calm=True)
-        assert len(est._candidates) <= 4 * est.capacity or len(est._candidates) == 100
+        assert len(est._candidates) <= 4 * est.capacity
     assert len(est) == 0
 
 
@@ -326,10 +326,7 @@ async def test_while_the_general_sockets_are_flooded_an_established_query_waits_
         sent_at = time.time_ns()
         for i in range(5):
             legit.sendto(with_id(CACHED, 62_000 + i), target)
-        got: list[tuple[int, bytes]] = []
-        while len(got) < 5:
-            await readable(legit)
-            got += _stamped(legit)
+        got = await stamped_answers(legit, 5)
         last = max(stamp for stamp, _ in got)
         flood = [stamp for f in floods for stamp, _ in _stamped(f)]
     assert sorted(int.from_bytes(d[:2], "big") for _, d in got) == list(range(62_000, 62_005))
@@ -403,12 +400,7 @@ def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path)
     """``gtm serve`` with CAP_BPF (and CAP_SYS_ADMIN) out of its bounding set, as an unprivileged
     service runs where unprivileged eBPF is off: the kernel refuses the map, the node logs
     dns.established_refused once per address and serves on the hashed group."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or os.geteuid() != 0:
-        reason = "dropping CAP_BPF needs setpriv (util-linux) as root"
-        if os.environ.get("GTM_TEST_REQUIRE_TOOLS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    setpriv = root_tool("setpriv", "dropping CAP_BPF needs setpriv (util-linux) as root")
     port = free_tcp_udp_port()
     proc = subprocess.Popen(
         [

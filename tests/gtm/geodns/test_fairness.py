@@ -415,6 +415,16 @@ def _stamped(sock: socket.socket) -> list[tuple[int, bytes]]:
         out.append((seconds * 1_000_000_000 + nanoseconds, data))
 
 
+async def stamped_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """At least ``count`` datagrams from ``sock`` (SO_TIMESTAMPNS on), each with the time the
+    kernel queued it, waiting for them as they come."""
+    got: list[tuple[int, bytes]] = []
+    while len(got) < count:
+        await readable(sock)
+        got += _stamped(sock)
+    return got
+
+
 @pytest.mark.parametrize("sockets", [8, 1])
 async def test_another_networks_queries_wait_behind_one_batch_of_a_flood_at_most(
     start_node: StartNode, sockets: int
@@ -436,10 +446,7 @@ async def test_another_networks_queries_wait_behind_one_batch_of_a_flood_at_most
             f.sendto(with_id(CACHED, i), target)
         for i in range(5):
             g.sendto(with_id(CACHED, 3000 + i), target)
-        got: list[tuple[int, bytes]] = []
-        while len(got) < 5:
-            await readable(g)
-            got += _stamped(g)
+        got = await stamped_answers(g, 5)
         last = max(stamp for stamp, _ in got)
         # Every flood answer the server sent before the legitimate ones' last (the rest come).
         check = dns.message.make_query("chat.gtm.example.", "A")

@@ -220,13 +220,21 @@ NAMESPACE_CHECK = textwrap.dedent(
 )
 
 
-def test_ipv6_slash_56s_land_where_the_hash_says_in_a_network_namespace() -> None:
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        reason = "IPv6 steering needs `unshare -n` as root (addresses on a namespace's loopback)"
+def root_tool(tool: str, reason: str) -> str:
+    """``tool``'s path when it is installed and this is root; else the test is skipped (failed
+    where the tools are required, as in CI) with ``reason``."""
+    path = shutil.which(tool)
+    if path is None or os.geteuid() != 0:
         if os.environ.get("GTM_TEST_REQUIRE_TOOLS") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
+    return path
+
+
+def test_ipv6_slash_56s_land_where_the_hash_says_in_a_network_namespace() -> None:
+    unshare = root_tool(
+        "unshare", "IPv6 steering needs `unshare -n` as root (addresses on a namespace's loopback)"
+    )
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [unshare, "-n", sys.executable, "-c", NAMESPACE_CHECK],
