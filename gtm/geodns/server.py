@@ -122,6 +122,7 @@ class DnsServer:
         udp_sockets: int = 1,
         steer_group: int | None = None,
         established_networks: int = 0,
+        queue_age: bool = False,
     ) -> None:
         self.responder = responder
         self.listens = listens
@@ -142,6 +143,7 @@ class DnsServer:
         # on the first half of its sockets; 0: off. One process only: the split program names
         # sockets by their place in the group, known only for the sockets this process bound.
         self.established_networks = established_networks
+        self.queue_age = queue_age
         self.split = False  # whether the kernel took the split program
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[FairUdp] = []
@@ -181,7 +183,15 @@ class DnsServer:
                 if split is not None:
                     established = EstablishedNetworks(self.established_networks)
                     self.responder.stats.established.append(established)
-                listener = FairUdp(socks, self.responder, lane, self.slow_batch, split, established)
+                listener = FairUdp(
+                    socks,
+                    self.responder,
+                    lane,
+                    self.slow_batch,
+                    split,
+                    established,
+                    queue_age=self.queue_age,
+                )
                 self._fair.append(listener)  # closed by stop(), whatever happens next
                 listener.start()
             else:
@@ -336,6 +346,7 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         slow_batch=s.dns_slow_batch,
         udp_sockets=s.dns_udp_sockets,
         established_networks=s.dns_established_networks,
+        queue_age=s.dns_queue_age,
         # Worker processes on the same port join one reuseport group: the program picks
         # among every worker's sockets.
         steer_group=s.dns_udp_sockets * (s.workers if reuse_port else 1),

@@ -9,14 +9,65 @@ counters trail the answers by up to a flush interval, and always equal what the 
 
 from __future__ import annotations
 
+import struct
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SHUTDOWN, TOTAL_FULL, LaneCounts
 from gtm.geodns.established import DEMOTED, EXPIRED, PROMOTED, EstablishedNetworks
+
+# SO_TIMESTAMPNS (<asm-generic/socket.h>; Python's socket module does not name it): the kernel
+# then stamps each datagram with the time it was queued, handed back as SCM_TIMESTAMPNS (the
+# same number) in recvmsg's ancillary data, two native longs (seconds, nanoseconds).
+SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("@qq")
+# Upper bounds (seconds) of the UDP queue-age histogram: from a short loop turn to the timeouts
+# resolvers give up at (1-2 s), where an answer no longer matters.
+QUEUE_AGE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+ESTABLISHED = "established"  # the protected sockets of a split group (gtm.geodns.established)
+GENERAL = "general"  # every other socket
+
+
+def age_of_stamp(ancillary: Sequence[tuple[int, int, bytes]], now_s: float) -> float | None:
+    """How long a datagram waited in its socket: ``now_s`` (``time.time()``) less the time the
+    kernel queued it, from recvmsg's ancillary data; None without a stamp. A wall clock
+    stepped back since counts as no wait rather than a negative one."""
+    for _level, kind, payload in ancillary:
+        if kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+            return max(0.0, now_s - (int(seconds) + int(nanoseconds) * 1e-9))
+    return None
+
+
+class Ages:
+    """A histogram of waits kept as plain integers: an observation costs a bisection and two
+    additions (a Prometheus child's ``observe()`` takes a lock); the collector exports it."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(QUEUE_AGE_BUCKETS) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(QUEUE_AGE_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(upper bound, observations at or below it), as Prometheus exposes buckets."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*QUEUE_AGE_BUCKETS, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
 
 
 class DnsStats:
@@ -47,13 +98,18 @@ class DnsStats:
         # The established sender networks of the UDP listeners (gtm.geodns.established), one
         # set per listen address; empty where the kernel took no split program.
         self.established: list[EstablishedNetworks] = []
+        # How long the oldest datagram had waited in a UDP socket when the listener began a
+        # read of it (gtm.geodns.udp; at most once a millisecond per socket), by lane: how far
+        # behind the reader was, as the sender saw it, which a flood pushes up on the general
+        # sockets and, if the protection works, not on the established networks' own.
+        self.queue_age: dict[str, Ages] = {ESTABLISHED: Ages(), GENERAL: Ages()}
 
 
 class DnsCollector(Collector):
     def __init__(self, stats: DnsStats) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[Any]:
         s = self.stats
         queries = CounterMetricFamily(
             "gtm_dns_responses", "DNS responses sent", labels=["transport", "qtype", "rcode"]
@@ -136,6 +192,16 @@ class DnsCollector(Collector):
         for change in (PROMOTED, EXPIRED, DEMOTED):
             changes.add_metric([change], sum(e.changes[change] for e in s.established))
         yield changes
+        ages = HistogramMetricFamily(
+            "gtm_dns_udp_queue_age_seconds",
+            "how long the oldest query in a UDP socket had waited when a read of it began "
+            "(the kernel's receive stamp), by lane: established (the protected sockets) or "
+            "general",
+            labels=["lane"],
+        )
+        for lane, histogram in s.queue_age.items():
+            ages.add_metric([lane], histogram.cumulative(), histogram.total)
+        yield ages
 
 
 def register(stats: DnsStats) -> DnsCollector:

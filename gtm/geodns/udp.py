@@ -20,6 +20,7 @@ from gtm.geodns import steering
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
 from gtm.geodns.established import EstablishedNetworks, is_calm
 from gtm.geodns.responder import SLOW, Responder
+from gtm.geodns.stats import ESTABLISHED, GENERAL, SO_TIMESTAMPNS, age_of_stamp
 from gtm.geodns.steering import receive_queued
 
 log = structlog.get_logger(__name__)
@@ -56,12 +57,19 @@ TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
 # in the kernel's buffer while it runs (gtm.geodns.admission).
 SLOW_TURN_S = 0.001
+# Room for the kernel's receive stamp in recvmsg's ancillary data (gtm.geodns.stats).
+_STAMP_SPACE = socket.CMSG_SPACE(16)
+# A socket's queue age is observed on the first read batch after this long since the last: a
+# recvmsg and a stamp parsed on every batch would add to the kernel's own cost of stamping
+# (3-4% of the listener's capacity at full load); once a millisecond per socket is noise beside
+# it, and still plenty of observations.
+STAMP_EVERY_S = 0.001
 
 
 class _Socket:
     """One socket of a listener's group and what its last read found."""
 
-    __slots__ = ("behind", "protected", "shared", "sock")
+    __slots__ = ("behind", "protected", "shared", "sock", "stamp_after")
 
     def __init__(self, sock: socket.socket, protected: bool = False) -> None:
         self.sock = sock
@@ -73,6 +81,8 @@ class _Socket:
         # Whether its last full batch came from more than one network: only then is a network
         # held to its share of a batch (a large resolver alone is not capped).
         self.shared = False
+        # When (time.monotonic()) a read batch next observes its queue age (STAMP_EVERY_S).
+        self.stamp_after = 0.0
 
 
 class FairUdp:
@@ -98,8 +108,12 @@ class FairUdp:
         slow_batch: int,
         split: steering.SplitGroup | None = None,
         established: EstablishedNetworks | None = None,
+        *,
+        queue_age: bool = True,
     ) -> None:
         self.socks = socks
+        # Whether the kernel stamps datagrams for gtm_dns_udp_queue_age_seconds (STAMP_EVERY_S).
+        self.queue_age = queue_age
         self.responder = responder
         self.lane = lane
         self.slow_batch = slow_batch
@@ -141,6 +155,11 @@ class FairUdp:
 
     def start(self) -> None:
         for state in self._sockets:
+            # The kernel stamps each datagram as it queues it: the first of each read batch
+            # tells how long queries wait before they are read (gtm_dns_udp_queue_age_seconds).
+            if self.queue_age:
+                with contextlib.suppress(OSError):
+                    state.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             self._loop.add_reader(state.sock.fileno(), self._readable, state)
         if self.established is not None:
             self._dropped_before = self._dropped()
@@ -256,9 +275,23 @@ class FairUdp:
             self._behind += 1
             self._general_behind += not state.protected
         state.behind = True
+        # The first datagram of the batch is the oldest waiting: its age is how far behind the
+        # reader is on this socket. One recvmsg a batch at most (STAMP_EVERY_S); the rest are
+        # read without the stamp.
+        now = time.monotonic()
+        stamped = not self.queue_age or now < state.stamp_after
+        if not stamped:
+            state.stamp_after = now + STAMP_EVERY_S
         for _ in range(batch):
             try:
-                data, addr = sock.recvfrom(65535)
+                if stamped:
+                    data, addr = sock.recvfrom(65535)
+                else:
+                    stamped = True
+                    data, ancillary, _flags, addr = sock.recvmsg(65535, _STAMP_SPACE)
+                    age = age_of_stamp(ancillary, time.time())
+                    if age is not None:
+                        r.stats.queue_age[ESTABLISHED if state.protected else GENERAL].observe(age)
             except InterruptedError:
                 continue
             except OSError:  # nothing more waiting (BlockingIOError), or an ICMP error
