@@ -186,6 +186,17 @@ def split_program(map_fd: int, protected: int, general: int) -> bytes:
     r0, r1, r2, r6, r7, r8, r9, r10 = bpf.R0, bpf.R1, bpf.R2, bpf.R6, *_CALLEE_SAVED, bpf.R10
     ld_w, ld_b = bpf.LD | bpf.ABS | bpf.W, bpf.LD | bpf.ABS | bpf.B
     net = _NET - (1 << 32)  # SKF_NET_OFF as the signed immediate
+
+    def store_key(family: int) -> list[bytes]:
+        """The map key (network_key's layout) on the stack at r10 - 8: r1, the network's
+        bits, tagged with ``family`` above them."""
+        return [
+            i(alu64 | bpf.MOV | bpf.K, r2, imm=family),
+            i(alu64 | bpf.LSH | bpf.K, r2, imm=_FAMILY_SHIFT),
+            i(alu64 | bpf.OR | bpf.X, r1, r2),
+            i(bpf.STX | bpf.MEM | bpf.DW, r10, r1, off=-8),
+        ]
+
     ipv6 = [
         i(ld_w, imm=net + 8),  # r0 = source octets 0..3
         i(alu64 | bpf.MOV | bpf.X, r7, r0),
@@ -196,10 +207,7 @@ def split_program(map_fd: int, protected: int, general: int) -> bytes:
         i(alu64 | bpf.MOV | bpf.X, r1, r7),
         i(alu64 | bpf.LSH | bpf.K, r1, imm=24),
         i(alu64 | bpf.OR | bpf.X, r1, r8),
-        i(alu64 | bpf.MOV | bpf.K, r2, imm=6),
-        i(alu64 | bpf.LSH | bpf.K, r2, imm=_FAMILY_SHIFT),
-        i(alu64 | bpf.OR | bpf.X, r1, r2),
-        i(bpf.STX | bpf.MEM | bpf.DW, r10, r1, off=-8),
+        *store_key(6),
         # the classic program's hash, in 32 bits: ((w0 * G) ^ x) * G >> 16
         i(alu32 | bpf.MOV | bpf.X, r9, r7),
         i(alu32 | bpf.MUL | bpf.K, r9, imm=_GOLDEN),
@@ -211,10 +219,7 @@ def split_program(map_fd: int, protected: int, general: int) -> bytes:
         i(ld_w, imm=net + 12),  # r0 = source address
         i(alu32 | bpf.RSH | bpf.K, r0, imm=8),  # its /24
         i(alu64 | bpf.MOV | bpf.X, r1, r0),
-        i(alu64 | bpf.MOV | bpf.K, r2, imm=4),
-        i(alu64 | bpf.LSH | bpf.K, r2, imm=_FAMILY_SHIFT),
-        i(alu64 | bpf.OR | bpf.X, r1, r2),
-        i(bpf.STX | bpf.MEM | bpf.DW, r10, r1, off=-8),
+        *store_key(4),
         i(alu32 | bpf.MOV | bpf.X, r9, r0),
         i(alu32 | bpf.MUL | bpf.K, r9, imm=_GOLDEN),
         i(alu32 | bpf.RSH | bpf.K, r9, imm=16),
