@@ -9,6 +9,7 @@ counters trail the answers by up to a flush interval, and always equal what the 
 
 from __future__ import annotations
 
+import socket
 import struct
 from bisect import bisect_left
 from collections import Counter
@@ -26,6 +27,7 @@ from gtm.geodns.established import DEMOTED, EXPIRED, PROMOTED, EstablishedNetwor
 # same number) in recvmsg's ancillary data, two native longs (seconds, nanoseconds).
 SO_TIMESTAMPNS = 35
 _TIMESPEC = struct.Struct("@qq")
+STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)  # recvmsg's room for the stamp
 # Upper bounds (seconds) of the UDP queue-age histogram: from a short loop turn to the timeouts
 # resolvers give up at (1-2 s), where an answer no longer matters.
 QUEUE_AGE_BUCKETS = (

@@ -20,7 +20,7 @@ from gtm.geodns import steering
 from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
 from gtm.geodns.established import EstablishedNetworks, is_calm
 from gtm.geodns.responder import SLOW, Responder
-from gtm.geodns.stats import ESTABLISHED, GENERAL, SO_TIMESTAMPNS, age_of_stamp
+from gtm.geodns.stats import ESTABLISHED, GENERAL, SO_TIMESTAMPNS, STAMP_SPACE, age_of_stamp
 from gtm.geodns.steering import receive_queued
 
 log = structlog.get_logger(__name__)
@@ -57,8 +57,6 @@ TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
 # in the kernel's buffer while it runs (gtm.geodns.admission).
 SLOW_TURN_S = 0.001
-# Room for the kernel's receive stamp in recvmsg's ancillary data (gtm.geodns.stats).
-_STAMP_SPACE = socket.CMSG_SPACE(16)
 # A socket's queue age is observed on the first read batch after this long since the last: a
 # recvmsg and a stamp parsed on every batch would add to the kernel's own cost of stamping
 # (3-4% of the listener's capacity at full load); once a millisecond per socket is noise beside
@@ -109,7 +107,7 @@ class FairUdp:
         split: steering.SplitGroup | None = None,
         established: EstablishedNetworks | None = None,
         *,
-        queue_age: bool = True,
+        queue_age: bool = False,
     ) -> None:
         self.socks = socks
         # Whether the kernel stamps datagrams for gtm_dns_udp_queue_age_seconds (STAMP_EVERY_S).
@@ -278,17 +276,16 @@ class FairUdp:
         # The first datagram of the batch is the oldest waiting: its age is how far behind the
         # reader is on this socket. One recvmsg a batch at most (STAMP_EVERY_S); the rest are
         # read without the stamp.
-        now = time.monotonic()
-        stamped = not self.queue_age or now < state.stamp_after
-        if not stamped:
-            state.stamp_after = now + STAMP_EVERY_S
+        stamp = self.queue_age and (at := time.monotonic()) >= state.stamp_after
+        if stamp:
+            state.stamp_after = at + STAMP_EVERY_S
         for _ in range(batch):
             try:
-                if stamped:
+                if not stamp:
                     data, addr = sock.recvfrom(65535)
                 else:
-                    stamped = True
-                    data, ancillary, _flags, addr = sock.recvmsg(65535, _STAMP_SPACE)
+                    stamp = False
+                    data, ancillary, _flags, addr = sock.recvmsg(65535, STAMP_SPACE)
                     age = age_of_stamp(ancillary, time.time())
                     if age is not None:
                         r.stats.queue_age[ESTABLISHED if state.protected else GENERAL].observe(age)

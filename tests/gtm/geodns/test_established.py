@@ -37,7 +37,7 @@ from gtm.geodns.established import (
     EstablishedNetworks,
     is_calm,
 )
-from gtm.geodns.stats import DnsCollector
+from gtm.geodns.stats import SO_TIMESTAMPNS, DnsCollector
 from gtm.geodns.steering import key_of_network, protected_index, receive_queued
 from gtm.geodns.udp import GENERAL_BATCH, FairUdp
 from gtm.node import Node
@@ -48,7 +48,6 @@ from .conftest import StartNode, port_of
 from .test_dig import serve_env
 from .test_fairness import (
     CACHED,
-    SO_TIMESTAMPNS,
     _stamped,
     missing_name,
     prime,

@@ -28,7 +28,7 @@ from gtm.geodns.admission import (
     SlowLane,
     sender_network,
 )
-from gtm.geodns.stats import DnsCollector
+from gtm.geodns.stats import SO_TIMESTAMPNS, DnsCollector
 from gtm.geodns.steering import receive_queued
 from gtm.geodns.udp import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.node import Node
@@ -381,9 +381,6 @@ async def test_in_one_socket_a_flood_that_overflows_it_drops_every_network_alike
             answers += await receive(legit, 1)
     assert [int.from_bytes(a[:2], "big") for a in answers] == [65_000]
     assert node.dns.receive_drops() >= 50
-
-
-SO_TIMESTAMPNS = 35  # <asm-generic/socket.h> (SCM_TIMESTAMPNS, the same number, in the reply)
 
 
 async def readable(sock: socket.socket) -> None:
