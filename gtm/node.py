@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 from prometheus_client import start_http_server
+from pydantic import SecretStr
 from sqlalchemy.exc import SQLAlchemyError
 
 from gtm import tracing
@@ -28,6 +29,7 @@ from gtm.admin.server import serve_admin
 from gtm.anycast import Announcer, Bird, Rules, self_check
 from gtm.audit import migrate
 from gtm.front.server import serve_front
+from gtm.geodns.cookies import new_secret
 from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister
 from gtm.heap import HeapKeeper, settle_malloc
@@ -223,6 +225,20 @@ def _worker(settings: Settings, index: int) -> None:
     serve_forever(worker_settings(settings, index), reuse_port=True)
 
 
+def shared_cookie_secret(settings: Settings) -> Settings:
+    """``settings`` with one random DNS cookie secret for every worker when none is
+    configured: the kernel spreads a resolver's queries over the workers by source port, and
+    each must accept the cookies the others hand out. Passed to them with their settings
+    (pickled to the spawned process, never in its environment or a log)."""
+    if (
+        not settings.dns_cookies
+        or settings.dns_cookie_secret_file is not None
+        or settings.dns_cookie_secret is not None
+    ):
+        return settings
+    return settings.model_copy(update={"dns_cookie_secret": SecretStr(new_secret().strip())})
+
+
 def serve_workers(settings: Settings) -> None:
     """``settings.workers`` processes on the same DNS and HTTP ports (SO_REUSEPORT): the kernel
     spreads clients over them by address and port. This process is worker 0; the schema is
@@ -238,6 +254,7 @@ def serve_workers(settings: Settings) -> None:
     settings = settings.model_copy(
         update={"migrate_on_start": settings.migrate_on_start and not migrated}
     )
+    settings = shared_cookie_secret(settings)
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(target=_worker, args=(settings, i), name=f"gtm-dns-w{i}")

@@ -80,6 +80,22 @@ class Settings(BaseSettings):
     # gtm_dns_udp_queue_age_seconds (gtm.geodns.udp): the kernel stamps every datagram the UDP
     # listeners receive, which costs 3-4% of their capacity at full load; false: not measured.
     dns_queue_age: bool = True
+    # DNS cookies (RFC 7873; server cookies as RFC 9018 makes them, gtm.geodns.cookies): a
+    # query's COOKIE option is checked and its response given one. The secret: a file of 32
+    # hex digits (mode 0600; a second line, the previous secret, is still accepted during a
+    # rollover; `gtm dns cookie-secret` makes one) or GTM_DNS_COOKIE_SECRET, shared by every
+    # node of an anycast set; neither: a random one per start, shared by the workers.
+    # dns_require_cookie: a UDP query with a client cookie but no valid server cookie gets
+    # BADCOOKIE and a new cookie instead of the answer (BIND's require-server-cookie).
+    dns_cookies: bool = True
+    dns_cookie_secret_file: Path | None = None
+    dns_cookie_secret: SecretStr | None = None
+    dns_require_cookie: bool = False
+    # Established networks (above) only once a query from the network brought a valid server
+    # cookie within the hour: proof its address receives what is sent to it, which forged
+    # senders cannot give, so a flood's spoofed networks are never established, even on a
+    # calm day; but a network whose resolvers speak no cookies never is either.
+    dns_establish_with_cookie: bool = False
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed
     # in the DNSKEY RRset for a rollover. A configured file that is missing, loose or malformed
@@ -304,6 +320,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _dnssec_active_key(self) -> Settings:
+        for needs in ("dns_require_cookie", "dns_establish_with_cookie"):
+            if getattr(self, needs) and not self.dns_cookies:
+                raise ValueError(f"{needs} needs dns_cookies: no cookie is checked")
         if self.dnssec_publish_key_files and self.dnssec_key_file is None:
             raise ValueError(
                 "dnssec_publish_key_files needs dnssec_key_file: a published key does not sign"

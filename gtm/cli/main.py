@@ -37,6 +37,7 @@ LAZY_GROUPS: Lazy = {
         "Policy and topology changes through the admin API (four-eyes).",
     ),
     "report": ("gtm.cli.report:report_app", "Reports for compliance teams and regulators."),
+    "dns": ("gtm.cli.dns:dns_app", "The DNS responder: its cookie secret."),
     "dnssec": (
         "gtm.cli.dnssec:dnssec_app",
         "DNSSEC online signing: keys, and the DS record for the parent zone.",

@@ -4,6 +4,7 @@ until the audit writer drains them (gtm.geodns.responder)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gtm.audit.record import AuditRecord
@@ -36,29 +37,43 @@ class Exact:
     """The whole response to one exact query from one sender, and the answers given from it
     since the audit writer last drained them (``n``, with the first and last answer's time)."""
 
-    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated")
+    __slots__ = ("first", "last", "n", "record", "stats_key", "tail", "truncated", "until")
 
     def __init__(
-        self, tail: bytes, record: AuditRecord, stats_key: tuple[str, str, str], truncated: bool
+        self,
+        tail: bytes,
+        record: AuditRecord,
+        stats_key: tuple[str, str, str],
+        truncated: bool,
+        until: float = math.inf,
     ) -> None:
         self.tail = tail  # the whole response after its ID
         self.record = record
         self.stats_key = stats_key
         self.truncated = truncated
+        # A response with a DNS cookie is repeated only until the cookie is due for renewal
+        # (gtm.geodns.cookies). Checked at the first answer since each drain of the tallies
+        # (at least once a second): the answers in between cost no comparison.
+        self.until = until
         self.n = 0
         self.first = self.last = 0.0
 
-    def tally(self, now: float, tallied: list[Exact]) -> None:
+    def tally(self, now: float, tallied: list[Exact]) -> bool:
         """One more answer given from this entry at ``now``; listed in ``tallied`` (the
-        responder's, drained by the audit writer) at its first since the last drain. (The
-        UDP listener inlines this for its exact-query hits: gtm.geodns.server.)"""
+        responder's, drained by the audit writer) at its first since the last drain. False,
+        and nothing counted, when the entry has lapsed (:attr:`until`): the query is answered
+        the long way. (The UDP listeners inline this for their exact-query hits:
+        gtm.geodns.server, gtm.geodns.udp.)"""
         if self.n:
             self.n += 1
-        else:
+        elif now < self.until:
             self.n = 1
             self.first = now
             tallied.append(self)
+        else:
+            return False
         self.last = now
+        return True
 
 
 def takes_name(cached: Cached, name_len: int, limit: int | None) -> bool:

@@ -22,14 +22,16 @@ newcomer waits on the general sockets with them until the flood ends. What a mem
 
 What it cannot do: tell a network's own clients from datagrams forged in its name; a flood that
 spoofs an established network's addresses lands where that network's queries land (and, over
-its share, costs the network its place). Pure logic: no socket, no clock, ticks are counted by
+its share, costs the network its place). Forged senders can be kept from being established
+at all: with ``proven`` (GTM_DNS_ESTABLISH_WITH_COOKIE), only a network whose query brought
+back a valid DNS cookie (gtm.geodns.cookies) within the hour is. Pure logic: no socket, no clock, ticks are counted by
 the caller.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
 AGE_TICKS = 3  # consecutive calm ticks a network is read in before it is established
@@ -77,7 +79,8 @@ class EstablishedNetworks:
     """
 
     __slots__ = (
-        "_barred", "_candidates", "age", "bar", "capacity", "changes", "idle", "members", "tick",
+        "_barred", "_candidates", "age", "bar", "capacity", "changes", "idle", "members",
+        "proven", "tick",
     )  # fmt: skip
 
     def __init__(
@@ -87,6 +90,7 @@ class EstablishedNetworks:
         age: int = AGE_TICKS,
         idle: int = IDLE_TICKS,
         bar: int = BAR_TICKS,
+        proven: Callable[[Hashable], bool] | None = None,
     ) -> None:
         if capacity < 1 or age < 1 or idle < 1:
             raise ValueError("capacity, age and idle must be positive")
@@ -94,6 +98,9 @@ class EstablishedNetworks:
         self.age = age
         self.idle = idle
         self.bar = bar
+        # With it, a network is established only while it holds: its return path proven by a
+        # DNS cookie (gtm.geodns.guards.Guards.proven). Until then its streak goes on.
+        self.proven = proven
         self.tick = 0
         self.members: dict[Hashable, int] = {}  # network -> the last tick it was read in
         # Networks read in calm ticks, not yet members: (the last such tick, how many in a row).
@@ -120,7 +127,7 @@ class EstablishedNetworks:
         added: list[Hashable] = []
         candidates = self._candidates
         if calm:
-            barred = self._barred
+            barred, proven = self._barred, self.proven
             room = min(PER_TICK, self.capacity - len(members))
             for network in general:
                 if network in members:
@@ -128,7 +135,12 @@ class EstablishedNetworks:
                     continue
                 last, streak = candidates.get(network, (0, 0))
                 streak = streak + 1 if last == t - 1 else 1
-                if streak >= self.age and room > 0 and barred.get(network, 0) <= t:
+                if (
+                    streak >= self.age
+                    and room > 0
+                    and barred.get(network, 0) <= t
+                    and (proven is None or proven(network))
+                ):
                     members[network] = t
                     added.append(network)
                     candidates.pop(network, None)

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from enum import Enum
 from ipaddress import IPv4Address, IPv6Address
 from typing import Any
@@ -44,13 +45,15 @@ from gtm.decision.snapshot import Snapshot
 from gtm.decision.topology import Service
 from gtm.geodns.answer_key import answer_key
 from gtm.geodns.budget import Admitted, Budget, Generations
+from gtm.geodns.cookies import OPTION_LEN, Checked, ServerCookies, with_cookie
 from gtm.geodns.dnssec import Signer
 from gtm.geodns.ecs_path import EcsPath
 from gtm.geodns.entries import SPLIT, Cached, Exact, takes_name
+from gtm.geodns.guards import PROVEN_NETWORKS, Guards
 from gtm.geodns.identity import QCLASS_CH, ServerIdentity
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
-from gtm.geodns.rejects import reject_response, slip_response
+from gtm.geodns.rejects import reject_response
 from gtm.geodns.render import compress, rcode_name, udp_limit
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, with_client
 from gtm.geodns.stats import DnsStats
@@ -75,7 +78,7 @@ _COPIED = 0x0110  # RD and CD: the only query flags a cached answer takes from e
 _ANSWER = Limit.ANSWER  # a global: an enum member through its class costs more
 
 
-class Responder(EcsPath):
+class Responder(EcsPath, Guards):
     """Answers DNS messages from memory, in two levels of cache over :func:`answer`.
 
     First level (:meth:`answer_udp`, :meth:`answer_tcp`): per transport and sender, the exact
@@ -96,8 +99,13 @@ class Responder(EcsPath):
         budget: Budget = DEFAULT_BUDGET,
         signer: Signer | None = None,
         identity: ServerIdentity | None = None,
+        cookies: ServerCookies | None = None,
+        require_cookie: bool = False,
     ) -> None:
         self.runtime = runtime
+        self.cookies = cookies  # gtm.geodns.guards
+        self._proven: Generations[Hashable, float] = Generations(PROVEN_NETWORKS)
+        self.require_cookie = require_cookie and cookies is not None
         # id.server. and version.bind. in class CHAOS, when configured (gtm.geodns.identity).
         self.identity = identity
         # DNSSEC online signing (gtm.geodns.dnssec), when the zone is signed: it signs answers
@@ -303,9 +311,8 @@ class Responder(EcsPath):
         if exact is None:
             return None
         now = self.clock()
-        if self._holding(now) is None:
+        if self._holding(now) is None or not exact.tally(now, self._tallied):
             return None
-        exact.tally(now, self._tallied)
         return wire[:2] + exact.tail
 
     def _holding(self, now: float) -> Snapshot | None:
@@ -444,10 +451,6 @@ class Responder(EcsPath):
             self._blanks = {}
         return self._blanks.setdefault(blank, blank)
 
-    def respond(self, wire: bytes, client: IPAddress, udp: bool) -> bytes | None:
-        """The response to one message from ``client`` over UDP or TCP, or None."""
-        return self.answer_udp(wire, str(client)) if udp else self.answer_tcp(wire, client)
-
     def _answer(
         self, wire: bytes, client: IPAddress, udp: bool, sender: str | IPAddress
     ) -> bytes | None:
@@ -464,6 +467,13 @@ class Responder(EcsPath):
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None
+        checked: Checked | None = None
+        if self.cookies is not None and query.edns is not None and query.edns.cookie is not None:
+            checked = self._check_cookie(query.edns.cookie, client, now)
+            if udp and self.require_cookie and not checked.valid:
+                return self._bad_cookie(query, client, checked)
+            if limit is not None:
+                limit -= OPTION_LEN  # the answer is rendered with room for the cookie
         # A name that does not exist gets the rendering of any other such name (with its own
         # question), counted on the same aggregated row: a random-name flood is answered
         # without rendering each name, and keeps no entry per name in the first level unless a
@@ -490,7 +500,8 @@ class Responder(EcsPath):
             ):
                 # A new decision would be a new audit row, and the writer is that far behind:
                 # answered, counted on a folded row, kept in no cache (gtm.geodns.shapes).
-                return self._answer_folded(query, client, snapshot, now, limit, udp)
+                out = self._answer_folded(query, client, snapshot, now, limit, udp)
+                return out if checked is None else with_cookie(out, checked)
             self.stats.cache_misses += 1
             result = self._render(query, client, snapshot, now, limit)
             rendered = result
@@ -542,6 +553,8 @@ class Responder(EcsPath):
             )
             if cached.patch:
                 out = out[: -cached.patch] + ecs.address  # type: ignore[union-attr]
+        if checked is not None:
+            out = with_cookie(out, checked)
         if (
             udp
             and ecs is not None
@@ -556,7 +569,13 @@ class Responder(EcsPath):
         if not absent or self._asked_again(sender, wire):
             # Entries dropped with their generation while their answers are not yet drained
             # stay listed in self._tallied: no answer goes uncounted.
-            exact = Exact(out[2:], cached.record, stats_key, cached.truncated)
+            exact = Exact(
+                out[2:],
+                cached.record,
+                stats_key,
+                cached.truncated,
+                math.inf if checked is None else checked.until,
+            )
             self._keep(udp, sender, wire[2:], exact)
         # Counted at once, like the rare answers below: only repeats are tallied on the entry.
         self.runtime.count(cached.record)
@@ -576,14 +595,3 @@ class Responder(EcsPath):
             return True
         self._absent_seen.put(key, True)
         return False
-
-    def _limited(self, wire: bytes, host: str, verdict: Limit) -> bytes | None:
-        """A datagram over the rate limit: dropped, or (slip) answered empty and truncated."""
-        self.stats.rate_limited += 1
-        if verdict is Limit.DROP:
-            return None
-        self.stats.slipped += 1
-        limited = parse_query(wire)
-        if not isinstance(limited, Query):
-            return None
-        return slip_response(self.runtime, self.stats, limited, peer_address(host))

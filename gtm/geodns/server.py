@@ -24,6 +24,7 @@ from gtm.errors import ConfigError, Problem
 from gtm.geodns import steering
 from gtm.geodns.admission import SlowLane
 from gtm.geodns.budget import Budget
+from gtm.geodns.cookies import load_cookies
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.established import EstablishedNetworks
 from gtm.geodns.identity import ServerIdentity
@@ -65,13 +66,15 @@ class _UdpProtocol(asyncio.DatagramProtocol):
                     if now < window.until and r._store.current is window.snapshot:
                         if exact.n:
                             exact.n += 1
-                        else:
+                            exact.last = now
+                            self._sendto(data[:2] + exact.tail, addr)
+                            return
+                        if now < exact.until:  # a cookie's entry lapses (Exact.until)
                             exact.n = 1
-                            exact.first = now
+                            exact.first = exact.last = now
                             r._tallied.append(exact)
-                        exact.last = now
-                        self._sendto(data[:2] + exact.tail, addr)
-                        return
+                            self._sendto(data[:2] + exact.tail, addr)
+                            return
         try:
             out = r.answer_udp(data, addr[0], r.rrl is None)
         except Exception as exc:  # a bug a packet reached: counted, logged once an interval
@@ -123,6 +126,7 @@ class DnsServer:
         steer_group: int | None = None,
         established_networks: int = 0,
         queue_age: bool = False,
+        establish_with_cookie: bool = False,
     ) -> None:
         self.responder = responder
         self.listens = listens
@@ -144,6 +148,8 @@ class DnsServer:
         # sockets by their place in the group, known only for the sockets this process bound.
         self.established_networks = established_networks
         self.queue_age = queue_age
+        # Only networks a valid DNS cookie proved are established (gtm.geodns.established).
+        self.establish_with_cookie = establish_with_cookie
         self.split = False  # whether the kernel took the split program
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[FairUdp] = []
@@ -181,7 +187,10 @@ class DnsServer:
                 )
                 established = None
                 if split is not None:
-                    established = EstablishedNetworks(self.established_networks)
+                    established = EstablishedNetworks(
+                        self.established_networks,
+                        proven=self.responder.proven if self.establish_with_cookie else None,
+                    )
                     self.responder.stats.established.append(established)
                 listener = FairUdp(
                     socks,
@@ -335,6 +344,15 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
             budget=budget,
             signer=make_signer(s),
             identity=ServerIdentity(s.dns_server_id, s.dns_server_version),
+            cookies=(
+                load_cookies(
+                    s.dns_cookie_secret_file,
+                    s.dns_cookie_secret.get_secret_value() if s.dns_cookie_secret else None,
+                )
+                if s.dns_cookies
+                else None
+            ),
+            require_cookie=s.dns_require_cookie,
         ),
         s.dns_listen,
         tcp_idle_s=s.dns_tcp_idle_s,
@@ -347,6 +365,7 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         udp_sockets=s.dns_udp_sockets,
         established_networks=s.dns_established_networks,
         queue_age=s.dns_queue_age,
+        establish_with_cookie=s.dns_establish_with_cookie,
         # Worker processes on the same port join one reuseport group: the program picks
         # among every worker's sockets.
         steer_group=s.dns_udp_sockets * (s.workers if reuse_port else 1),

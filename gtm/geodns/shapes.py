@@ -72,9 +72,14 @@ class Shape:
     @classmethod
     def of(cls, wire: bytes, query: Query, client: IPAddress, limit: int) -> Shape | None:
         """The shape of ``wire`` (parsed as ``query``), or None when the ECS path cannot take
-        its kind: no ECS, a source length it does not take, or an ECS not ending the message."""
+        its kind: no ECS, a source length it does not take, an ECS not ending the message, or
+        a DNS cookie."""
         ecs: ClientSubnet | None = query.edns.ecs if query.edns is not None else None
         if ecs is None or not 0 < ecs.source <= _MAX_SOURCE[ecs.family]:
+            return None
+        if query.edns is not None and query.edns.cookie is not None:
+            # Its response carries a cookie for this client and time (gtm.geodns.cookies),
+            # which a rendering per place cannot: such queries take the slow path.
             return None
         size = len(ecs.address)
         mask = (1 << (8 * size - ecs.source)) - 1

@@ -72,6 +72,9 @@ class Ages:
         return out
 
 
+COOKIE_RESULTS = ("new", "valid", "invalid", "badcookie")
+
+
 class DnsStats:
     def __init__(self) -> None:
         self.queries: Counter[tuple[str, str, str]] = Counter()  # (transport, qtype, rcode)
@@ -105,6 +108,12 @@ class DnsStats:
         # behind the reader was, as the sender saw it, which a flood pushes up on the general
         # sockets and, if the protection works, not on the established networks' own.
         self.queue_age: dict[str, Ages] = {ESTABLISHED: Ages(), GENERAL: Ages()}
+        # DNS cookies checked on the slow path (gtm.geodns.cookies), by what the query brought:
+        # a client cookie alone ("new"), a valid server cookie ("valid"), one not ours or out
+        # of date ("invalid"); and those answered BADCOOKIE ("badcookie", with
+        # GTM_DNS_REQUIRE_COOKIE). A repeat of exact bytes answered from the first level
+        # is not checked again.
+        self.cookies: Counter[str] = Counter()
 
 
 class DnsCollector(Collector):
@@ -170,6 +179,14 @@ class DnsCollector(Collector):
         for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN, OVER_SHARE):
             dropped.add_metric([reason], s.lane.dropped[reason])
         yield dropped
+        cookies = CounterMetricFamily(
+            "gtm_dns_cookies",
+            "DNS cookies checked on the slow path, by what the query brought (gtm.geodns.cookies)",
+            labels=["result"],
+        )
+        for result in COOKIE_RESULTS:
+            cookies.add_metric([result], s.cookies[result])
+        yield cookies
         yield GaugeMetricFamily(
             "gtm_dns_slow_queued", "UDP queries waiting for the slow path", value=s.lane.queued
         )

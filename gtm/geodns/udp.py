@@ -317,13 +317,15 @@ class FairUdp:
                         if now < window.until and r._store.current is window.snapshot:
                             if exact.n:
                                 exact.n += 1
-                            else:
+                                exact.last = now
+                                self._send(sock, data[:2] + exact.tail, addr)
+                                continue
+                            if now < exact.until:  # a cookie's entry lapses (Exact.until)
                                 exact.n = 1
-                                exact.first = now
+                                exact.first = exact.last = now
                                 r._tallied.append(exact)
-                            exact.last = now
-                            self._send(sock, data[:2] + exact.tail, addr)
-                            continue
+                                self._send(sock, data[:2] + exact.tail, addr)
+                                continue
                 # Not a first-level answer, from a network whose queue is at its bound: it
                 # would be dropped anyway, so the other caches are not even looked at (a flood
                 # then costs the read and two lookups a datagram). With the rate limiter on,

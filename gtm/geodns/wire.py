@@ -31,6 +31,7 @@ MAX_NAME = 255
 OPT = 41
 NSID_CODE = 3
 ECS_CODE = 8
+COOKIE_CODE = 10
 
 
 class Rcode(IntEnum):
@@ -41,6 +42,7 @@ class Rcode(IntEnum):
     NOTIMP = 4
     REFUSED = 5
     BADVERS = 16  # extended: upper 8 bits in the OPT TTL
+    BADCOOKIE = 23  # extended (RFC 7873 §8)
 
 
 class Qtype(IntEnum):
@@ -85,6 +87,9 @@ class Edns:
     do: bool
     ecs: ClientSubnet | None
     nsid: bool = False  # the query asked for the server's identity (RFC 5001)
+    # The COOKIE option's data (RFC 7873): a client cookie, and a server cookie when the
+    # client has one of ours; its length checked (gtm.geodns.cookies.well_formed).
+    cookie: bytes | None = None
 
 
 class Query(NamedTuple):
@@ -232,6 +237,7 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
     udp_size = max(rr_class, 512)
     ecs: ClientSubnet | None = None
     nsid = False
+    cookie: bytes | None = None
     # The first option found malformed: the others are still walked (while their framing
     # holds), so that a FORMERR for a bad ECS option answers an NSID asked after it too.
     error: str | None = None
@@ -255,12 +261,21 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
                     error = str(exc)
         elif code == NSID_CODE:
             nsid = True  # its payload, empty in a query (RFC 5001 §2.1), is not read
-        # Other options (cookies, padding, unknown codes) are ignored and never echoed
+        elif code == COOKIE_CODE:
+            # RFC 7873 §5.2.2: a client cookie (8 octets), with a server cookie of 8 to 32
+            # octets or none; any other length, or a second COOKIE option, is FORMERR.
+            if cookie is not None:
+                error = error or "more than one COOKIE option"
+            elif length == 8 or 16 <= length <= 40:
+                cookie = wire[pos : pos + length]
+            else:
+                error = error or f"COOKIE option of {length} octets"
+        # Other options (padding, unknown codes) are ignored and never echoed
         # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
         pos += length
     if error is not None:
         raise _MalformedOption(error, Edns(udp_size, version, do, None, nsid))
-    return Edns(udp_size, version, do, ecs, nsid)
+    return Edns(udp_size, version, do, ecs, nsid, cookie)
 
 
 _NAMES: dict[bytes, str] = {}

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import dns.edns
 import dns.message
 import dns.query
 import pytest
@@ -45,6 +46,7 @@ from tests.support.ports import free_tcp_udp_port
 from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of
+from .conftest import udp as udp_query
 from .test_dig import serve_env
 from .test_fairness import (
     CACHED,
@@ -79,6 +81,15 @@ def test_a_network_read_in_consecutive_calm_ticks_is_established() -> None:
     assert ticks(est, ["a"], 1) == ["a"]
     assert "a" in est and len(est) == 1
     assert est.changes[PROMOTED] == 1
+
+
+def test_with_proof_required_only_a_proven_network_is_established() -> None:
+    proven: set[str] = set()
+    est = EstablishedNetworks(capacity=100, proven=proven.__contains__)
+    assert ticks(est, ["a", "b"], AGE_TICKS + 2) == []  # steady, calm, but never proven
+    proven.add("b")
+    assert ticks(est, ["a", "b"], 1) == ["b"]  # its streak went on meanwhile
+    assert "a" not in est
 
 
 def test_a_tick_that_lost_datagrams_or_a_tick_unseen_starts_the_streak_again() -> None:
@@ -460,3 +471,36 @@ async def test_networks_the_map_could_not_take_are_not_members(start_node: Start
     for host in hosts:
         key = struct.pack("=Q", key_of_network(sender_network(host)))
         assert (fair.split.table.get(key) is not None) == (host in members), host
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_with_cookies_required_a_spoofable_network_is_never_established(
+    start_node: StartNode,
+) -> None:
+    """Before, any network read in three calm ticks was established: forged senders asking
+    steadily on a calm day got protected sockets, to flood from later. With
+    GTM_DNS_ESTABLISH_WITH_COOKIE, a network asking without a cookie never is; one whose query
+    brought back the server cookie it was given (its address receives our answers) is."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_establish_with_cookie=True)
+    fair = listener(node)
+    assert fair.established is not None
+    for _ in range(AGE_TICKS + 2):
+        await prime(node, "127.0.7.1")
+        fair.tick()
+    assert sender_network("127.0.7.1") not in fair.established
+    client = bytes(range(8))
+    asked = dns.message.make_query(
+        "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.GenericOption(10, client)]
+    )
+    first = await udp_query(node, asked, source="127.0.8.1")
+    (issued,) = (o.to_wire() for o in first.options if o.otype == dns.edns.OptionType.COOKIE)
+    assert sender_network("127.0.8.1") not in fair.established
+    proof = dns.message.make_query(
+        "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.GenericOption(10, issued)]
+    )
+    for _ in range(AGE_TICKS):
+        await udp_query(node, proof, source="127.0.8.1")
+        await prime(node, "127.0.7.1")
+        fair.tick()
+    assert sender_network("127.0.8.1") in fair.established
+    assert sender_network("127.0.7.1") not in fair.established

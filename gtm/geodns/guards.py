@@ -1,0 +1,103 @@
+"""The responder's guards (gtm.geodns.responder): what a query gets before, or instead of, the
+zone's answer when the rate limiter holds its sender back or it brings a DNS cookie
+(gtm.geodns.cookies). A part of :class:`gtm.geodns.responder.Responder` (one of its base
+classes), apart for its size: what it reads of the responder is declared here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from ipaddress import IPv4Address, IPv6Address
+from typing import TYPE_CHECKING
+
+from gtm.geodns.admission import sender_network
+from gtm.geodns.budget import Generations
+from gtm.geodns.cookies import LIFETIME_S, Checked, ServerCookies, with_cookie
+from gtm.geodns.entries import Exact
+from gtm.geodns.ratelimit import Limit
+from gtm.geodns.rejects import reject_response, slip_response
+from gtm.geodns.stats import DnsStats
+from gtm.geodns.wire import Query, Rcode, Reject, parse_query, peer_address
+from gtm.runtime import Runtime
+
+IPAddress = IPv4Address | IPv6Address
+PROVEN_NETWORKS = 65_536  # networks remembered as proven by a cookie (two generations)
+
+
+class Guards:
+    """The rate limiter's and the cookies' methods of the responder."""
+
+    runtime: Runtime
+    stats: DnsStats
+    clock: Callable[[], float]
+    # DNS cookies (gtm.geodns.cookies): checked where a query is parsed, and the response
+    # given one; None: the COOKIE option is ignored. ``require_cookie``: a UDP query with a
+    # client cookie but no valid server cookie is answered BADCOOKIE (RFC 7873 §5.2.3).
+    cookies: ServerCookies | None
+    require_cookie: bool
+    _udp: dict[str, dict[bytes, Exact]]
+    _proven: Generations[Hashable, float]  # network -> until when a cookie proved it
+
+    if TYPE_CHECKING:
+
+        def _repeat(self, by_query: dict[bytes, Exact] | None, wire: bytes) -> bytes | None: ...
+
+        def _answer(
+            self, wire: bytes, client: IPAddress, udp: bool, sender: str | IPAddress
+        ) -> bytes | None: ...
+
+    def _check_cookie(self, option: bytes, client: IPAddress, now: float) -> Checked:
+        """The verdict on a query's COOKIE option (``self.cookies`` is set), counted; a valid
+        one proves its sender's network for the cookie's lifetime (:meth:`proven`)."""
+        checked = self.cookies.check(option, client, now)  # type: ignore[union-attr]
+        if checked.valid:
+            self.stats.cookies["valid"] += 1
+            self._proven.put(sender_network(str(client)), now + LIFETIME_S)
+        else:
+            self.stats.cookies["new" if len(option) == 8 else "invalid"] += 1
+        return checked
+
+    def proven(self, network: Hashable) -> bool:
+        """Whether a query from sender ``network`` (gtm.geodns.admission.sender_network) brought
+        a valid server cookie within the last hour: its return path is proven."""
+        until = self._proven.get(network)
+        return until is not None and until > self.clock()
+
+    def _bad_cookie(self, query: Query, client: IPAddress, checked: Checked) -> bytes | None:
+        """BADCOOKIE with a new server cookie, for a UDP query without a valid one while
+        cookies are required: the client asks again with it (or over TCP)."""
+        self.stats.cookies["badcookie"] += 1
+        reject = Reject(
+            query.id,
+            query.flags,
+            Rcode.BADCOOKIE,
+            "no valid server cookie",
+            query.qname,
+            query.qtype,
+            query.qclass,
+            query.edns,
+        )
+        out = reject_response(self.runtime, self.stats, reject, client, True)
+        return None if out is None else with_cookie(out, checked)
+
+    def _limited(self, wire: bytes, host: str, verdict: Limit) -> bytes | None:
+        """A datagram over the rate limit: dropped, or (slip) answered empty and truncated;
+        answered as any other when it brings a valid server cookie: its address is proven,
+        so it is neither spoofed nor reflected (as BIND and Knot exempt it)."""
+        limited = parse_query(wire)
+        if (
+            self.cookies is not None
+            and isinstance(limited, Query)
+            and limited.edns is not None
+            and limited.edns.cookie is not None
+            and len(limited.edns.cookie) > 8
+        ):
+            client = peer_address(host)
+            if self.cookies.check(limited.edns.cookie, client, self.clock()).valid:
+                return self._repeat(self._udp.get(host), wire) or self._answer(
+                    wire, client, True, host
+                )
+        self.stats.rate_limited += 1
+        if verdict is Limit.DROP or not isinstance(limited, Query):
+            return None
+        self.stats.slipped += 1
+        return slip_response(self.runtime, self.stats, limited, peer_address(host))
