@@ -83,21 +83,28 @@ class Guards:
         """A datagram over the rate limit: dropped, or (slip) answered empty and truncated;
         answered as any other when it brings a valid server cookie: its address is proven,
         so it is neither spoofed nor reflected (as BIND and Knot exempt it)."""
-        limited = parse_query(wire)
-        if (
-            self.cookies is not None
-            and isinstance(limited, Query)
-            and limited.edns is not None
-            and limited.edns.cookie is not None
-            and len(limited.edns.cookie) > 8
-        ):
-            client = peer_address(host)
-            if self.cookies.check(limited.edns.cookie, client, self.clock()).valid:
-                return self._repeat(self._udp.get(host), wire) or self._answer(
-                    wire, client, True, host
-                )
+        limited: Query | Reject | None = None
+        # Parsed only when it may hold a COOKIE option (its code and a length's first octet):
+        # a flood held back by the limiter costs a substring search a datagram, not a parse.
+        if self.cookies is not None and b"\x00\x0a\x00" in wire:
+            limited = parse_query(wire)
+            if (
+                isinstance(limited, Query)
+                and limited.edns is not None
+                and limited.edns.cookie is not None
+                and len(limited.edns.cookie) > 8
+            ):
+                client = peer_address(host)
+                if self.cookies.check(limited.edns.cookie, client, self.clock()).valid:
+                    return self._repeat(self._udp.get(host), wire) or self._answer(
+                        wire, client, True, host
+                    )
         self.stats.rate_limited += 1
-        if verdict is Limit.DROP or not isinstance(limited, Query):
+        if verdict is Limit.DROP:
             return None
         self.stats.slipped += 1
+        if limited is None:
+            limited = parse_query(wire)
+        if not isinstance(limited, Query):
+            return None
         return slip_response(self.runtime, self.stats, limited, peer_address(host))
