@@ -46,6 +46,7 @@ async def start_node(tmp_path: Path, geoip_path: Path) -> AsyncIterator[StartNod
         running.append((stop, task))
         done, _ = await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
         if task in done:
+            running.pop()  # nothing to stop at teardown
             task.result()  # raises what stopped the node
         return ready.result()
 

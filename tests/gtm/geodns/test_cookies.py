@@ -36,9 +36,8 @@ from gtm.geodns.cookies import (
 )
 from gtm.geodns.entries import Exact
 from gtm.geodns.wire import Query, Rcode, Reject, parse_query
-from gtm.node import Node, run_node, shared_cookie_secret
+from gtm.node import Node, shared_cookie_secret
 from gtm.settings import Settings
-from tests.conftest import DEMO, POLICIES
 from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of, raw_udp, tcp, udp
@@ -347,21 +346,10 @@ async def test_a_node_accepts_cookies_made_with_its_secret_file(
     assert node.dns.responder.stats.cookies["valid"] == 1  # type: ignore[union-attr]
 
 
-async def test_a_loose_secret_file_stops_the_start(tmp_path: Path, geoip_path: Path) -> None:
+async def test_a_loose_secret_file_stops_the_start(start_node: StartNode, tmp_path: Path) -> None:
     path = tmp_path / "cookie.secret"
     path.write_text(SECRET.hex() + "\n")
     path.chmod(0o640)
-    settings = Settings(
-        config=DEMO,
-        policies=(POLICIES,),
-        geoip_path=geoip_path,
-        database_url=f"sqlite:///{tmp_path / 'g.sqlite3'}",
-        spool_dir=tmp_path / "spool",
-        dns_listen=("127.0.0.1:0",),
-        probes=False,
-        dns_cookie_secret_file=path,
-    )
-    ready: asyncio.Future[Node] = asyncio.get_running_loop().create_future()
     with pytest.raises(ConfigError, match="mode 640") as caught:
-        await run_node(settings, asyncio.Event(), ready)
-    assert str(path) in str(caught.value) and not ready.done()
+        await start_node(dns_cookie_secret_file=path)
+    assert str(path) in str(caught.value)
