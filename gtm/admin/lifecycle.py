@@ -28,7 +28,6 @@ from sqlalchemy import Text, cast, delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gtm.admin import events, versions
-from gtm.admin.diff import FileDiff, diff_documents
 from gtm.admin.errors import Conflict, NotFound, Refused
 from gtm.admin.principals import Principal
 from gtm.admin.signer import Signer
@@ -562,25 +561,6 @@ def due(state: ControlState, now: float) -> list[tuple[int, str]]:
     ]
 
 
-async def diff(
-    conn: AsyncConnection,
-    proposal_id: int,
-    control: ControlLog,
-    files: tuple[str, Mapping[str, str]] | None = None,
-) -> tuple[str | None, list[FileDiff]]:
-    """The proposal's version against the active one, or against ``files`` (the nodes' own
-    documents) while none is: (active version id, file diffs)."""
-    state = await control.state(conn)
-    proposal = _rec(state, proposal_id)
-    active = state.in_force.version if state.in_force is not None else None
-    before = files
-    if active is not None:
-        old = await versions.get_version(conn, active)
-        before = (old.topology, old.policies)
-    new = await versions.get_version(conn, proposal.version)
-    return active, diff_documents(before, (new.topology, new.policies))
-
-
 __all__ = [
     "ACTIVE",
     "APPROVED",
@@ -593,7 +573,6 @@ __all__ = [
     "activate",
     "approve",
     "create",
-    "diff",
     "due",
     "get",
     "list_all",

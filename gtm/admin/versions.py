@@ -16,6 +16,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from gtm.admin.diff import FileDiff, diff_documents
 from gtm.admin.errors import Invalid, NotFound, Tampered
 from gtm.audit.schema import document_versions
 from gtm.control.log import ControlLog
@@ -91,4 +92,25 @@ async def get_version(conn: AsyncConnection, version: str) -> Version:
     return Version(row.id, row.topology, row.policies, row.created_at_us / 1e6, row.created_by)
 
 
-__all__ = ["Version", "active_version", "get_version", "store", "validate"]
+async def proposal_diff(
+    conn: AsyncConnection,
+    proposal_id: int,
+    control: ControlLog,
+    files: tuple[str, Mapping[str, str]] | None = None,
+) -> tuple[str | None, list[FileDiff]]:
+    """A proposal's version against the active one, or against ``files`` (the nodes' own
+    documents) while none is: (active version id, file diffs)."""
+    state = await control.state(conn)
+    proposal = state.proposals.get(proposal_id)
+    if proposal is None:
+        raise NotFound(f"no proposal {proposal_id}")
+    active = state.in_force.version if state.in_force is not None else None
+    before = files
+    if active is not None:
+        old = await get_version(conn, active)
+        before = (old.topology, old.policies)
+    new = await get_version(conn, proposal.version)
+    return active, diff_documents(before, (new.topology, new.policies))
+
+
+__all__ = ["Version", "active_version", "get_version", "proposal_diff", "store", "validate"]

@@ -334,7 +334,7 @@ async def get_proposal_diff(
 ) -> DiffOut:
     async with ctx.engine.connect() as conn:
         proposal = await lifecycle.get(conn, proposal_id, ctx.control)
-        active, files = await lifecycle.diff(conn, proposal_id, ctx.control, ctx.files)
+        active, files = await versions.proposal_diff(conn, proposal_id, ctx.control, ctx.files)
     return DiffOut(
         proposal=proposal_id,
         version=proposal.version,
