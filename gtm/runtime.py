@@ -29,6 +29,7 @@ from gtm.audit.record import AuditRecord
 from gtm.audit.rows import queued_rows
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
+from gtm.cancelling import cancel_within
 from gtm.control.log import ControlLog
 from gtm.decision import memos
 from gtm.decision.bundle import Documents, load_documents
@@ -285,9 +286,7 @@ class Runtime:
             await self.prober.stop()
         await self.sync.stop()
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_within(task)  # bounded: a database call may hang (gtm.cancelling)
         self._tasks.clear()
         await self.writer.stop()
         await self.anchor.stop()

@@ -25,6 +25,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gtm.cancelling import cancel_within
 from gtm.control.log import ControlLog, LogRefused
 from gtm.fleet import shared_state
 from gtm.fleet.operator import overrides_of
@@ -101,9 +102,9 @@ class StateSync:
     async def stop(self) -> None:
         for task in (self._task, self._ticker):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # Bounded: a round cancelled inside a database call through a silent network
+                # may never end (gtm.cancelling).
+                await cancel_within(task)
         self._task = self._ticker = None
         # One last try: events of the final seconds (a drain on shutdown) reach the database.
         with contextlib.suppress(Exception):
