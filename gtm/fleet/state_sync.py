@@ -45,6 +45,17 @@ def round_timeout_s(interval_s: float) -> float:
     return max(2.0, 2 * interval_s)
 
 
+# Rounds given up while still stuck on I/O, at most (each holds a connection).
+MAX_STUCK_ROUNDS = 3
+
+
+def round_bound_s(interval_s: float) -> float:
+    """How long the loop waits for one round: its two phases, each bounded by
+    :func:`round_timeout_s`, and an interval of slack. Past it the round is stuck in a
+    cancellation (a close waiting on a silent peer) and is given up."""
+    return 2 * round_timeout_s(interval_s) + interval_s
+
+
 def fence_slack_s(interval_s: float) -> float:
     """How long after its bound a cut-off node may still be unfenced: its fence is checked after
     every phase of a round, and one phase hangs at most :func:`round_timeout_s`, after a sleep
@@ -85,6 +96,8 @@ class StateSync:
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
+        # Rounds given up while still stuck (see _loop): at most MAX_STUCK_ROUNDS at once.
+        self._stuck: set[asyncio.Task[bool]] = set()
         self._down_since: float | None = None
         self._composed_at = clock()
 
@@ -105,6 +118,9 @@ class StateSync:
                 # Bounded: a round cancelled inside a database call through a silent network
                 # may never end (gtm.cancelling).
                 await cancel_within(task)
+        for stuck in self._stuck:
+            stuck.cancel()  # not waited for: they are stuck on I/O (gtm.cancelling)
+        self._stuck.clear()
         self._task = self._ticker = None
         # One last try: events of the final seconds (a drain on shutdown) reach the database.
         with contextlib.suppress(Exception):
@@ -152,12 +168,32 @@ class StateSync:
                     log.exception("state_sync.compose_failed")
 
     async def _loop(self) -> None:
+        # Each round in a task of its own, waited for a bounded time: a round whose deadline
+        # cancelled a call through a silent peer can stay stuck in the driver's shielded close
+        # of that connection (it waits on the peer too), and the loop must not stay with it, or
+        # the node never hears from the fleet again after the network comes back. A round
+        # given up is left to end on its own; while MAX_STUCK_ROUNDS are, no new one starts
+        # (each holds a connection), and the clock of _keep_composing keeps the fence.
+        bound = round_bound_s(self.interval_s)
         while True:
             await asyncio.sleep(self.interval_s)
+            self._stuck = {task for task in self._stuck if not task.done()}
+            if len(self._stuck) >= MAX_STUCK_ROUNDS:
+                continue
+            round_ = asyncio.create_task(self.sync_once(), name="state-sync-round")
             try:
-                await self.sync_once()
-            except Exception:  # the loop must outlive any single failure
-                log.exception("state_sync.failed")
+                done, _ = await asyncio.wait({round_}, timeout=bound)
+            except asyncio.CancelledError:  # stopping: the round in flight goes too
+                await cancel_within(round_)
+                raise
+            if not done:
+                self._stuck.add(round_)
+                self.failures += 1
+                log.warning("state_sync.round_abandoned", stuck=len(self._stuck), after_s=bound)
+                continue
+            if not round_.cancelled() and round_.exception() is not None:
+                # The loop must outlive any single failure.
+                log.error("state_sync.failed", exc_info=round_.exception())
 
     async def sync_once(self) -> bool:
         now = self._clock()

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gtm import cancelling
+from gtm.fleet import shared_state
 from gtm.runtime import Runtime
 from tests.support.geoip import build_city_db
+from tests.support.waiting import eventually
 
 from .test_runtime import settings_for
 
@@ -77,3 +80,45 @@ async def test_a_node_stops_while_its_tasks_are_stuck_in_a_silent_database(
         if normal_sync is not None:
             normal_sync.cancel()
         await asyncio.gather(stuck_sync, stuck_task, return_exceptions=True)
+
+
+async def test_a_sync_round_stuck_in_its_cancellation_does_not_stop_the_next_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout test's other failure: node-b never acknowledged after the heal, its state
+    sync's loop stuck for good in one round's cancelled call. Now the loop gives the round up
+    after its bound and the next rounds run: the node hears from the fleet again."""
+    settings = settings_for(tmp_path, build_city_db(tmp_path / "city.mmdb")).model_copy(
+        update={"state_sync_interval_s": 0.1}
+    )
+    runtime = Runtime(settings)
+    await runtime.start()
+    release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    real = shared_state.read_observations
+    calls = [0]
+
+    async def first_one_hangs(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            try:
+                await asyncio.Event().wait()  # the peer went silent mid-call
+            except asyncio.CancelledError:
+                await asyncio.shield(release)  # the close, waiting on the silent peer
+                raise
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(shared_state, "read_observations", first_one_hangs)
+    sync = runtime.sync
+    try:
+        await eventually(lambda: calls[0] >= 1, WITHIN_S, "a round in the silent call")
+        stuck_at = sync.last_ok or 0.0
+        # A later round reaches the database: the loop did not stay with the stuck one.
+        await eventually(
+            lambda: (sync.last_ok or 0.0) > stuck_at and calls[0] >= 2,
+            WITHIN_S,
+            "a round after the stuck one",
+        )
+        assert len(sync._stuck) == 1
+    finally:
+        release.set_result(None)
+        await runtime.stop()
