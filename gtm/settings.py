@@ -319,10 +319,14 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _dnssec_active_key(self) -> Settings:
+    def _cookies_on(self) -> Settings:
         for needs in ("dns_require_cookie", "dns_establish_with_cookie"):
             if getattr(self, needs) and not self.dns_cookies:
                 raise ValueError(f"{needs} needs dns_cookies: no cookie is checked")
+        return self
+
+    @model_validator(mode="after")
+    def _dnssec_active_key(self) -> Settings:
         if self.dnssec_publish_key_files and self.dnssec_key_file is None:
             raise ValueError(
                 "dnssec_publish_key_files needs dnssec_key_file: a published key does not sign"

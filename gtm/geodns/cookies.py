@@ -34,11 +34,11 @@ from siphash24 import siphash24
 
 from gtm.errors import ConfigError, Problem
 from gtm.geodns.render import with_option
+from gtm.geodns.wire import COOKIE_CODE
 from gtm.secret_files import read_owner_only
 
 IPAddress = IPv4Address | IPv6Address
 
-COOKIE_CODE = 10  # the EDNS option (RFC 7873 §4)
 CLIENT_LEN = 8
 SERVER_LEN = 16  # RFC 9018's server cookie: version, reserved, timestamp, hash
 SECRET_LEN = 16
@@ -49,16 +49,6 @@ SKEW_S = 300  # a timestamp this far ahead of our clock is still accepted
 # Octets the response's COOKIE option takes in the OPT record (code, length, both cookies).
 OPTION_LEN = 4 + CLIENT_LEN + SERVER_LEN
 _STAMP = struct.Struct("!I")
-
-
-def well_formed(length: int) -> bool:
-    """Whether a COOKIE option of ``length`` octets is one (RFC 7873 §5.2.2): a client cookie
-    alone (8), or with a server cookie of 8 to 32 octets; anything else is FORMERR.
-
-    >>> [n for n in range(0, 42) if well_formed(n)] == [8, *range(16, 41)]
-    True
-    """
-    return length == CLIENT_LEN or 16 <= length <= 40
 
 
 def _age(stamp: int, now: int) -> int:
@@ -101,8 +91,9 @@ class ServerCookies:
         return head + self._hash(self._secret, client_cookie, head, client)
 
     def check(self, option: bytes, client: IPAddress, now: float) -> Checked:
-        """The verdict on a well-formed COOKIE option (:func:`well_formed`) from ``client`` at
-        ``now``, and the option to answer with."""
+        """The verdict on a well-formed COOKIE option (the parser checked its length:
+        :func:`gtm.geodns.wire.cookie_well_formed`) from ``client`` at ``now``, and the option
+        to answer with."""
         seconds = int(now)
         client_cookie = option[:CLIENT_LEN]
         server = option[CLIENT_LEN:]
@@ -192,6 +183,5 @@ __all__ = [
     "load_cookies",
     "new_secret",
     "parse_secret",
-    "well_formed",
     "with_cookie",
 ]

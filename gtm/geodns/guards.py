@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gtm.geodns.admission import sender_network
 from gtm.geodns.budget import Generations
-from gtm.geodns.cookies import LIFETIME_S, Checked, ServerCookies, with_cookie
+from gtm.geodns.cookies import CLIENT_LEN, LIFETIME_S, Checked, ServerCookies, with_cookie
 from gtm.geodns.entries import Exact
 from gtm.geodns.ratelimit import Limit
 from gtm.geodns.rejects import reject_response, slip_response
@@ -53,7 +53,7 @@ class Guards:
             self.stats.cookies["valid"] += 1
             self._proven.put(sender_network(str(client)), now + LIFETIME_S)
         else:
-            self.stats.cookies["new" if len(option) == 8 else "invalid"] += 1
+            self.stats.cookies["new" if len(option) == CLIENT_LEN else "invalid"] += 1
         return checked
 
     def proven(self, network: Hashable) -> bool:
@@ -92,7 +92,7 @@ class Guards:
                 isinstance(limited, Query)
                 and limited.edns is not None
                 and limited.edns.cookie is not None
-                and len(limited.edns.cookie) > 8
+                and len(limited.edns.cookie) > CLIENT_LEN  # a server cookie to check
             ):
                 client = peer_address(host)
                 if self.cookies.check(limited.edns.cookie, client, self.clock()).valid:

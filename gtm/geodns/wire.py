@@ -88,7 +88,7 @@ class Edns:
     ecs: ClientSubnet | None
     nsid: bool = False  # the query asked for the server's identity (RFC 5001)
     # The COOKIE option's data (RFC 7873): a client cookie, and a server cookie when the
-    # client has one of ours; its length checked (gtm.geodns.cookies.well_formed).
+    # client has one of ours; its length checked (cookie_well_formed).
     cookie: bytes | None = None
 
 
@@ -230,6 +230,16 @@ def _parse_ecs(data: bytes) -> ClientSubnet:
     return ClientSubnet(family, source, address, network)
 
 
+def cookie_well_formed(length: int) -> bool:
+    """Whether a COOKIE option of ``length`` octets is one (RFC 7873 §5.2.2): a client cookie
+    alone (8), or with a server cookie of 8 to 32 octets; anything else is FORMERR.
+
+    >>> [n for n in range(0, 42) if cookie_well_formed(n)] == [8, *range(16, 41)]
+    True
+    """
+    return length == 8 or 16 <= length <= 40
+
+
 def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength: int) -> Edns:
     version = (ttl >> 16) & 0xFF
     do = bool(ttl & 0x8000)
@@ -262,11 +272,10 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
         elif code == NSID_CODE:
             nsid = True  # its payload, empty in a query (RFC 5001 §2.1), is not read
         elif code == COOKIE_CODE:
-            # RFC 7873 §5.2.2: a client cookie (8 octets), with a server cookie of 8 to 32
-            # octets or none; any other length, or a second COOKIE option, is FORMERR.
+            # Any other length, or a second COOKIE option, is FORMERR (RFC 7873 §5.2.2).
             if cookie is not None:
                 error = error or "more than one COOKIE option"
-            elif length == 8 or 16 <= length <= 40:
+            elif cookie_well_formed(length):
                 cookie = wire[pos : pos + length]
             else:
                 error = error or f"COOKIE option of {length} octets"

@@ -32,10 +32,9 @@ from gtm.geodns.cookies import (
     ServerCookies,
     load_cookies,
     parse_secret,
-    well_formed,
 )
 from gtm.geodns.entries import Exact
-from gtm.geodns.wire import Query, Rcode, Reject, parse_query
+from gtm.geodns.wire import Query, Rcode, Reject, cookie_well_formed, parse_query
 from gtm.node import Node, shared_cookie_secret
 from gtm.settings import Settings
 from tests.support.waiting import eventually
@@ -111,7 +110,7 @@ def test_a_young_cookie_is_echoed_and_the_response_lapses_when_it_is_due() -> No
 
 
 def test_the_option_lengths_rfc_7873_allows() -> None:
-    assert [n for n in range(0, 45) if well_formed(n)] == [8, *range(16, 41)]
+    assert [n for n in range(0, 45) if cookie_well_formed(n)] == [8, *range(16, 41)]
 
 
 def _query_with(*options: dns.edns.Option) -> bytes:
@@ -353,3 +352,9 @@ async def test_a_loose_secret_file_stops_the_start(start_node: StartNode, tmp_pa
     with pytest.raises(ConfigError, match="mode 640") as caught:
         await start_node(dns_cookie_secret_file=path)
     assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("needs", ["dns_require_cookie", "dns_establish_with_cookie"])
+def test_what_needs_cookies_is_refused_with_cookies_off(needs: str) -> None:
+    with pytest.raises(ValueError, match=f"{needs} needs dns_cookies"):
+        Settings(database_url="sqlite://", dns_cookies=False, **{needs: True})
