@@ -88,12 +88,12 @@ def main() -> None:
         sets = write_sets(work, args.subnets)
         server = gtm_server(work, default_database_path())
         server.env["GTM_DNS_COOKIE_SECRET"] = SECRET.hex()
-        runs: list[tuple[str, Server, Path]] = [("gtm", server, p) for p in sets.values()]
+        runs: list[tuple[Server, Path]] = [(server, p) for p in sets.values()]
         names = [f"gtm {k}" for k in sets]
         base = None
         if args.baseline is not None:
             base = gtm_server(work, default_database_path(), "gtm-baseline", root=args.baseline)
-            runs.append(("gtm-baseline", base, sets["plain"]))
+            runs.append((base, sets["plain"]))
             names.append("baseline plain")
         out = work / "dnsperf.out"
         rates: dict[str, list[float]] = {n: [] for n in names}
@@ -101,13 +101,13 @@ def main() -> None:
             stack.enter_context(running(server))
             if base is not None:
                 stack.enter_context(running(base))
-            for _, srv, data in runs:
+            for srv, data in runs:
                 dnsperf(srv.port, data, True, 2, out)  # warm
             for rnd in range(args.rounds):
                 shift = rnd % len(runs)
-                order = list(range(len(runs)))[shift:] + list(range(len(runs)))[:shift]
+                order = [*range(shift, len(runs)), *range(shift)]
                 for i in order:
-                    _, srv, data = runs[i]
+                    srv, data = runs[i]
                     result = dnsperf(srv.port, data, True, args.seconds, out)
                     rates[names[i]].append(field(result, "Queries per second"))
                 print(
