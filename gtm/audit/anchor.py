@@ -36,19 +36,22 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gtm import metrics
+from gtm.audit import deadline
 from gtm.audit import event_chain as keyed_events
 from gtm.audit.checkpoints import EVENTS_CHAIN, Checkpoint, Kind, Signed, Sink, sign
 from gtm.audit.schema import audit_checkpoints, audit_store
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
+from gtm.cancelling import cancel_within
 
 log = structlog.get_logger(__name__)
 
 
-async def read_store_id(engine: AsyncEngine) -> str | None:
-    """The audit store's id (made by the migration), or None when the database is away."""
+async def read_store_id(engine: AsyncEngine, *, deadline_s: float = 10.0) -> str | None:
+    """The audit store's id (made by the migration), or None when the database is away or
+    gives no answer within ``deadline_s`` (gtm.audit.deadline)."""
     try:
-        async with engine.connect() as conn:
+        async with engine.connect() as conn, deadline.watched(conn, deadline_s):
             value = await conn.scalar(select(audit_store.c.id).limit(1))
     except (SQLAlchemyError, OSError) as exc:
         log.warning("audit.store_id_unavailable", error=str(exc).splitlines()[0])
@@ -85,6 +88,7 @@ class Anchor:
         sink: Sink,
         *,
         interval_s: float = 10.0,
+        db_deadline_s: float = 10.0,
         events: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -94,6 +98,9 @@ class Anchor:
         self.sink = sink
         self.key = spool.key
         self.interval_s = interval_s
+        # A checkpoint's database copy gets no answer within this: given up (the sink has
+        # it). Without it, a route gone silent held the anchor, and the node's stop, for good.
+        self.db_deadline_s = db_deadline_s
         self.events = events  # also sign this process's events and checkpoint their heads
         self.clock = clock
         self._last: dict[str, tuple[int, str, float]] = {}  # chain -> (seq, head, at) signed
@@ -128,9 +135,7 @@ class Anchor:
     async def stop(self) -> None:
         """The last checkpoint, after the writer's last flush; then the clean-stop mark."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_within(self._task)  # bounded: see gtm.cancelling
             self._task = None
         await self.checkpoint("checkpoint")
         if self.events:
@@ -154,7 +159,7 @@ class Anchor:
         if store is None:
             # The database was away at start: bind as soon as it answers, so checkpoints name
             # the store they vouch for.
-            store = await read_store_id(self.engine)
+            store = await read_store_id(self.engine, deadline_s=self.db_deadline_s)
             if store is not None:
                 self.spool.bind(store)
         now = self.clock()
@@ -201,8 +206,12 @@ class Anchor:
         metrics.AUDIT_CHECKPOINTS.labels(cp.kind, "sink").inc()
         metrics.AUDIT_LAST_CHECKPOINT.set(cp.at)
         try:
-            async with self.engine.begin() as conn:
+            async with (
+                self.engine.connect() as conn,
+                deadline.watched(conn, self.db_deadline_s),
+            ):
                 await insert_checkpoint(conn, signed)
+                await conn.commit()
             metrics.AUDIT_CHECKPOINTS.labels(cp.kind, "database").inc()
         except (SQLAlchemyError, OSError) as exc:
             # The sink has it; the database copy is a convenience.

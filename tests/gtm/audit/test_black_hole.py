@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit import migrate, query
-from gtm.audit.anchor import read_store_id
+from gtm.audit.anchor import Anchor, read_store_id
+from gtm.audit.checkpoints import DirectorySink
 from gtm.audit.database import make_async_engine
 from gtm.audit.schema import decisions
 from gtm.audit.spool import Spool
@@ -37,8 +38,8 @@ WITHIN_S = 60.0  # generous: a condition polled for, not a timing the test measu
 DEADLINE_S = 1.0  # the writer's deadline here (10 s by default): the test waits on it
 
 
-def _metric(name: str) -> float:
-    return REGISTRY.get_sample_value(name) or 0.0
+def _metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 async def test_a_black_hole_cut_is_caught_counted_and_caught_up_after_the_heal(
@@ -112,6 +113,52 @@ async def test_a_black_hole_cut_is_caught_counted_and_caught_up_after_the_heal(
         await eventually(lambda: _metric("gtm_audit_spooled_rows") == 0, WITHIN_S, "gauge 0")
         # Nothing the cut froze is still held open by the writer.
         await eventually(lambda: proxy.frozen_open() == 0, WITHIN_S, "frozen sockets closed")
+    finally:
+        await asyncio.wait_for(writer.stop(), WITHIN_S)
+        await engine.dispose()
+        await direct.dispose()
+        await proxy.stop()
+
+
+async def test_a_checkpoint_cut_off_mid_write_is_given_up_and_the_anchor_stops(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """The anchor wrote a checkpoint's database copy with no deadline: a route gone silent
+    while the insert waited for its answer held the anchor, and the node's stop with it, for
+    good (the admin rollout test hung in ``b.stop()`` this way). The write is now watched: given
+    up at its deadline and counted, the sink keeps the checkpoint, and the stop returns."""
+    migrate.upgrade(postgres_url)
+    server = make_url(postgres_url)
+    proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
+    await proxy.start()
+    through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    direct = make_async_engine(postgres_url)
+    engine = make_async_engine(through, silence_s=DEADLINE_S, pooled=False)
+    spool = Spool(tmp_path / "spool", "node-a")
+    store = await read_store_id(direct)
+    assert store is not None
+    spool.bind(store)
+    writer = AuditWriter(engine, "node-a", spool, db_timeout_s=DEADLINE_S)
+    sink = DirectorySink(tmp_path / "checkpoints")
+    anchor = Anchor(engine, writer, spool, sink, interval_s=3600, db_deadline_s=DEADLINE_S)
+    cut: list[str] = []
+
+    def cut_as_the_insert_goes(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if "audit_checkpoints" in statement and not cut:
+            cut.append(statement)
+            proxy.blackhole()  # the insert is sent; its answer never comes
+
+    await writer.start()
+    await anchor.start()
+    try:
+        event.listen(engine.sync_engine, "before_cursor_execute", cut_as_the_insert_goes)
+        failed = _metric("gtm_audit_checkpoint_failures_total", where="database")
+        written = await asyncio.wait_for(anchor.checkpoint("checkpoint", force=True), WITHIN_S)
+        assert cut, "the insert was cut off"
+        assert written == 1  # in the sink, which verification trusts
+        assert _metric("gtm_audit_checkpoint_failures_total", where="database") > failed
+        # The stop's own last checkpoint meets the same silence, and gives up the same way.
+        await asyncio.wait_for(anchor.stop(), WITHIN_S)
     finally:
         await asyncio.wait_for(writer.stop(), WITHIN_S)
         await engine.dispose()
