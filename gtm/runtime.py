@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import structlog
@@ -24,12 +24,13 @@ from gtm.audit import migrate
 from gtm.audit.anchor import Anchor, read_store_id
 from gtm.audit.checkpoints import open_sink
 from gtm.audit.database import is_sqlite, make_async_engine
+from gtm.audit.deadline import EngineSockets
 from gtm.audit.keys import KEY_NAME, load_or_create
 from gtm.audit.record import AuditRecord
 from gtm.audit.rows import queued_rows
 from gtm.audit.spool import Spool
 from gtm.audit.writer import AuditWriter
-from gtm.cancelling import cancel_within
+from gtm.cancelling import cancel_within, run_bounded
 from gtm.control.log import ControlLog
 from gtm.decision import memos
 from gtm.decision.bundle import Documents, load_documents
@@ -55,7 +56,7 @@ from gtm.fleet.probing import Prober
 from gtm.fleet.region_state import Composed, Observation, RegionBook, RegionEvent
 from gtm.fleet.report_marks import MarkSync
 from gtm.fleet.shared_state import NodeStatus, Published
-from gtm.fleet.state_sync import StateSync
+from gtm.fleet.state_sync import StateSync, round_bound_s
 from gtm.settings import Settings
 from regional_lb.capacity_report import CapacityReport
 
@@ -113,6 +114,19 @@ class Runtime:
                 pooled=False,
             )
         )
+        # The fleet exchanges' own pool on PostgreSQL (state sync, report marks), whose sockets
+        # may be shut all at once: a round stuck in a cleanup waiting on a silent peer ends
+        # that way (gtm.cancelling.run_bounded), and no other user of the database (the admin
+        # API, the anchor) loses a connection by it.
+        self.sync_engine = self.engine
+        self.sync_sockets: EngineSockets | None = None  # SQLite: a local file, never silent
+        if not is_sqlite(settings.database_url):
+            self.sync_engine = make_async_engine(
+                settings.database_url,
+                silence_s=settings.database_silence_s,
+                statement_s=settings.database_statement_timeout_s,
+            )
+            self.sync_sockets = EngineSockets(self.sync_engine)
         self.writer = AuditWriter(
             self.writer_engine,
             settings.node_id,
@@ -128,12 +142,15 @@ class Runtime:
         # The sink outside the database: a directory, or a write-once bucket (ConfigError here
         # for loose credentials, and at start for a bucket without Object Lock).
         self.checkpoint_sink = open_sink(settings)
+        # On the writer's connections: unpooled, so each checkpoint's is watched from its
+        # first byte (a pooled one's check before use would wait on a silent peer unwatched).
         self.anchor = Anchor(
-            self.engine,
+            self.writer_engine,
             self.writer,
             self.spool,
             self.checkpoint_sink,
             interval_s=settings.audit_checkpoint_interval_s,
+            db_deadline_s=settings.database_silence_s or 3600.0,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.migrated = True  # False while the schema could not be brought up to date
@@ -147,7 +164,9 @@ class Runtime:
             topology.routing.spillover.stale_after_s,
             insecure_unsigned=settings.insecure_unsigned_reports,
         )
-        self.marks = MarkSync(self.engine, settings.observer_id or settings.node_id, self.intake)
+        self.marks = MarkSync(
+            self.sync_engine, settings.observer_id or settings.node_id, self.intake
+        )
         self.prober: Prober | None = self._make_prober(topology)
         self.book = RegionBook(
             settings.observer_id or settings.node_id,
@@ -162,13 +181,14 @@ class Runtime:
         self.node_key = load_or_create_node_key(settings.health_key_path)
         self.book.set_gate(self._health_gate(topology))
         self.sync = StateSync(
-            self.engine,
+            self.sync_engine,
             self.book,
             interval_s=settings.state_sync_interval_s,
             own_observations=self._own_observations,
             on_compose=self._apply_composed,
             on_documents=self.documents.apply,
             own_status=self._own_status,
+            cut=self._cut_sync(),
             # The node's own view of the control log (overrides), its mark on its own disk.
             control=ControlLog(
                 self.documents.keys,
@@ -256,13 +276,31 @@ class Runtime:
                 message="GTM_REPORT_SECRET is unset: every capacity report is refused",
             )
 
+    def _cut_sync(self) -> Callable[[], int] | None:
+        return None if self.sync_sockets is None else self.sync_sockets.shut_all
+
     async def _sync_marks(self) -> None:
+        interval = self.settings.state_sync_interval_s
+        stuck: asyncio.Task[None] | None = None
         while True:
-            await asyncio.sleep(self.settings.state_sync_interval_s)
-            try:
-                await self.marks.sync()
-            except (SQLAlchemyError, OSError) as exc:
-                log.debug("capacity.marks_sync_failed", error=str(exc).splitlines()[0])
+            await asyncio.sleep(interval)
+            if stuck is not None and not stuck.done():
+                continue  # a sync that outlived its cut: one at a time
+            # Bounded as a state sync round is, and cut past it: a sync stuck on a silent peer
+            # would otherwise stay so for good, and the fleet's replay marks with it.
+            work = await run_bounded(
+                self.marks.sync(),
+                within_s=round_bound_s(interval),
+                cut=self._cut_sync(),
+                name="report-marks-sync",
+            )
+            if not work.done():
+                stuck = work
+            elif not work.cancelled() and (exc := work.exception()) is not None:
+                if not isinstance(exc, (SQLAlchemyError, OSError)):
+                    log.error("capacity.marks_sync_failed", exc_info=exc)
+                else:
+                    log.debug("capacity.marks_sync_failed", error=str(exc).splitlines()[0])
 
     async def _migrate(self) -> bool:
         try:
@@ -291,8 +329,9 @@ class Runtime:
         await self.writer.stop()
         await self.anchor.stop()
         await self.engine.dispose()
-        if self.writer_engine is not self.engine:
-            await self.writer_engine.dispose()
+        for own in (self.writer_engine, self.sync_engine):
+            if own is not self.engine:
+                await own.dispose()
         log.info("gtm.stopped", counted=self.writer.counted)
 
     def count(self, record: AuditRecord) -> None:

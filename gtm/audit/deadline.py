@@ -14,6 +14,9 @@ The deadline moves with progress (:meth:`Watch.progress`, called between chunks 
 long drain that keeps moving is never cut; one that stops moving is, within ``after_s``.
 A connection without a socket (SQLite: a local file, which cannot go silent; its lock waits
 are bounded by ``busy_timeout``) is watched for nothing.
+
+:class:`EngineSockets` does the same to all of one engine's connections at once, for a user that
+cannot watch each call (the state sync, whose rounds go through many short calls).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import contextlib
 import os
 import socket
 import traceback
+import weakref
 from collections.abc import AsyncIterator
+from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 
 class DeadlineExceeded(TimeoutError):
@@ -57,14 +63,17 @@ class Watch:
 
     def _fire(self) -> None:
         self.fired = True
-        if self.fd is None:
-            return
-        # A duplicate of the driver's descriptor: shutting it down ends the connection for
-        # every holder (the driver's wait wakes to an error), closing it closes only ours.
-        with contextlib.suppress(OSError):
-            dup = os.dup(self.fd)
-            with socket.socket(fileno=dup) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+        if self.fd is not None:
+            _shut(self.fd)
+
+
+def _shut(fd: int) -> None:
+    # A duplicate of the driver's descriptor: shutting it down ends the connection for every
+    # holder (the driver's wait wakes to an error), closing it closes only ours.
+    with contextlib.suppress(OSError):
+        dup = os.dup(fd)
+        with socket.socket(fileno=dup) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _socket_of(driver_connection: object) -> int | None:
@@ -76,6 +85,36 @@ def _socket_of(driver_connection: object) -> int | None:
     except Exception:  # a closed connection: nothing to watch
         return None
     return fd if isinstance(fd, int) and fd >= 0 else None
+
+
+class EngineSockets:
+    """Every connection an engine holds, pooled or in use, so all their sockets can be shut at
+    once: for an engine with one user (the state sync's), whose work stuck past any deadline
+    in a cancelled call's cleanup (the rollback of a connection going back to the pool, which
+    waits on the silent peer, under a shield no timeout reaches) is ended that way. The pool
+    then finds those connections dead (its check before use) and opens new ones."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        # Pool entries, which live as long as the pool keeps a slot: the connection each holds
+        # now is read at the cut, so a descriptor closed and reused since is never shut.
+        self._entries: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.cuts = 0  # times shut_all was called
+        event.listen(engine.sync_engine, "connect", self._connected)
+
+    def _connected(self, _dbapi_connection: Any, entry: Any) -> None:
+        self._entries.add(entry)
+
+    def shut_all(self) -> int:
+        """Shut down every open connection's socket; how many there were."""
+        self.cuts += 1
+        shut = 0
+        for entry in list(self._entries):
+            adapted = entry.dbapi_connection
+            fd = None if adapted is None else _socket_of(adapted.driver_connection)
+            if fd is not None:
+                _shut(fd)
+                shut += 1
+        return shut
 
 
 @contextlib.asynccontextmanager

@@ -25,7 +25,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gtm.cancelling import cancel_within
+from gtm.cancelling import cancel_within, run_bounded
 from gtm.control.log import ControlLog, LogRefused
 from gtm.fleet import shared_state
 from gtm.fleet.operator import overrides_of
@@ -76,8 +76,13 @@ class StateSync:
         own_status: Callable[[float], NodeStatus] | None = None,
         clock: Callable[[], float] = time.time,
         control: ControlLog | None = None,
+        cut: Callable[[], int] | None = None,
     ) -> None:
         self.engine = engine
+        # Shuts every socket of ``engine`` (the fleet exchanges' own:
+        # gtm.audit.deadline.EngineSockets), ending a round stuck on a silent peer; None:
+        # nothing can (SQLite, a local file, never silent).
+        self._cut = cut
         self.book = book
         self.interval_s = interval_s
         self.own_observations = own_observations
@@ -168,25 +173,25 @@ class StateSync:
                     log.exception("state_sync.compose_failed")
 
     async def _loop(self) -> None:
-        # Each round in a task of its own, waited for a bounded time: a round whose deadline
-        # cancelled a call through a silent peer can stay stuck in the driver's shielded close
-        # of that connection (it waits on the peer too), and the loop must not stay with it, or
-        # the node never hears from the fleet again after the network comes back. A round
-        # given up is left to end on its own; while MAX_STUCK_ROUNDS are, no new one starts
-        # (each holds a connection), and the clock of _keep_composing keeps the fence.
+        # Each round in a task of its own, waited for a bounded time: a round can stay stuck
+        # in the driver's shielded close of a connection whose peer went silent (the rollback
+        # as it goes back to the pool waits on the peer, and no deadline reaches it). The loop
+        # must not stay with it, nor may the next rounds wait for the control log's lock it
+        # holds, or the node never hears from the fleet again after the network comes back.
+        # Past the bound its connections are cut (gtm.cancelling.run_bounded); a round that
+        # outlives even that (no socket to cut) is given up, left to end on its own; while
+        # MAX_STUCK_ROUNDS are, no new one starts (each holds a connection), and the clock of
+        # _keep_composing keeps the fence.
         bound = round_bound_s(self.interval_s)
         while True:
             await asyncio.sleep(self.interval_s)
             self._stuck = {task for task in self._stuck if not task.done()}
             if len(self._stuck) >= MAX_STUCK_ROUNDS:
                 continue
-            round_ = asyncio.create_task(self.sync_once(), name="state-sync-round")
-            try:
-                done, _ = await asyncio.wait({round_}, timeout=bound)
-            except asyncio.CancelledError:  # stopping: the round in flight goes too
-                await cancel_within(round_)
-                raise
-            if not done:
+            round_ = await run_bounded(
+                self.sync_once(), within_s=bound, cut=self._cut, name="state-sync-round"
+            )
+            if not round_.done():
                 self._stuck.add(round_)
                 self.failures += 1
                 log.warning("state_sync.round_abandoned", stuck=len(self._stuck), after_s=bound)
