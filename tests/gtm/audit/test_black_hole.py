@@ -47,16 +47,7 @@ async def test_a_black_hole_cut_is_caught_counted_and_caught_up_after_the_heal(
 ) -> None:
     migrate.downgrade(postgres_url, "base")
     migrate.upgrade(postgres_url)
-    server = make_url(postgres_url)
-    proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
-    await proxy.start()
-    through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
-    direct = make_async_engine(postgres_url)
-    engine = make_async_engine(through, silence_s=DEADLINE_S, pooled=False)
-    spool = Spool(tmp_path / "spool", "node-a")
-    store = await read_store_id(direct)
-    assert store is not None
-    spool.bind(store)
+    proxy, direct, engine, spool = await _behind_a_proxy(postgres_url, tmp_path)
     writer = AuditWriter(engine, "node-a", spool, flush_interval=0.05, db_timeout_s=DEADLINE_S)
     await writer.start()
     try:
@@ -128,16 +119,7 @@ async def test_a_checkpoint_cut_off_mid_write_is_given_up_and_the_anchor_stops(
     good (the admin rollout test hung in ``b.stop()`` this way). The write is now watched: given
     up at its deadline and counted, the sink keeps the checkpoint, and the stop returns."""
     migrate.upgrade(postgres_url)
-    server = make_url(postgres_url)
-    proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
-    await proxy.start()
-    through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
-    direct = make_async_engine(postgres_url)
-    engine = make_async_engine(through, silence_s=DEADLINE_S, pooled=False)
-    spool = Spool(tmp_path / "spool", "node-a")
-    store = await read_store_id(direct)
-    assert store is not None
-    spool.bind(store)
+    proxy, direct, engine, spool = await _behind_a_proxy(postgres_url, tmp_path)
     writer = AuditWriter(engine, "node-a", spool, db_timeout_s=DEADLINE_S)
     sink = DirectorySink(tmp_path / "checkpoints")
     anchor = Anchor(engine, writer, spool, sink, interval_s=3600, db_deadline_s=DEADLINE_S)
@@ -164,6 +146,24 @@ async def test_a_checkpoint_cut_off_mid_write_is_given_up_and_the_anchor_stops(
         await engine.dispose()
         await direct.dispose()
         await proxy.stop()
+
+
+async def _behind_a_proxy(
+    postgres_url: str, tmp_path: Path
+) -> tuple[TcpProxy, AsyncEngine, AsyncEngine, Spool]:
+    """A proxy in front of the server; an engine straight to it, one through the proxy (as
+    the writer's: unpooled, with the test's deadline), and a spool bound to the store."""
+    server = make_url(postgres_url)
+    proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
+    await proxy.start()
+    through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    direct = make_async_engine(postgres_url)
+    engine = make_async_engine(through, silence_s=DEADLINE_S, pooled=False)
+    spool = Spool(tmp_path / "spool", "node-a")
+    store = await read_store_id(direct)
+    assert store is not None
+    spool.bind(store)
+    return proxy, direct, engine, spool
 
 
 async def _waiting_on_the_lock(engine: AsyncEngine) -> bool:
