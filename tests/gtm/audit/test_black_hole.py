@@ -106,9 +106,7 @@ async def test_a_black_hole_cut_is_caught_counted_and_caught_up_after_the_heal(
         await eventually(lambda: proxy.frozen_open() == 0, WITHIN_S, "frozen sockets closed")
     finally:
         await asyncio.wait_for(writer.stop(), WITHIN_S)
-        await engine.dispose()
-        await direct.dispose()
-        await proxy.stop()
+        await _let_go(proxy, direct, engine)
 
 
 async def test_a_checkpoint_cut_off_mid_write_is_given_up_and_the_anchor_stops(
@@ -143,9 +141,7 @@ async def test_a_checkpoint_cut_off_mid_write_is_given_up_and_the_anchor_stops(
         await asyncio.wait_for(anchor.stop(), WITHIN_S)
     finally:
         await asyncio.wait_for(writer.stop(), WITHIN_S)
-        await engine.dispose()
-        await direct.dispose()
-        await proxy.stop()
+        await _let_go(proxy, direct, engine)
 
 
 async def _behind_a_proxy(
@@ -164,6 +160,12 @@ async def _behind_a_proxy(
     assert store is not None
     spool.bind(store)
     return proxy, direct, engine, spool
+
+
+async def _let_go(proxy: TcpProxy, *engines: AsyncEngine) -> None:
+    for engine in engines:
+        await engine.dispose()
+    await proxy.stop()
 
 
 async def _waiting_on_the_lock(engine: AsyncEngine) -> bool:
