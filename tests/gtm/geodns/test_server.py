@@ -27,6 +27,11 @@ DE, US, JP = "198.51.100.0", "203.0.113.0", "192.0.2.0"
 EU_V4 = {"192.0.2.30", "192.0.2.40"}
 EU_V6 = {"2001:db8:30::1", "2001:db8:40::1"}
 
+# For tests that set health or capacity with runtime.swap: the node's own state sync recomposes
+# from its health book every interval (0.5 s by default) and would put the composed state back
+# over the test's swap mid-test (a region marked DOWN answered again, on a loaded machine).
+HOLD_SWAPS_S = 3600.0
+
 
 def q(
     name: str = "chat.gtm.example.",
@@ -241,7 +246,7 @@ async def test_opcode_and_formerr(start_node: StartNode) -> None:
 
 
 async def test_restricted_name_never_leaves_the_eu(start_node: StartNode) -> None:
-    node = await start_node()
+    node = await start_node(state_sync_interval_s=HOLD_SWAPS_S)
     clients = [(DE, 24), (US, 24), (JP, 25), ("100.64.0.0", 16), ("2001:db8:bbbb::", 48), None]
 
     async def answers() -> list[dns.message.Message]:
@@ -272,7 +277,7 @@ async def test_restricted_name_never_leaves_the_eu(start_node: StartNode) -> Non
 
 
 async def test_a_new_snapshot_replaces_cached_answers(start_node: StartNode) -> None:
-    node = await start_node()
+    node = await start_node(state_sync_interval_s=HOLD_SWAPS_S)
     query = q(ecs=(DE, 24))
     assert addresses(await udp(node, query)) == {"192.0.2.40"}
     assert addresses(await udp(node, query)) == {"192.0.2.40"}
@@ -285,7 +290,7 @@ async def test_a_new_snapshot_replaces_cached_answers(start_node: StartNode) -> 
 async def test_routine_capacity_reports_keep_cached_answers(start_node: StartNode) -> None:
     """A healthy region's report moves a figure no decision reads: the cached answers stay
     (no new render), and the audit counts every answer under the one decision epoch."""
-    node = await start_node()
+    node = await start_node(state_sync_interval_s=HOLD_SWAPS_S)
     query = q(ecs=(DE, 24))
 
     def report(eu_central: float, spilling: bool = False) -> None:
