@@ -127,6 +127,9 @@ class Runtime:
                 statement_s=settings.database_statement_timeout_s,
             )
             self.sync_sockets = EngineSockets(self.sync_engine)
+        # The audit's calls on the database (drains, checkpoints) give up after this long
+        # without progress; 0 in the settings: none of the network deadlines, an hour here.
+        db_deadline_s = settings.database_silence_s or 3600.0
         self.writer = AuditWriter(
             self.writer_engine,
             settings.node_id,
@@ -137,7 +140,7 @@ class Runtime:
             spool_max_bytes=settings.audit_spool_max_bytes,
             on_sealed=AnswersByJurisdiction(lambda: self.store.current.policy),
             max_queued_rows=queued_rows(settings.dns_cache_budget_mb),
-            db_timeout_s=settings.database_silence_s or 3600.0,
+            db_timeout_s=db_deadline_s,
         )
         # The sink outside the database: a directory, or a write-once bucket (ConfigError here
         # for loose credentials, and at start for a bucket without Object Lock).
@@ -150,7 +153,7 @@ class Runtime:
             self.spool,
             self.checkpoint_sink,
             interval_s=settings.audit_checkpoint_interval_s,
-            db_deadline_s=settings.database_silence_s or 3600.0,
+            db_deadline_s=db_deadline_s,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.migrated = True  # False while the schema could not be brought up to date
