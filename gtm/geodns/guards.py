@@ -107,4 +107,10 @@ class Guards:
             limited = parse_query(wire)
         if not isinstance(limited, Query):
             return None
-        return slip_response(self.runtime, self.stats, limited, peer_address(host))
+        client = peer_address(host)
+        out = slip_response(self.runtime, self.stats, limited, client)
+        if self.cookies is None or limited.edns is None or limited.edns.cookie is None:
+            return out
+        # The slip hands out a server cookie: the client's retry that brings it back passes
+        # the limiter (above), over UDP, with no need for TCP.
+        return with_cookie(out, self._check_cookie(limited.edns.cookie, client, self.clock()))

@@ -463,7 +463,13 @@ class Responder(EcsPath, Guards):
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
             server_id = self.identity.server_id if self.identity is not None else None
-            return reject_response(self.runtime, self.stats, parsed, client, udp, server_id)
+            out = reject_response(self.runtime, self.stats, parsed, client, udp, server_id)
+            edns = parsed.edns
+            if out is None or self.cookies is None or edns is None or edns.cookie is None:
+                return out
+            # FORMERR, NOTIMP and BADVERS carry a cookie too (RFC 7873 §5.2.2-3): a client
+            # that retries with another version, or over another path, has it already.
+            return with_cookie(out, self._check_cookie(edns.cookie, client, now))
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None

@@ -248,8 +248,11 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
     ecs: ClientSubnet | None = None
     nsid = False
     cookie: bytes | None = None
+    cookie_error = False  # the COOKIE option itself is malformed: none is echoed
     # The first option found malformed: the others are still walked (while their framing
-    # holds), so that a FORMERR for a bad ECS option answers an NSID asked after it too.
+    # holds), so that a FORMERR for a bad ECS option answers an NSID asked after it too, and
+    # carries the cookie a well-formed COOKIE option brought (RFC 7873 §5.2: every response
+    # to a query with a client cookie holds one, except when that option is the fault).
     error: str | None = None
     pos, end = rdata_start, rdata_start + rdlength
     while pos < end:
@@ -275,15 +278,18 @@ def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength:
             # Any other length, or a second COOKIE option, is FORMERR (RFC 7873 §5.2.2).
             if cookie is not None:
                 error = error or "more than one COOKIE option"
+                cookie_error = True
             elif cookie_well_formed(length):
                 cookie = wire[pos : pos + length]
             else:
                 error = error or f"COOKIE option of {length} octets"
+                cookie_error = True
         # Other options (padding, unknown codes) are ignored and never echoed
         # (RFC 6891 §6.1.2, RFC 8906 §8.2.3).
         pos += length
     if error is not None:
-        raise _MalformedOption(error, Edns(udp_size, version, do, None, nsid))
+        kept = None if cookie_error else cookie
+        raise _MalformedOption(error, Edns(udp_size, version, do, None, nsid, kept))
     return Edns(udp_size, version, do, ecs, nsid, cookie)
 
 

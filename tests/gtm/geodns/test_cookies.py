@@ -21,6 +21,7 @@ from pathlib import Path
 import dns.edns
 import dns.flags
 import dns.message
+import dns.opcode
 import dns.rcode
 import pytest
 
@@ -276,6 +277,69 @@ async def test_a_proven_cookie_passes_the_rate_limiter(start_node: StartNode) ->
         for _ in range(5):
             sock.sendto(plain, ("127.0.0.1", port_of(node)))
         await eventually(lambda: responder.stats.rate_limited >= 1, 10, "the queries limited")
+
+
+def _ours(node: Node, reply: dns.message.Message) -> bytes:
+    """The cookie ``reply`` carries, checked to be this client's and a valid one of the
+    node's for 127.0.0.1."""
+    responder = node.dns.responder  # type: ignore[union-attr]
+    issued = _cookie_of(reply)
+    assert issued is not None, f"no cookie in the {dns.rcode.to_text(reply.rcode())}"
+    assert issued[:8] == CLIENT and len(issued) == 24
+    assert responder.cookies.check(issued, V_LOOP, responder.clock()).valid
+    return issued
+
+
+V_LOOP = ip_address("127.0.0.1")
+
+
+async def test_error_answers_carry_a_cookie_unless_the_cookie_is_the_error(
+    start_node: StartNode,
+) -> None:
+    # Before, FORMERR, BADVERS and NOTIMP went out without the cookie: a client speaking
+    # cookies (RFC 7873 §5.2) had to ask again to get one.
+    node = await start_node()
+    cookie = dns.edns.GenericOption(10, CLIENT)
+    newer = dns.message.make_query("chat.gtm.example.", "A", use_edns=1, options=[cookie])
+    badvers = dns.message.from_wire(await raw_udp(node, newer.to_wire()) or b"")
+    assert badvers.rcode() == dns.rcode.BADVERS
+    _ours(node, badvers)
+    status = _ask(CLIENT)
+    status.set_opcode(dns.opcode.STATUS)
+    notimp = dns.message.from_wire(await raw_udp(node, status.to_wire()) or b"")
+    assert notimp.rcode() == dns.rcode.NOTIMP
+    _ours(node, notimp)
+    # An ECS option with more address octets than its source length allows: FORMERR, and
+    # the cookie option beside it was sound.
+    bad_ecs = dns.edns.GenericOption(8, bytes.fromhex("0001180000c00002ff"))
+    formerr = dns.message.from_wire(await raw_udp(node, _query_with(cookie, bad_ecs)) or b"")
+    assert formerr.rcode() == dns.rcode.FORMERR
+    _ours(node, formerr)
+    # The cookie option itself malformed (RFC 7873 §5.2.2): FORMERR with no cookie.
+    broken = dns.message.from_wire(
+        await raw_udp(node, _query_with(dns.edns.GenericOption(10, bytes(12)))) or b""
+    )
+    assert broken.rcode() == dns.rcode.FORMERR and _cookie_of(broken) is None
+
+
+async def test_a_slip_hands_out_a_cookie_whose_retry_passes_the_limiter(
+    start_node: StartNode,
+) -> None:
+    # Before, a slip carried no cookie: a cookie-speaking client held back had to retry over
+    # TCP, though a cookie of ours would pass the limiter over UDP.
+    node = await start_node(dns_rate_limit=1, dns_rate_slip=1, dns_rate_limit_exempt=())
+    responder = node.dns.responder  # type: ignore[union-attr]
+    slip = None
+    for _ in range(50):
+        reply = await udp(node, _ask(CLIENT))
+        if reply.flags & dns.flags.TC:
+            slip = reply
+            break
+    assert slip is not None, "no query was held back at one a second"
+    assert not slip.answer and responder.stats.slipped >= 1
+    issued = _ours(node, slip)
+    retry = await udp(node, _ask(issued))
+    assert retry.answer and not retry.flags & dns.flags.TC
 
 
 async def _run(tool: str, port: int, *args: str) -> str:
