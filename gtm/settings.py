@@ -92,9 +92,9 @@ class Settings(BaseSettings):
     dns_cookie_secret: SecretStr | None = None
     dns_require_cookie: bool = False
     # Established networks (above) only once a query from the network brought a valid server
-    # cookie within the hour: proof its address receives what is sent to it, which forged
-    # senders cannot give, so a flood's spoofed networks are never established, even on a
-    # calm day; but a network whose resolvers speak no cookies never is either.
+    # cookie, or came over TCP, within the hour: proof its address receives what is sent to
+    # it, which forged senders cannot give, so a flood's spoofed networks are never
+    # established, even on a calm day; but a network whose resolvers speak neither never is.
     dns_establish_with_cookie: bool = False
     # DNSSEC online signing (gtm.geodns.dnssec): off unless a key file is given. The key file
     # signs (ECDSA P-256 PEM, mode 0600, `gtm dnssec keygen`); the publish-only ones are listed

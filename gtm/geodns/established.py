@@ -24,8 +24,8 @@ What it cannot do: tell a network's own clients from datagrams forged in its nam
 spoofs an established network's addresses lands where that network's queries land (and, over
 its share, costs the network its place). Forged senders can be kept from being established
 at all: with ``proven`` (GTM_DNS_ESTABLISH_WITH_COOKIE), only a network whose query brought
-back a valid DNS cookie (gtm.geodns.cookies) within the hour is. Pure logic: no socket, no
-clock, ticks are counted by the caller.
+back a valid DNS cookie (gtm.geodns.cookies), or came over TCP, within the hour is. Pure
+logic: no socket, no clock, ticks are counted by the caller.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class Guards:
     cookies: ServerCookies | None
     require_cookie: bool
     _udp: dict[str, dict[bytes, Exact]]
-    _proven: Generations[Hashable, float]  # network -> until when a cookie proved it
+    _proven: Generations[Hashable, float]  # network -> until when it is proven (prove)
 
     if TYPE_CHECKING:
 
@@ -51,14 +51,20 @@ class Guards:
         checked = self.cookies.check(option, client, now)  # type: ignore[union-attr]
         if checked.valid:
             self.stats.cookies["valid"] += 1
-            self._proven.put(sender_network(str(client)), now + LIFETIME_S)
+            self.prove(sender_network(str(client)), now)
         else:
             self.stats.cookies["new" if len(option) == CLIENT_LEN else "invalid"] += 1
         return checked
 
+    def prove(self, network: Hashable, now: float) -> None:
+        """Sender ``network``'s return path is proven at ``now``, for the hour a cookie is
+        valid: a query from it brought back a server cookie of ours, or came over a TCP
+        connection (whose handshake it answered)."""
+        self._proven.put(network, now + LIFETIME_S)
+
     def proven(self, network: Hashable) -> bool:
-        """Whether a query from sender ``network`` (gtm.geodns.admission.sender_network) brought
-        a valid server cookie within the last hour: its return path is proven."""
+        """Whether sender ``network`` (gtm.geodns.admission.sender_network) proved its return
+        path within the last hour (:meth:`prove`)."""
         until = self._proven.get(network)
         return until is not None and until > self.clock()
 

@@ -84,6 +84,7 @@ class TcpService:
         self._by_network.setdefault(network, {})[task] = None
         stats.tcp_connections += 1
         peer = peer_address(peer_host)
+        proven = False
         try:
             # RFC 7766 §6.2.1: several queries per connection, answered in order; an idle
             # connection is closed after a timeout.
@@ -94,6 +95,11 @@ class TcpService:
                     message = await asyncio.wait_for(reader.readexactly(length), self.idle_s)
                 except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
+                if not proven:
+                    # The peer answered our SYN-ACK: its address receives what is sent to
+                    # it, as a DNS cookie shows (established networks, gtm.geodns.guards).
+                    proven = True
+                    self.responder.prove(network, self.responder.clock())
                 try:
                     out = await self._answer(message, peer, network)
                 except Exception as exc:  # as over UDP; the connection is closed

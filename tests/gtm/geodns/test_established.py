@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import dns.asyncquery
 import dns.edns
 import dns.message
 import dns.query
@@ -504,3 +505,26 @@ async def test_with_cookies_required_a_spoofable_network_is_never_established(
         fair.tick()
     assert sender_network("127.0.8.1") in fair.established
     assert sender_network("127.0.7.1") not in fair.established
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_with_proof_required_a_query_over_tcp_proves_its_network(
+    start_node: StartNode,
+) -> None:
+    """A TCP connection proves its peer's address as a cookie does (the peer answered the
+    SYN-ACK sent to it). Before, only a cookie counted: a network whose resolvers speak no
+    cookies but fall back to TCP was never established."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_establish_with_cookie=True)
+    fair = listener(node)
+    assert fair.established is not None
+    for _ in range(AGE_TICKS):
+        await prime(node, "127.0.9.1")
+        fair.tick()
+    assert sender_network("127.0.9.1") not in fair.established
+    plain = dns.message.make_query("chat.gtm.example.", "A")
+    reply = await dns.asyncquery.tcp(plain, "127.0.0.1", port=port_of(node), source="127.0.9.7")
+    assert reply.answer
+    for _ in range(AGE_TICKS):
+        await prime(node, "127.0.9.1")
+        fair.tick()
+    assert sender_network("127.0.9.1") in fair.established
