@@ -86,6 +86,7 @@ class DnsStats:
         self.slipped = 0
         self.tcp_connections = 0
         self.tcp_refused = 0
+        self.tcp_messages = 0  # messages read over TCP (each answered, or its connection closed)
         # Answers counted on folded audit rows (per decision and client bucket) because new
         # client networks came faster than the audit writer sealed them (gtm.geodns.shapes).
         self.folded = 0
@@ -140,6 +141,7 @@ class DnsCollector(Collector):
                 "TCP connections refused at the cap, or closed for a newcomer of a smaller network",
                 s.tcp_refused,
             ),
+            ("gtm_dns_tcp_messages", "DNS messages read over TCP connections", s.tcp_messages),
             ("gtm_dns_folded", "answers counted on folded audit rows (a client bucket)", s.folded),
             ("gtm_dns_failed", "queries that raised while answered: nothing sent", s.failed),
             (

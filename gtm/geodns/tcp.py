@@ -9,7 +9,9 @@ nothing is dropped). So a flood of connections asking for new names or subnets g
 slow path's capacity in its network's share, and does not hold the loop from answering cached
 queries over UDP and TCP. At the connection cap, a newcomer from a network holding fewer
 connections than the one holding the most closes that one's oldest: a network alone may use
-every connection, but cannot keep them from the others.
+every connection, but cannot keep them from the others. A connection answers at most
+:data:`TURN_MESSAGES` messages a loop turn, however many it pipelined; its messages that miss
+wait one at a time, so a network's connections take its share of the slow path in turn.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ _Waiting = tuple[bytes, IPAddress, "asyncio.Future[bytes | None]"]
 
 # The TCP slow path's time in one loop turn, at most (and at least one message).
 SLOW_TURN_S = 0.001
+# Messages a connection answers in a row before it lets the loop turn: reading from a full
+# buffer and writing below the high-water mark never suspend, so a client pipelining thousands
+# of cached queries (256 KiB a read) would otherwise hold the loop, every UDP client and every
+# other connection for all of them.
+TURN_MESSAGES = 16
 
 
 class TcpService:
@@ -85,16 +92,21 @@ class TcpService:
         stats.tcp_connections += 1
         peer = peer_address(peer_host)
         proven = False
+        in_a_row = 0  # messages answered since the connection last let the loop turn
         try:
             # RFC 7766 §6.2.1: several queries per connection, answered in order; an idle
             # connection is closed after a timeout.
             while True:
                 try:
-                    header = await asyncio.wait_for(reader.readexactly(2), self.idle_s)
-                    (length,) = struct.unpack("!H", header)
-                    message = await asyncio.wait_for(reader.readexactly(length), self.idle_s)
+                    # A deadline over the read, not a task per read (asyncio.wait_for's): a
+                    # read from a full buffer then costs no loop turn (TURN_MESSAGES below).
+                    async with asyncio.timeout(self.idle_s):
+                        header = await reader.readexactly(2)
+                        (length,) = struct.unpack("!H", header)
+                        message = await reader.readexactly(length)
                 except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
+                stats.tcp_messages += 1
                 if not proven:
                     # The peer answered our SYN-ACK: its address receives what is sent to
                     # it, as a DNS cookie shows (established networks, gtm.geodns.guards).
@@ -110,6 +122,10 @@ class TcpService:
                     return  # unreadable: close, as there is no sane way to resynchronise
                 writer.write(struct.pack("!H", len(out)) + out)
                 await writer.drain()
+                in_a_row += 1
+                if in_a_row >= TURN_MESSAGES:
+                    in_a_row = 0
+                    await asyncio.sleep(0)
         except ConnectionError:
             return
         finally:

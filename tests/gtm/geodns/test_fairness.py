@@ -32,6 +32,7 @@ from gtm.geodns.stats import SO_TIMESTAMPNS, DnsCollector
 from gtm.geodns.steering import receive_queued
 from gtm.geodns.udp import READ_BATCH, SOCKET_BATCH, TURN_SHARE
 from gtm.node import Node
+from tests.support.waiting import eventually
 
 from .conftest import StartNode, port_of, udp
 
@@ -571,3 +572,43 @@ async def test_at_the_connection_cap_a_newcomer_closes_the_biggest_networks_olde
     finally:
         for sock in [*flood, *others]:
             sock.close()
+
+
+async def test_a_connection_pipelining_cached_queries_answers_a_few_a_loop_turn(
+    start_node: StartNode,
+) -> None:
+    """One connection pipelines 1,000 cached queries; once the server answers them, another
+    asks one. A connection answers TURN_MESSAGES in a row, then lets the loop turn: with no
+    bound (a read from a full buffer never suspends), the other's answer came after all
+    1,000, and every UDP client waited as long."""
+    node = await start_node(dns_listen=("127.0.0.1:0",))
+    hog = tcp_connection(node, "127.0.1.1")
+    other = tcp_connection(node, "127.0.2.1")
+    try:
+        for sock in (hog, other):  # each connection's question is now a first-level hit
+            sock.send(framed(CACHED))
+            assert dns.message.from_wire(await tcp_answer(sock)).answer
+        burst = b"".join(framed(with_id(CACHED, i)) for i in range(1000))
+        assert hog.send(burst) == len(burst)
+        # The other asks once the server is answering the burst (with no bound, this test's
+        # task would only run again once all 1,000 were answered).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE_S
+        while node.dns_stats.tcp_messages < 3:
+            assert loop.time() < deadline, "the burst was never read"
+            await asyncio.sleep(0)
+        other.send(framed(with_id(CACHED, 4242)))
+        answer = await tcp_answer(other)
+        assert int.from_bytes(answer[:2], "big") == 4242
+        # The few turns between the answer sent and this test reading it, TURN_MESSAGES each:
+        # far from the whole burst.
+        before = answers_waiting(hog)
+        assert before < 250, before
+        await eventually(
+            lambda: node.dns_stats.tcp_messages == 1003, DEADLINE_S, "every message read"
+        )
+    finally:
+        hog.close()
+        other.close()
+    metrics = {m.name: m.samples[0].value for m in DnsCollector(node.dns_stats).collect()}
+    assert metrics["gtm_dns_tcp_messages"] == 1003
