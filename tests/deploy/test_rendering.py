@@ -35,6 +35,7 @@ SECRETS = """{
     document_signing_key  = "gtm/document-signing-key"
     document_public_key   = "gtm/document-public-key"
     admin_bootstrap_token = "gtm/admin-bootstrap-token"
+    dns_cookie_secret     = "gtm/dns-cookie-secret"
     db_login              = "gtm/db/NODE"
   }"""
 
@@ -240,6 +241,10 @@ def test_node_settings_are_valid_gtm_settings(
         assert (settings.admin_listen is not None) is (label == "admin_node")
         assert (settings.document_signing_key is not None) is (label == "admin_node")
         assert settings.report_secret is None  # secrets are never in the user data
+        assert settings.dns_cookie_secret is None
+        # One cookie secret for the fleet, fetched at start (a random one per node would make
+        # every node refuse the others' cookies: a new cookie at each change of node).
+        assert settings.dns_cookie_secret_file == Path("/run/gtm/keys/dns-cookie.secret")
         assert "GTM_DATABASE_URL" not in env and "GTM_REPORT_SECRET" not in env
 
 

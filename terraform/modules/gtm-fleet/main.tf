@@ -11,6 +11,7 @@ locals {
     "document-signing-key"  = "Ed25519 private key that signs activated documents (admin nodes only)"
     "document-public-key"   = "Ed25519 public key every node verifies published documents with"
     "admin-bootstrap-token" = "The first admin API token (gtm token create); revoke it once real principals exist"
+    "dns-cookie-secret"     = "The DNS cookie secret every GTM node shares (gtm dns cookie-secret), so each accepts the others' cookies"
   }
   report_keys = { for r in var.balancer_regions : "report-key/${r}" => "REGIONAL_LB_REPORT_SECRET of region ${r}'s balancers (gtm report-key ${r})" }
   secrets     = merge(local.fleet_secrets, local.report_keys)

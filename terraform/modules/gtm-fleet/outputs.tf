@@ -1,5 +1,5 @@
 output "secret_arns" {
-  description = "ARN of each fleet secret in the primary region, by name: report-secret, document-signing-key, document-public-key, admin-bootstrap-token, report-key/REGION. The same name reads the replica in another region."
+  description = "ARN of each fleet secret in the primary region, by name: report-secret, document-signing-key, document-public-key, admin-bootstrap-token, dns-cookie-secret, report-key/REGION. The same name reads the replica in another region."
   value       = { for k, s in aws_secretsmanager_secret.this : k => s.arn }
 }
 

@@ -22,6 +22,9 @@ locals {
       GTM_OPS_ALLOW        = jsonencode(var.ops_allow)
       GTM_MIGRATE_ON_START = "false"
       GTM_LOG_FORMAT       = "json"
+      # Fetched from the fleet's secret at every start (gtm-fetch-secrets): one secret for
+      # every node, so a resolver's cookie from one node is valid at the others.
+      GTM_DNS_COOKIE_SECRET_FILE = "/run/gtm/keys/dns-cookie.secret"
     },
     var.geoip_s3_uri == null ? {} : { GTM_GEOIP_PATH = "/var/lib/gtm-geoip/City.mmdb" },
     var.admin ? { GTM_DOCUMENT_SIGNING_KEY = "/run/gtm/keys/document-signing.key" } : {},
@@ -41,6 +44,7 @@ locals {
     secret_document_signing_key = var.secrets.document_signing_key
     secret_document_public_key  = var.secrets.document_public_key
     secret_admin_token          = var.secrets.admin_bootstrap_token
+    secret_dns_cookie           = var.secrets.dns_cookie_secret
     secret_db_login             = var.secrets.db_login
     master_secret               = var.bootstrap == null ? "" : var.bootstrap.master_secret
     db_host                     = var.database.host

@@ -73,6 +73,7 @@ variable "secrets" {
     document_signing_key  = string
     document_public_key   = string
     admin_bootstrap_token = string
+    dns_cookie_secret     = string
     db_login              = string
   })
   description = "Secret ids (names) the node reads: the fleet's (gtm-fleet's secret_names) and its own database login (gtm-database's login_secret_names[login])."

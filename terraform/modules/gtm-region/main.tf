@@ -349,6 +349,7 @@ module "config" {
     document_signing_key  = var.fleet_secrets.names["document-signing-key"]
     document_public_key   = var.fleet_secrets.names["document-public-key"]
     admin_bootstrap_token = var.fleet_secrets.names["admin-bootstrap-token"]
+    dns_cookie_secret     = var.fleet_secrets.names["dns-cookie-secret"]
     db_login              = var.login_secrets.names[each.value.login]
   }
   bootstrap = each.key != local.bootstrap ? null : {
