@@ -264,6 +264,7 @@ class PolicySet:
         trusted. A rule then matches when either place matches it (the stricter of the two),
         and a rule with ``untrusted_ecs: refuse`` that only one place matches allows nothing.
 
+        >>> policy = load_policy([Path("policies")])  # the bundled documents
         >>> verdict = policy.evaluate(frozenset({"eu-personal"}), None, "DE", "EU")
         >>> sorted(verdict.allowed)
         ['eu-central', 'eu-west']
