@@ -35,6 +35,10 @@ SHUTDOWN = "shutdown"  # still queued when the listener stopped
 # Dropped as read, before any cache was looked at: its network had its share of a read batch
 # while the reader was behind (gtm.geodns.udp.TURN_SHARE).
 OVER_SHARE = "over_share"
+# Dropped as read: on an established network's socket behind a flood, a datagram without a
+# valid DNS cookie from a network whose clients bring one (forged in its name, most likely:
+# gtm.geodns.udp).
+UNPROVEN = "unproven"
 
 
 def sender_network(host: str) -> Hashable:

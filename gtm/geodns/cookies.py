@@ -90,26 +90,35 @@ class ServerCookies:
         head = bytes((VERSION, 0, 0, 0)) + _STAMP.pack(now & 0xFFFFFFFF)
         return head + self._hash(self._secret, client_cookie, head, client)
 
+    def valid(self, option: bytes, client: IPAddress, now: float) -> bool:
+        """Whether ``option`` (a well-formed COOKIE option) brings a server cookie of ours for
+        ``client``, in date at ``now``: :meth:`check`'s verdict alone, with no cookie made."""
+        server = option[CLIENT_LEN:]
+        if len(server) != SERVER_LEN or server[0] != VERSION:
+            return False
+        head = server[:8]
+        if not -SKEW_S <= _age(_STAMP.unpack_from(head, 4)[0], int(now)) <= LIFETIME_S:
+            return False
+        client_cookie = option[:CLIENT_LEN]
+        return any(
+            secrets.compare_digest(self._hash(key, client_cookie, head, client), server[8:])
+            for key in self._keys
+        )
+
     def check(self, option: bytes, client: IPAddress, now: float) -> Checked:
         """The verdict on a well-formed COOKIE option (the parser checked its length:
         :func:`gtm.geodns.wire.cookie_well_formed`) from ``client`` at ``now``, and the option
         to answer with."""
         seconds = int(now)
         client_cookie = option[:CLIENT_LEN]
-        server = option[CLIENT_LEN:]
-        if len(server) == SERVER_LEN and server[0] == VERSION:
-            head = server[:8]
-            age = _age(_STAMP.unpack_from(head, 4)[0], seconds)
-            if -SKEW_S <= age <= LIFETIME_S and any(
-                secrets.compare_digest(self._hash(key, client_cookie, head, client), server[8:])
-                for key in self._keys
-            ):
-                if age < RENEW_S:
-                    # Echoed as received: the response stays a function of the query.
-                    return Checked(option, True, now + (RENEW_S - age))
-                return Checked(
-                    client_cookie + self.make(client_cookie, client, seconds), True, now + RENEW_S
-                )
+        if self.valid(option, client, now):
+            age = _age(_STAMP.unpack_from(option, CLIENT_LEN + 4)[0], seconds)
+            if age < RENEW_S:
+                # Echoed as received: the response stays a function of the query.
+                return Checked(option, True, now + (RENEW_S - age))
+            return Checked(
+                client_cookie + self.make(client_cookie, client, seconds), True, now + RENEW_S
+            )
         # A client cookie alone, or a server cookie not ours (another secret, another address,
         # out of date, another construction): a new one.
         fresh = client_cookie + self.make(client_cookie, client, seconds)

@@ -20,12 +20,14 @@ newcomer waits on the general sockets with them until the flood ends. What a mem
 - its place, after :data:`IDLE_TICKS` ticks without a datagram (the map is bounded; the set
   tracks who asks now).
 
-What it cannot do: tell a network's own clients from datagrams forged in its name; a flood that
-spoofs an established network's addresses lands where that network's queries land (and, over
-its share, costs the network its place). Forged senders can be kept from being established
-at all: with ``proven`` (GTM_DNS_ESTABLISH_WITH_COOKIE), only a network whose query brought
-back a valid DNS cookie (gtm.geodns.cookies), or came over TCP, within the hour is. Pure
-logic: no socket, no clock, ticks are counted by the caller.
+What it cannot do alone: tell a network's own clients from datagrams forged in its name; a
+flood that spoofs an established network's addresses lands where that network's queries land
+(and, over its share, costs the network its place). Forged senders can be kept from being
+established at all: with ``proven`` (GTM_DNS_ESTABLISH_WITH_COOKIE), only a network whose
+query brought back a valid DNS cookie (gtm.geodns.cookies), or came over TCP, within the hour
+is; and where the network's clients speak cookies, the listener then tells their datagrams
+from forged ones (gtm.geodns.udp, ``UNPROVEN``). Pure logic: no socket, no clock, ticks are
+counted by the caller.
 """
 
 from __future__ import annotations

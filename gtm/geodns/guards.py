@@ -16,7 +16,7 @@ from gtm.geodns.entries import Exact
 from gtm.geodns.ratelimit import Limit
 from gtm.geodns.rejects import reject_response, slip_response
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Query, Rcode, Reject, parse_query, peer_address
+from gtm.geodns.wire import Query, Rcode, Reject, cookie_option, parse_query, peer_address
 from gtm.runtime import Runtime
 
 IPAddress = IPv4Address | IPv6Address
@@ -36,6 +36,7 @@ class Guards:
     require_cookie: bool
     _udp: dict[str, dict[bytes, Exact]]
     _proven: Generations[Hashable, float]  # network -> until when it is proven (prove)
+    _cookied: Generations[Hashable, float]  # network -> until when a cookie proved it
 
     if TYPE_CHECKING:
 
@@ -51,7 +52,9 @@ class Guards:
         checked = self.cookies.check(option, client, now)  # type: ignore[union-attr]
         if checked.valid:
             self.stats.cookies["valid"] += 1
-            self.prove(sender_network(str(client)), now)
+            network = sender_network(str(client))
+            self.prove(network, now)
+            self._cookied.put(network, now + LIFETIME_S)
         else:
             self.stats.cookies["new" if len(option) == CLIENT_LEN else "invalid"] += 1
         return checked
@@ -67,6 +70,25 @@ class Guards:
         path within the last hour (:meth:`prove`)."""
         until = self._proven.get(network)
         return until is not None and until > self.clock()
+
+    def speaks_cookies(self, network: Hashable) -> bool:
+        """Whether a query from sender ``network`` brought a valid server cookie within the
+        last hour: its clients speak cookies, so a datagram in its name without one is
+        suspect (gtm.geodns.udp drops those while an established network's socket is behind)."""
+        until = self._cookied.get(network)
+        return until is not None and until > self.clock()
+
+    def cookie_proves(self, wire: bytes, host: str) -> bool:
+        """Whether the query ``wire`` from ``host`` brings a valid server cookie (read without
+        parsing the rest: gtm.geodns.wire.cookie_option); False with cookies off."""
+        if self.cookies is None:
+            return False
+        option = cookie_option(wire)
+        return (
+            option is not None
+            and len(option) > CLIENT_LEN
+            and self.cookies.valid(option, peer_address(host), self.clock())
+        )
 
     def _bad_cookie(self, query: Query, client: IPAddress, checked: Checked) -> bytes | None:
         """BADCOOKIE with a new server cookie, for a UDP query without a valid one while

@@ -105,6 +105,7 @@ class Responder(EcsPath, Guards):
         self.runtime = runtime
         self.cookies = cookies  # gtm.geodns.guards
         self._proven: Generations[Hashable, float] = Generations(PROVEN_NETWORKS)
+        self._cookied: Generations[Hashable, float] = Generations(PROVEN_NETWORKS)
         self.require_cookie = require_cookie and cookies is not None
         # id.server. and version.bind. in class CHAOS, when configured (gtm.geodns.identity).
         self.identity = identity

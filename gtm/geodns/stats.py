@@ -19,7 +19,14 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SHUTDOWN, TOTAL_FULL, LaneCounts
+from gtm.geodns.admission import (
+    NETWORK_FULL,
+    OVER_SHARE,
+    SHUTDOWN,
+    TOTAL_FULL,
+    UNPROVEN,
+    LaneCounts,
+)
 from gtm.geodns.established import DEMOTED, EXPIRED, PROMOTED, EstablishedNetworks
 
 # SO_TIMESTAMPNS (<asm-generic/socket.h>; Python's socket module does not name it): the kernel
@@ -178,7 +185,7 @@ class DnsCollector(Collector):
             "UDP queries dropped before the slow path, by reason (gtm.geodns.admission)",
             labels=["reason"],
         )
-        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN, OVER_SHARE):
+        for reason in (NETWORK_FULL, TOTAL_FULL, SHUTDOWN, OVER_SHARE, UNPROVEN):
             dropped.add_metric([reason], s.lane.dropped[reason])
         yield dropped
         cookies = CounterMetricFamily(

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from gtm.geodns import steering
-from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, SlowLane, sender_network
+from gtm.geodns.admission import NETWORK_FULL, OVER_SHARE, UNPROVEN, SlowLane, sender_network
 from gtm.geodns.established import EstablishedNetworks, is_calm
 from gtm.geodns.responder import SLOW, Responder
 from gtm.geodns.stats import ESTABLISHED, GENERAL, SO_TIMESTAMPNS, STAMP_SPACE, age_of_stamp
@@ -128,6 +128,14 @@ class FairUdp:
         # every flooding network's, and newcomers still get the rest. Same bounds, counters.
         self.priority: SlowLane[Queued] | None = (
             SlowLane(lane.per_network, lane.total, lane.counts) if split is not None else None
+        )
+        # Established networks are proven ones (GTM_DNS_ESTABLISH_WITH_COOKIE), and cookies are
+        # checked: a protected socket behind a flood drops what a cookie-speaking network's
+        # clients would not send, a datagram in its name without a valid cookie (_readable).
+        self._proof = (
+            self.established is not None
+            and self.established.proven is not None
+            and responder.cookies is not None
         )
         protected = split.protected if split is not None else 0
         self._sockets = [_Socket(sock, i < protected) for i, sock in enumerate(socks)]
@@ -258,6 +266,10 @@ class FairUdp:
         # Behind (the last batch was full) with other networks sending on this socket: each
         # network's datagrams past its share of this batch are dropped as read.
         share = state.behind and state.shared
+        # An established network's socket, behind: a flood forged in the name of networks
+        # whose clients speak cookies is told from them by the cookie (a forger never sees
+        # ours), dropped before it takes their share of the batch, or demotes them.
+        suspect = self._proof and state.protected and state.behind
         taken: dict[Hashable, int] = {}
         batch, turn_share = self._batch, self._share
         if state.protected:
@@ -299,6 +311,9 @@ class FairUdp:
             network = networks.get(addr[0])
             if network is None:
                 network = self._network(addr[0])
+            if suspect and r.speaks_cookies(network) and not r.cookie_proves(data, addr[0]):
+                lane.counts.dropped[UNPROVEN] += 1
+                continue
             n = taken.get(network, 0)
             if share and n >= turn_share:
                 lane.counts.dropped[OVER_SHARE] += 1

@@ -24,6 +24,7 @@ IPAddress = IPv4Address | IPv6Address
 
 HEADER = struct.Struct("!HHHHHH")
 _U16 = struct.Struct("!H")
+_OPTION = struct.Struct("!HH")  # an EDNS option's code and length
 _RR_FIXED = struct.Struct("!HHIH")  # type, class, ttl, rdlength
 _Q_FIXED = struct.Struct("!HH")
 
@@ -238,6 +239,51 @@ def cookie_well_formed(length: int) -> bool:
     True
     """
     return length == 8 or 16 <= length <= 40
+
+
+def cookie_option(wire: bytes) -> bytes | None:
+    """The COOKIE option of a plain query (one uncompressed question, an OPT record alone in
+    the additional section), read without parsing the rest; None for any other packet, or
+    one without a well-formed option. Where a full parse would cost too much: every datagram
+    of a protected socket behind a flood (gtm.geodns.udp). Any query it reads a cookie from,
+    :func:`parse_query` reads the same cookie from (tests/gtm/geodns/test_wire.py).
+
+    >>> import dns.edns, dns.message
+    >>> q = dns.message.make_query("a.example.", "A", use_edns=0,
+    ...     options=[dns.edns.GenericOption(10, b"cookie!!")])
+    >>> cookie_option(q.to_wire()), cookie_option(q.to_wire()[:-1])
+    (b'cookie!!', None)
+    """
+    size = len(wire)
+    if size < 28 or wire[2] & 0xF8 or wire[4:12] != b"\x00\x01\x00\x00\x00\x00\x00\x01":
+        return None  # QR set, an opcode other than QUERY, or not one question and an OPT
+    pos = 12
+    while pos < size:
+        n = wire[pos]
+        if n == 0 or n > 63:
+            break
+        pos += n + 1
+    if pos >= size or wire[pos] or pos - 11 > MAX_NAME:
+        return None
+    pos += 5  # the root label, QTYPE and QCLASS: the OPT record's owner next
+    if pos + 11 > size or wire[pos : pos + 3] != b"\x00\x00\x29":
+        return None
+    end = pos + 11 + _U16.unpack_from(wire, pos + 9)[0]
+    if end != size:
+        return None
+    pos += 11
+    cookie: bytes | None = None
+    while pos + 4 <= end:
+        code, length = _OPTION.unpack_from(wire, pos)
+        pos += 4
+        if pos + length > end:
+            return None
+        if code == COOKIE_CODE:
+            if cookie is not None or not cookie_well_formed(length):
+                return None
+            cookie = wire[pos : pos + length]
+        pos += length
+    return cookie if pos == end else None
 
 
 def _parse_opt(wire: bytes, rr_class: int, ttl: int, rdata_start: int, rdlength: int) -> Edns:

@@ -26,7 +26,7 @@ import dns.query
 import pytest
 
 from gtm.geodns import udp
-from gtm.geodns.admission import TOTAL_FULL, sender_network
+from gtm.geodns.admission import TOTAL_FULL, UNPROVEN, sender_network
 from gtm.geodns.established import (
     AGE_TICKS,
     BAR_TICKS,
@@ -528,3 +528,69 @@ async def test_with_proof_required_a_query_over_tcp_proves_its_network(
         await prime(node, "127.0.9.1")
         fair.tick()
     assert sender_network("127.0.9.1") in fair.established
+
+
+async def cookie_query(node: Node, source: str) -> bytes:
+    """The query ``source`` asks with the server cookie the node gave it (valid for an hour)."""
+    client = bytes(range(8))
+    first = await udp_query(
+        node,
+        dns.message.make_query(
+            "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.GenericOption(10, client)]
+        ),
+        source=source,
+    )
+    (issued,) = (o.to_wire() for o in first.options if o.otype == dns.edns.OptionType.COOKIE)
+    proof = dns.message.make_query(
+        "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.GenericOption(10, issued)]
+    )
+    assert (await udp_query(node, proof, source=source)).answer
+    return proof.to_wire()
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_a_flood_forged_in_an_established_networks_name_is_told_by_its_cookie(
+    start_node: StartNode,
+) -> None:
+    """Two cookie-speaking networks are established on one protected socket. A forger sends
+    2,000 queries from the first network's addresses, without a cookie (it never sees ours),
+    while each network's resolver asks 20 with its cookie. Before, the forged datagrams were
+    the first network's: past its share of a batch, its own queries were dropped with them
+    and, at the tick, it was demoted, which is what the forger wanted. Now, on a protected
+    socket behind, a datagram without a valid cookie in the name of a network whose clients
+    bring one is dropped as read (counted as unproven): both resolvers get every answer and
+    keep their place."""
+    node = await start_node(dns_listen=("127.0.0.1:0",), dns_establish_with_cookie=True)
+    assert node.dns is not None and node.dns.split
+    fair = listener(node)
+    assert fair.split is not None and fair.established is not None
+    victim = "127.0.5.1"
+    other = next(
+        f"127.0.{third}.1"
+        for third in range(6, 250)
+        if protected_index(sender_network(f"127.0.{third}.1"), fair.split.protected)
+        == protected_index(sender_network(victim), fair.split.protected)
+    )
+    asks = {host: await cookie_query(node, host) for host in (victim, other)}
+    for _ in range(AGE_TICKS):
+        for host, wire in asks.items():
+            assert (await udp_query(node, dns.message.from_wire(wire), source=host)).answer
+        fair.tick()
+    assert sender_network(victim) in fair.established
+    assert sender_network(other) in fair.established
+    port = port_of(node)
+    forger_host = "127.0.5.66"  # the victim's /24: its queries land where the victim's do
+    with sender(forger_host) as forger, sender(victim) as v, sender(other) as o:
+        for i in range(2000):
+            forger.sendto(with_id(CACHED, i), ("127.0.0.1", port))
+            if i % 100 == 0:
+                v.sendto(with_id(asks[victim], 61_000 + i // 100), ("127.0.0.1", port))
+                o.sendto(with_id(asks[other], 62_000 + i // 100), ("127.0.0.1", port))
+        got_v = await receive(v, 20)
+        got_o = await receive(o, 20)
+    assert sorted(int.from_bytes(a[:2], "big") for a in got_v) == list(range(61_000, 61_020))
+    assert sorted(int.from_bytes(a[:2], "big") for a in got_o) == list(range(62_000, 62_020))
+    assert node.dns.responder.stats.lane.dropped[UNPROVEN] > 0
+    fair.tick()
+    assert sender_network(victim) in fair.established
+    assert fair.established.changes[DEMOTED] == 0

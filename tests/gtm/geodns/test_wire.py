@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtm.geodns.wire import Query, Rcode, Reject, parse_query
+from gtm.geodns.wire import Query, Rcode, Reject, cookie_option, parse_query
 
 
 def wire_of(name: str = "chat.gtm.example.", rdtype: str = "A", **kw: object) -> bytes:
@@ -236,3 +236,46 @@ def test_the_short_path_agrees_with_the_general_parser(
     general = _parse_general(packet)
     assert parse_query(packet) == general
     assert parse_query(packet) == general  # again, now with the memos primed
+
+
+COOKIED = [
+    wire_of(use_edns=0, options=[dns.edns.GenericOption(10, bytes(range(8)))]),
+    wire_of(use_edns=0, options=[dns.edns.GenericOption(10, bytes(range(24)))]),
+    wire_of(
+        "a.b.gtm.example.",
+        "AAAA",
+        use_edns=0,
+        want_dnssec=True,
+        options=[
+            dns.edns.GenericOption(3, b""),
+            dns.edns.GenericOption(10, bytes(range(24))),
+            dns.edns.ECSOption("198.51.100.0", 24),
+        ],
+    ),
+]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.sampled_from(COOKIED),
+    st.lists(st.tuples(st.integers(0, 90), st.integers(0, 255)), max_size=3),
+    st.integers(0, 20),
+)
+def test_the_cookie_read_alone_is_the_one_the_parser_reads(
+    base: bytes, edits: list[tuple[int, int]], cut: int
+) -> None:
+    """cookie_option (a protected socket's check behind a flood) never reads a cookie the
+    parser would not: for any mutation of real cookie queries, whatever it finds is the
+    parsed query's own cookie; and on the unmutated queries it finds it."""
+    data = bytearray(base)
+    for pos, value in edits:
+        if pos < len(data):
+            data[pos] = value
+    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    found = cookie_option(packet)
+    if found is not None:
+        parsed = parse_query(packet)
+        assert isinstance(parsed, Query | Reject) and parsed.edns is not None
+        assert parsed.edns.cookie == found, (packet, parsed)
+    if not edits and not cut:
+        assert found is not None
