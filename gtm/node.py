@@ -30,6 +30,14 @@ from gtm.anycast import Announcer, Bird, Rules, self_check
 from gtm.audit import migrate
 from gtm.front.server import serve_front
 from gtm.geodns.cookies import new_secret
+from gtm.geodns.groups import (
+    Handoff,
+    WorkerGroup,
+    bind_worker_groups,
+    close_share,
+    handoff,
+    received,
+)
 from gtm.geodns.server import DnsServer, make_server
 from gtm.geodns.stats import DnsStats, register, unregister
 from gtm.heap import HeapKeeper, settle_malloc
@@ -90,6 +98,7 @@ async def run_node(
     ready: asyncio.Future[Node] | None = None,
     *,
     reuse_port: bool = False,
+    groups: dict[str, WorkerGroup] | None = None,
 ) -> None:
     # Before anything is built: the listeners take their tracers (or None) when they are made.
     traced = tracing.configure(settings)
@@ -105,7 +114,7 @@ async def run_node(
         keeper = asyncio.create_task(heap.run(), name="heap-keeper")
     try:
         if settings.dns_listen:
-            node.dns = make_server(runtime, node.dns_stats, reuse_port=reuse_port)
+            node.dns = make_server(runtime, node.dns_stats, reuse_port=reuse_port, groups=groups)
             await node.dns.start()
         front_stop = asyncio.Event()
         if settings.http_listen:
@@ -206,8 +215,14 @@ def run_loop(coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coro)
 
 
-def serve_forever(settings: Settings, *, reuse_port: bool = False) -> None:
-    """Run one node (or worker) until SIGINT/SIGTERM."""
+def serve_forever(
+    settings: Settings,
+    *,
+    reuse_port: bool = False,
+    groups: dict[str, WorkerGroup] | None = None,
+) -> None:
+    """Run one node (or worker) until SIGINT/SIGTERM; ``groups``: its share of the UDP groups
+    bound for every worker (gtm.geodns.groups)."""
     settle_malloc()  # before the loop and the threads it starts allocate
 
     async def main() -> None:
@@ -215,14 +230,34 @@ def serve_forever(settings: Settings, *, reuse_port: bool = False) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_node(settings, stop, reuse_port=reuse_port)
+        await run_node(settings, stop, reuse_port=reuse_port, groups=groups)
 
     run_loop(main())
 
 
-def _worker(settings: Settings, index: int) -> None:
+def _worker(settings: Settings, index: int, handed: Handoff | None = None) -> None:
     configure_logs(settings.log_format, settings.log_level)
-    serve_forever(worker_settings(settings, index), reuse_port=True)
+    groups = received(handed) if handed is not None else None
+    serve_forever(worker_settings(settings, index), reuse_port=True, groups=groups)
+
+
+def worker_groups(settings: Settings) -> list[dict[str, WorkerGroup]] | None:
+    """The UDP groups of every DNS listen address, bound here for every worker, where the
+    workers protect established networks (gtm.geodns.groups); None where they do not, or
+    where the kernel refused (logged): each worker then binds its own sockets."""
+    if not (
+        settings.dns_listen
+        and settings.dns_fair_admission
+        and settings.dns_established_networks > 0
+        and settings.dns_udp_sockets >= 2
+    ):
+        return None
+    return bind_worker_groups(
+        settings.dns_listen,
+        settings.workers,
+        settings.dns_udp_sockets,
+        settings.dns_established_networks,
+    )
 
 
 def shared_cookie_secret(settings: Settings) -> Settings:
@@ -255,15 +290,27 @@ def serve_workers(settings: Settings) -> None:
         update={"migrate_on_start": settings.migrate_on_start and not migrated}
     )
     settings = shared_cookie_secret(settings)
+    shares = worker_groups(settings)
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_worker, args=(settings, i), name=f"gtm-dns-w{i}")
+        context.Process(
+            target=_worker,
+            args=(settings, i, handoff(shares[i]) if shares is not None else None),
+            name=f"gtm-dns-w{i}",
+        )
         for i in range(1, settings.workers)
     ]
     for child in children:
-        child.start()
+        child.start()  # its sockets and the map are duplicated into it as it is spawned
+    if shares is not None:
+        for share in shares[1:]:
+            close_share(share)
     try:
-        serve_forever(worker_settings(settings, 0), reuse_port=True)
+        serve_forever(
+            worker_settings(settings, 0),
+            reuse_port=True,
+            groups=shares[0] if shares is not None else None,
+        )
     finally:
         for child in children:
             if child.is_alive():

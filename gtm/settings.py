@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     # Sender networks kept as established (gtm.geodns.established): read steadily while nothing
     # was dropped, they get the first half of those sockets to themselves, so a flood from
     # networks never seen before cannot overflow their buffers. The kernel map's size; 0: off.
-    # Needs CAP_BPF (else a warning, and the hash alone) and one worker process.
+    # Needs CAP_BPF (else a warning, and the hash alone); with workers, the first process binds
+    # every worker's sockets (gtm.geodns.groups).
     dns_established_networks: int = Field(default=16384, ge=0, le=1_000_000)
     # gtm_dns_udp_queue_age_seconds (gtm.geodns.udp): the kernel stamps every datagram the UDP
     # listeners receive, which costs 3-4% of their capacity at full load; false: not measured.

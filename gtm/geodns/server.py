@@ -12,7 +12,6 @@ there too).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Callable
 from ipaddress import ip_network
@@ -27,6 +26,7 @@ from gtm.geodns.budget import Budget
 from gtm.geodns.cookies import load_cookies
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.established import EstablishedNetworks
+from gtm.geodns.groups import WorkerGroup, bind_udp, widen_receive_buffer
 from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder
@@ -38,8 +38,6 @@ from gtm.listen import parse_listen
 from gtm.runtime import Runtime
 
 log = structlog.get_logger(__name__)
-
-UDP_RECEIVE_BUFFER = 2 << 20  # bytes asked for; Linux doubles it for its bookkeeping
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):
@@ -92,21 +90,6 @@ def _not_connected(data: bytes, addr: Any) -> None:
     raise RuntimeError("datagram before the transport was made")
 
 
-def _bind_udp(
-    host: str, port: int, family: socket.AddressFamily, reuse_port: bool
-) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.setblocking(False)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class DnsServer:
     """UDP and TCP listeners on every address, sharing one responder."""
 
@@ -127,6 +110,7 @@ class DnsServer:
         established_networks: int = 0,
         queue_age: bool = False,
         establish_with_cookie: bool = False,
+        groups: dict[str, WorkerGroup] | None = None,
     ) -> None:
         self.responder = responder
         self.listens = listens
@@ -144,13 +128,17 @@ class DnsServer:
         self.steer_group = steer_group or udp_sockets
         self.steered = False  # whether the kernel took the steering program
         # Established sender networks (gtm.geodns.established) kept at most per listen address,
-        # on the first half of its sockets; 0: off. One process only: the split program names
-        # sockets by their place in the group, known only for the sockets this process bound.
+        # on the first half of its sockets; 0: off. With worker processes, only on the groups
+        # the first process bound for them all (``groups``): the split program names sockets
+        # by their place in the group, known only for sockets bound in a known order.
         self.established_networks = established_networks
         self.queue_age = queue_age
         # Only networks a valid DNS cookie proved are established (gtm.geodns.established).
         self.establish_with_cookie = establish_with_cookie
         self.split = False  # whether the kernel took the split program
+        # This worker's share of the split groups the first process bound for every worker
+        # (gtm.geodns.groups), by listen address: used instead of binding its own.
+        self.groups = groups or {}
         self._udp: list[asyncio.DatagramTransport] = []
         self._fair: list[FairUdp] = []
         self._tcp: list[asyncio.Server] = []
@@ -181,7 +169,13 @@ class DnsServer:
             self._tcp.append(server)
             port = server.sockets[0].getsockname()[1]
             if self.fair:
-                socks, split = self._bind_group(host, port, family)
+                share = self.groups.pop(listen, None)
+                split: steering.SplitGroup | None
+                if share is not None:
+                    socks, split = share.socks, share.split
+                    self.steered = self.split = True
+                else:
+                    socks, split = self._bind_group(host, port, family)
                 lane: SlowLane[Queued] = SlowLane(
                     self.slow_per_network, self.slow_total, self.responder.stats.lane
                 )
@@ -211,7 +205,7 @@ class DnsServer:
                     reuse_port=self.reuse_port or None,
                 )
                 self._udp.append(transport)
-                _widen_receive_buffer(transport.get_extra_info("socket"))
+                widen_receive_buffer(transport.get_extra_info("socket"))
             self.bound.append((host, port))
             log.info("dns.listening", host=host, port=port)
 
@@ -226,11 +220,8 @@ class DnsServer:
         split = None
         try:
             for _ in range(self.sockets_per_address):
-                sock = _bind_udp(
-                    host, port, family, self.reuse_port or self.sockets_per_address > 1
-                )
+                sock = bind_udp(host, port, family, self.reuse_port or self.sockets_per_address > 1)
                 socks.append(sock)
-                _widen_receive_buffer(sock)
             split = self._split(socks, host, port)
             if split is None and self.steer_group > 1:
                 self.steered = steering.attach(socks[0], self.steer_group)
@@ -306,19 +297,13 @@ class DnsServer:
         self._tcp.clear()
 
 
-def _widen_receive_buffer(sock: Any) -> None:
-    """Ask for a UDP receive buffer of :data:`UDP_RECEIVE_BUFFER` (the kernel caps it at
-    net.core.rmem_max). The default (about 200 KB, some 200 queries as the kernel accounts
-    them) overflows, and drops queries, whenever the loop pauses a few milliseconds under load;
-    authoritative servers raise it for the same reason (NSD, Unbound: so-rcvbuf)."""
-    if sock is None:
-        return
-    with contextlib.suppress(OSError):
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < UDP_RECEIVE_BUFFER:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)
-
-
-def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) -> DnsServer:
+def make_server(
+    runtime: Runtime,
+    stats: DnsStats,
+    *,
+    reuse_port: bool = False,
+    groups: dict[str, WorkerGroup] | None = None,
+) -> DnsServer:
     s = runtime.settings
     budget = Budget.from_mb(s.dns_cache_budget_mb)
     bound_memos(budget.parsed_entries)
@@ -366,6 +351,7 @@ def make_server(runtime: Runtime, stats: DnsStats, *, reuse_port: bool = False) 
         established_networks=s.dns_established_networks,
         queue_age=s.dns_queue_age,
         establish_with_cookie=s.dns_establish_with_cookie,
+        groups=groups,
         # Worker processes on the same port join one reuseport group: the program picks
         # among every worker's sockets.
         steer_group=s.dns_udp_sockets * (s.workers if reuse_port else 1),

@@ -157,10 +157,12 @@ def key_of_network(network: Hashable) -> int:
     raise ValueError(f"not a sender network: {network!r}")
 
 
-def split_index(host: str, general: int, protected: int) -> int:
+def split_index(host: str, general: int, protected: int, workers: int = 1) -> int:
     """The socket the split program picks for ``host`` when its network is not in the map:
-    one of the ``general`` sockets after the ``protected`` ones."""
-    return protected + socket_index(host, general)
+    one of the ``general`` sockets after the ``protected`` ones, of one of ``workers``
+    processes, whose sockets lie one after the other (:func:`split_program`)."""
+    slot = socket_index(host, general * workers)  # every worker's general sockets, in turn
+    return slot + (slot // general + 1) * protected
 
 
 def protected_index(network: Hashable, protected: int) -> int:
@@ -171,16 +173,20 @@ def protected_index(network: Hashable, protected: int) -> int:
 _CALLEE_SAVED = (bpf.R7, bpf.R8, bpf.R9)
 
 
-def split_program(map_fd: int, protected: int, general: int) -> bytes:
+def split_program(map_fd: int, protected: int, general: int, workers: int = 1) -> bytes:
     """The eBPF program of a group whose first ``protected`` sockets serve established
     networks: a datagram whose sender network is in the map (fd ``map_fd``, 8-byte keys from
     :func:`network_key`, 4-byte socket indexes) goes to the socket the map names; any other to
     one of the ``general`` sockets after them, by the classic program's hash of its network.
+    With ``workers`` processes, the group is theirs one after the other, each ``protected``
+    then ``general`` sockets (:mod:`gtm.geodns.groups`): the hash picks among every worker's
+    general sockets, so each network's datagrams reach one worker, which alone establishes it
+    on one of its own protected sockets.
 
     Loads use the legacy packet access (``BPF_LD | BPF_ABS``, relative to the network header
     like the classic program's), which needs the context in r6 and leaves r1-r5 clobbered."""
-    if protected < 1 or general < 1:
-        raise ValueError("a split group has protected and general sockets")
+    if protected < 1 or general < 1 or workers < 1:
+        raise ValueError("a split group has protected and general sockets, and a worker")
     i = bpf.insn
     alu32, alu64 = bpf.ALU, bpf.ALU64
     r0, r1, r2, r6, r7, r8, r9, r10 = bpf.R0, bpf.R1, bpf.R2, bpf.R6, *_CALLEE_SAVED, bpf.R10
@@ -232,9 +238,14 @@ def split_program(map_fd: int, protected: int, general: int) -> bytes:
         i(bpf.JMP | bpf.JEQ | bpf.K, r0, off=2, imm=0),  # not established: the general sockets
         i(bpf.LDX | bpf.MEM | bpf.W, r0, r0),  # the socket the map names
         i(bpf.JMP | bpf.EXIT),
+        # slot = hash % (general * workers); index = slot + (slot / general + 1) * protected
         i(alu32 | bpf.MOV | bpf.X, r0, r9),
-        i(alu32 | bpf.MOD | bpf.K, r0, imm=general),
-        i(alu32 | bpf.ADD | bpf.K, r0, imm=protected),
+        i(alu32 | bpf.MOD | bpf.K, r0, imm=general * workers),
+        i(alu32 | bpf.MOV | bpf.X, r1, r0),
+        i(alu32 | bpf.DIV | bpf.K, r1, imm=general),
+        i(alu32 | bpf.ADD | bpf.K, r1, imm=1),
+        i(alu32 | bpf.MUL | bpf.K, r1, imm=protected),
+        i(alu32 | bpf.ADD | bpf.X, r0, r1),
         i(bpf.JMP | bpf.EXIT),
     ]
     head = [
@@ -254,17 +265,34 @@ class SplitGroup:
     refuses (no ``CAP_BPF``), it raises :class:`~gtm.geodns.bpf.BpfError` and nothing is
     attached."""
 
-    def __init__(self, table: bpf.HashMap, prog_fd: int, protected: int, general: int) -> None:
+    def __init__(
+        self,
+        table: bpf.HashMap,
+        prog_fd: int,
+        protected: int,
+        general: int,
+        *,
+        base: int = 0,
+        workers: int = 1,
+    ) -> None:
         self.table = table
-        self.prog_fd = prog_fd
-        self.protected = protected
+        self.prog_fd = prog_fd  # -1 in a worker that joined a group another process set up
+        self.protected = protected  # this worker's protected sockets, then its general ones
         self.general = general
+        # The index of this worker's first socket in the group, and how many workers share it
+        # (gtm.geodns.groups): the map names sockets by their index in the whole group.
+        self.base = base
+        self.workers = workers
 
     @classmethod
-    def open(cls, sock: socket.socket, protected: int, general: int, capacity: int) -> SplitGroup:
+    def open(
+        cls, sock: socket.socket, protected: int, general: int, capacity: int, workers: int = 1
+    ) -> SplitGroup:
+        """Load the map and program, and attach the program to ``sock``'s group: of
+        ``workers`` processes' sockets, this process's first (base 0)."""
         table = bpf.HashMap.create(8, 4, capacity, b"gtm_established")
         try:
-            code = split_program(table.fd, protected, general)
+            code = split_program(table.fd, protected, general, workers)
             prog_fd = bpf.load_program(bpf.PROG_TYPE_SOCKET_FILTER, code, b"gtm_steer")
             try:
                 sock.setsockopt(
@@ -276,11 +304,24 @@ class SplitGroup:
         except BaseException:
             table.close()
             raise
-        return cls(table, prog_fd, protected, general)
+        return cls(table, prog_fd, protected, general, workers=workers)
+
+    def joined(self, worker: int) -> SplitGroup:
+        """The same group as worker ``worker`` sees it: the same map (its descriptor, handed
+        to that worker's process), its own sockets; no program of its own to close."""
+        return SplitGroup(
+            self.table,
+            -1,
+            self.protected,
+            self.general,
+            base=worker * (self.protected + self.general),
+            workers=self.workers,
+        )
 
     def add(self, network: Hashable) -> int:
-        """Steer ``network`` to its protected socket from now on; the socket's index."""
-        index = protected_index(network, self.protected)
+        """Steer ``network`` to its protected socket, one of this worker's, from now on; the
+        socket's index in the group."""
+        index = self.base + protected_index(network, self.protected)
         self.table.put(struct.pack("=Q", key_of_network(network)), struct.pack("=I", index))
         return index
 

@@ -238,7 +238,8 @@ class FairUdp:
 
     def socket_of(self, host: str) -> int:
         """The socket of this listener (its index) that datagrams from ``host`` land on now, as
-        the kernel's program picks it (a group this process bound alone)."""
+        the kernel's program picks it (a group this process bound alone, or a split group of
+        workers: an index outside this worker's sockets is another worker's)."""
         n = len(self._sockets)
         split = self.split
         if split is None:
@@ -246,7 +247,8 @@ class FairUdp:
         network = sender_network(host)
         if self.established is not None and network in self.established:
             return steering.protected_index(network, split.protected)
-        return steering.split_index(host, split.general, split.protected)
+        index = steering.split_index(host, split.general, split.protected, split.workers)
+        return index - split.base
 
     def _network(self, host: str) -> Hashable:
         network = self._networks.get(host)

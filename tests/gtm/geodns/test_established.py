@@ -407,10 +407,14 @@ async def test_without_established_networks_the_same_misses_find_the_queues_full
     assert len(answered) < 10
 
 
-def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(
+    tmp_path: Path, workers: int
+) -> None:
     """``gtm serve`` with CAP_BPF (and CAP_SYS_ADMIN) out of its bounding set, as an unprivileged
     service runs where unprivileged eBPF is off: the kernel refuses the map, the node logs
-    dns.established_refused once per address and serves on the hashed group."""
+    dns.established_refused once per address and serves on the hashed group (with workers,
+    each binds its own sockets: gtm.geodns.groups)."""
     setpriv = root_tool("setpriv", "dropping CAP_BPF needs setpriv (util-linux) as root")
     port = free_tcp_udp_port()
     proc = subprocess.Popen(
@@ -418,7 +422,7 @@ def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path)
             setpriv,
             "--bounding-set=-bpf,-sys_admin",
             sys.executable,
-            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
+            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--workers", str(workers)),
         ],
         env=serve_env(tmp_path),
         cwd=Path(__file__).resolve().parents[3],
@@ -429,9 +433,10 @@ def test_without_cap_bpf_the_node_says_so_and_steers_by_the_hash(tmp_path: Path)
     try:
         seen = ""
         deadline = time.monotonic() + 60
-        while "gtm.ready" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        while seen.count("gtm.ready") < workers and time.monotonic() < deadline:
+            assert proc.poll() is None, seen
             seen += proc.stderr.readline()
-        assert "gtm.ready" in seen, seen
+        assert seen.count("gtm.ready") == workers, seen
         assert seen.count("dns.established_refused") == 1
         assert "CAP_BPF" in seen and "dns.udp_steering_refused" not in seen
         query = dns.message.make_query("chat.gtm.example.", "A")

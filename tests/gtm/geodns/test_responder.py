@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY, generate_latest
 from gtm.audit import query as audit_query
 from gtm.audit.database import make_async_engine
 from gtm.decision.snapshot import RegionCapacity
+from gtm.geodns.groups import UDP_RECEIVE_BUFFER
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter, network_key
-from gtm.geodns.server import UDP_RECEIVE_BUFFER
 
 from .conftest import StartNode, port_of, raw_udp, tcp, udp
 from .test_server import addresses, q

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gtm.geodns.admission import sender_network
+from gtm.geodns.groups import bind_worker_groups
 from gtm.geodns.steering import (
     SplitGroup,
     attach,
@@ -30,6 +31,7 @@ from gtm.geodns.steering import (
     split_index,
     split_program,
 )
+from tests.support.ports import free_tcp_udp_port
 
 SOCKETS = 8
 
@@ -255,3 +257,37 @@ def test_the_program_is_whole_instructions_and_refuses_an_empty_group() -> None:
     assert len(code) % 8 == 0 and len(code) // 8 == 19
     with pytest.raises(ValueError, match="at least one"):
         program(0)
+
+
+def test_a_group_bound_for_two_workers_gives_each_network_to_one_worker() -> None:
+    """gtm.geodns.groups: the first process binds both workers' sockets in order, and the
+    program hashes each network over every worker's general sockets; a network one worker
+    establishes lands on that worker's own protected socket. Before, workers bound their own
+    sockets in whatever order they started, and a split group was refused with workers."""
+    port = free_tcp_udp_port()
+    shares = bind_worker_groups((f"127.0.0.1:{port}",), workers=2, per_worker=4, capacity=64)
+    assert shares is not None and len(shares) == 2
+    (first,), (second,) = (list(share.values()) for share in shares)
+    socks = first.socks + second.socks  # the group's order
+    try:
+        assert (first.split.base, second.split.base) == (0, 4)
+        owner = {}
+        for net in range(60):
+            source = f"127.0.{net}.1"
+            expected = split_index(source, 2, 2, workers=2)
+            assert expected in (2, 3, 6, 7)  # a general socket, of either worker
+            send_from(socket.AF_INET, source, ("127.0.0.1", port))
+            assert landed(socks) == [expected], source
+            owner[sender_network(source)] = 0 if expected < 4 else 1
+        assert set(owner.values()) == {0, 1}  # the networks are spread over both workers
+        for net in (5, 6, 7, 8):
+            network = sender_network(f"127.0.{net}.1")
+            share = (first, second)[owner[network]]
+            index = share.split.add(network)  # its owner establishes it
+            assert index == share.split.base + protected_index(network, 2)
+            send_from(socket.AF_INET, f"127.0.{net}.77", ("127.0.0.1", port))
+            assert landed(socks) == [index]
+    finally:
+        first.split.close()
+        for sock in socks:
+            sock.close()

@@ -1,0 +1,143 @@
+"""Established networks with worker processes (gtm.geodns.groups): ``gtm serve --workers 2``,
+its sockets bound by the first process for both, an established network's queries answered
+through a flood from 256 networks that overflows every other socket.
+
+Before, each worker bound its own sockets and the split group was off with workers: every
+network hashed over all sixteen sockets, the legitimate one's among the flood's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dns.message
+import dns.query
+import httpx
+
+from gtm.geodns.steering import split_index
+from tests.conftest import ROOT
+from tests.support.ports import free_tcp_udp_port
+
+from .test_dig import serve_env
+from .test_established import FLOOD_NETWORKS
+
+PER_WORKER = 8  # GTM_DNS_UDP_SOCKETS: 4 protected, then 4 general, in each worker
+# 163,840 datagrams: some 20,000 for each of the 8 general sockets (and, with the sockets
+# hashed, some 10,000 for each of 16): every one more than its buffer holds (some 5,000).
+FLOOD_EACH = 640
+DEADLINE_S = 60.0
+QUERY = dns.message.make_query("chat.gtm.example.", "A").to_wire()
+
+
+def with_id(qid: int) -> bytes:
+    return qid.to_bytes(2, "big") + QUERY[2:]
+
+
+@contextmanager
+def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, list[str]]]:
+    """``gtm serve --workers 2``: the process, its DNS and metrics ports, and its log lines
+    (read by a thread, so that the pipe never fills)."""
+    port, metrics = free_tcp_udp_port(), free_tcp_udp_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
+            *("--metrics", f"127.0.0.1:{metrics}", "--workers", "2"),
+        ],
+        env=serve_env(tmp_path) | {"GTM_DNS_UDP_SOCKETS": str(PER_WORKER)},
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while sum("gtm.ready" in line for line in list(lines)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        yield proc, port, metrics, lines
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        reader.join(timeout=10)
+        proc.stderr.close()
+
+
+def metric(metrics: int, name: str) -> float:
+    """A sample of the first worker's metrics (the second's are not served)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in the first worker's metrics")
+
+
+def family_of(pid: int) -> list[int]:
+    """``pid`` and its children (the spawned worker, multiprocessing's helpers)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *map(int, children)]
+
+
+def test_two_workers_keep_an_established_networks_queries_through_a_flood(
+    tmp_path: Path,
+) -> None:
+    # The legitimate network hashes to the first worker's general sockets (the second's
+    # would do as well; the first serves the metrics that show it established).
+    legit_host = next(
+        f"127.0.{third}.1"
+        for third in range(5, 250)
+        if split_index(f"127.0.{third}.1", PER_WORKER // 2, PER_WORKER // 2, 2) < PER_WORKER
+    )
+    with two_workers(tmp_path) as (proc, port, metrics, lines):
+        assert not any("dns.established_refused" in line for line in lines), "".join(lines)
+        # Asked steadily, the network is established within a few calm one-second ticks.
+        deadline = time.monotonic() + DEADLINE_S
+        while metric(metrics, "gtm_dns_established_networks") < 1:
+            assert time.monotonic() < deadline, "the legitimate network never established"
+            reply = dns.query.udp(
+                dns.message.from_wire(QUERY), "127.0.0.1", port=port, source=legit_host, timeout=5
+            )
+            assert reply.answer
+            time.sleep(0.2)
+        target = ("127.0.0.1", port)
+        processes = family_of(proc.pid)
+        legit = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        legit.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        legit.bind((legit_host, 0))
+        floods = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOOD_NETWORKS)]
+        try:
+            for i, f in enumerate(floods):
+                f.bind((f"127.1.{i}.1", 0))
+            # Neither worker reads while the flood and the legitimate queries are sent: every
+            # general socket overflows, whatever the machine's speed.
+            for pid in processes:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                for k in range(FLOOD_EACH):
+                    for f in floods:
+                        f.sendto(with_id(k), target)
+                for i in range(50):
+                    legit.sendto(with_id(60_000 + i), target)
+            finally:
+                for pid in processes:
+                    os.kill(pid, signal.SIGCONT)
+            legit.settimeout(DEADLINE_S)
+            answered = sorted(int.from_bytes(legit.recv(512)[:2], "big") for _ in range(50))
+        finally:
+            legit.close()
+            for f in floods:
+                f.close()
+        assert answered == list(range(60_000, 60_050))
+        # The flood did overflow the first worker's general sockets.
+        assert metric(metrics, "gtm_dns_receive_dropped_total") > 0
