@@ -18,9 +18,9 @@ def cookie_secret(
     path: Annotated[Path, typer.Argument(help="the new secret file (must not exist)")],
 ) -> None:
     """Write a new DNS cookie secret (RFC 9018: 16 random octets as hex), mode 0600. Give the
-    same file to every node of an anycast set as GTM_DNS_COOKIE_SECRET_FILE. To roll it over,
-    put the new secret on the first line and the old one on the second, everywhere, and drop
-    the second line an hour later."""
+    same file to every node of an anycast set as GTM_DNS_COOKIE_SECRET_FILE. The first line
+    makes cookies, a second is accepted too. To roll it over, everywhere: add the new secret as
+    the second line; then swap the two lines; an hour later, drop the old one (docs/runbook.md)."""
     try:
         write_new_owner_only(path, new_secret().encode())
     except FileExistsError as exc:

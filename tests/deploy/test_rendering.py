@@ -241,10 +241,9 @@ def test_node_settings_are_valid_gtm_settings(
         assert (settings.admin_listen is not None) is (label == "admin_node")
         assert (settings.document_signing_key is not None) is (label == "admin_node")
         assert settings.report_secret is None  # secrets are never in the user data
-        assert settings.dns_cookie_secret is None
-        # One cookie secret for the fleet, fetched at start (a random one per node would make
-        # every node refuse the others' cookies: a new cookie at each change of node).
-        assert settings.dns_cookie_secret_file == Path("/run/gtm/keys/dns-cookie.secret")
+        # The fleet's cookie secret is named in /run/gtm/node.env once fetched (gtm-fetch-secrets):
+        # never in the user data, and never a file that may not be there yet.
+        assert settings.dns_cookie_secret is None and settings.dns_cookie_secret_file is None
         assert "GTM_DATABASE_URL" not in env and "GTM_REPORT_SECRET" not in env
 
 

@@ -196,3 +196,20 @@ def test_every_checkov_exception_says_why() -> None:
             reason = re.search(r"#checkov:skip=CKV2?_AWS_\d+:(.{20,})$", line.strip())
             assert reason, f"{path.relative_to(ROOT)}:{number}: a skip without a reason"
     assert skips > 0
+
+
+def test_every_node_may_read_each_secret_its_scripts_fetch() -> None:
+    """The secrets a node's scripts read (gtm-node-config's ``secrets``) are each in its
+    ReadOwnSecrets statement, but for the first admin token, which only the bootstrap node
+    reads (its own policy covers every fleet secret). A secret missing there was a node that
+    waited for it, then never started."""
+    region = (TERRAFORM / "modules" / "gtm-region" / "main.tf").read_text()
+    given = re.search(r"\n  secrets = \{\n(.*?)\n  \}", region, re.S)
+    assert given is not None
+    fleet = re.findall(r'var\.fleet_secrets\.names\["([^"]+)"\]', given.group(1))
+    assert "dns-cookie-secret" in fleet and "report-secret" in fleet
+    statement = re.search(r'sid\s+= "ReadOwnSecrets"(.*?)\n  \}', region, re.S)
+    assert statement is not None
+    readable = set(re.findall(r'local\.here\["([^"]+)"\]', statement.group(1)))
+    assert "local.here[each.value.login]" in statement.group(1)  # its own database login
+    assert set(fleet) - {"admin-bootstrap-token"} <= readable, set(fleet) - readable

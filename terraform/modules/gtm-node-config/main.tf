@@ -22,9 +22,6 @@ locals {
       GTM_OPS_ALLOW        = jsonencode(var.ops_allow)
       GTM_MIGRATE_ON_START = "false"
       GTM_LOG_FORMAT       = "json"
-      # Fetched from the fleet's secret at every start (gtm-fetch-secrets): one secret for
-      # every node, so a resolver's cookie from one node is valid at the others.
-      GTM_DNS_COOKIE_SECRET_FILE = "/run/gtm/keys/dns-cookie.secret"
     },
     var.geoip_s3_uri == null ? {} : { GTM_GEOIP_PATH = "/var/lib/gtm-geoip/City.mmdb" },
     var.admin ? { GTM_DOCUMENT_SIGNING_KEY = "/run/gtm/keys/document-signing.key" } : {},

@@ -240,7 +240,10 @@ data "aws_iam_policy_document" "node" {
     sid     = "ReadOwnSecrets"
     actions = ["secretsmanager:GetSecretValue"]
     resources = concat(
-      [local.here["report-secret"], local.here["document-public-key"], local.here[each.value.login]],
+      [
+        local.here["report-secret"], local.here["document-public-key"],
+        local.here["dns-cookie-secret"], local.here[each.value.login],
+      ],
       var.admin.enabled ? [local.here["document-signing-key"]] : [],
     )
   }
