@@ -182,7 +182,8 @@ class DnsServer:
                 established = None
                 if split is not None:
                     established = EstablishedNetworks(
-                        self.established_networks,
+                        # The map is the group's: each worker's share of it (gtm.geodns.groups).
+                        max(1, self.established_networks // split.workers),
                         proven=self.responder.proven if self.establish_with_cookie else None,
                     )
                     self.responder.stats.established.append(established)

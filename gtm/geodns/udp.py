@@ -57,6 +57,12 @@ TICK_S = 1.0
 # The slow path's time in one loop turn, at most (and at least one query): cached answers wait
 # in the kernel's buffer while it runs (gtm.geodns.admission).
 SLOW_TURN_S = 0.001
+# Of the datagrams an established network's socket behind a flood would drop as unproven
+# (gtm.geodns.admission.UNPROVEN), each cookie-speaking network has this many a tick answered
+# all the same: a client of it whose cookie went bad (a restarted resolver, an address new to
+# its pool, another node's secret) is handed a fresh one, while a forged flood in the
+# network's name gets next to nothing.
+UNPROVEN_ALLOWANCE = 8
 # A socket's queue age is observed on the first read batch after this long since the last: a
 # recvmsg and a stamp parsed on every batch would add to the kernel's own cost of stamping
 # (3-4% of the listener's capacity at full load); once a millisecond per socket is noise beside
@@ -144,6 +150,8 @@ class FairUdp:
         self._seen_general: set[Hashable] = set()
         self._seen_protected: set[Hashable] = set()
         self._over: set[Hashable] = set()
+        # Unproven datagrams answered this tick, by network (UNPROVEN_ALLOWANCE).
+        self._unproven: dict[Hashable, int] = {}
         self._slow_taken = 0  # queries the slow path took while both lanes waited
         self._read = 0  # datagrams read this tick (what its drops are measured against)
         self._dropped_before = 0
@@ -204,6 +212,7 @@ class FairUdp:
             if established.demote(network):
                 self._unsteer(network)
         self._over.clear()
+        self._unproven.clear()
         general, self._seen_general = self._seen_general, set()
         protected, self._seen_protected = self._seen_protected, set()
         changes = established.end_tick(general, protected, calm=calm)
@@ -314,8 +323,11 @@ class FairUdp:
             if network is None:
                 network = self._network(addr[0])
             if suspect and r.speaks_cookies(network) and not r.cookie_proves(data, addr[0]):
-                lane.counts.dropped[UNPROVEN] += 1
-                continue
+                let = self._unproven.get(network, 0)
+                if let >= UNPROVEN_ALLOWANCE:
+                    lane.counts.dropped[UNPROVEN] += 1
+                    continue
+                self._unproven[network] = let + 1
             n = taken.get(network, 0)
             if share and n >= turn_share:
                 lane.counts.dropped[OVER_SHARE] += 1

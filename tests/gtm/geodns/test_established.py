@@ -553,18 +553,10 @@ async def cookie_query(node: Node, source: str) -> bytes:
     return proof.to_wire()
 
 
-@pytest.mark.usefixtures("manual_ticks")
-async def test_a_flood_forged_in_an_established_networks_name_is_told_by_its_cookie(
-    start_node: StartNode,
-) -> None:
-    """Two cookie-speaking networks are established on one protected socket. A forger sends
-    2,000 queries from the first network's addresses, without a cookie (it never sees ours),
-    while each network's resolver asks 20 with its cookie. Before, the forged datagrams were
-    the first network's: past its share of a batch, its own queries were dropped with them
-    and, at the tick, it was demoted, which is what the forger wanted. Now, on a protected
-    socket behind, a datagram without a valid cookie in the name of a network whose clients
-    bring one is dropped as read (counted as unproven): both resolvers get every answer and
-    keep their place."""
+async def two_cookie_networks(start_node: StartNode) -> tuple[Node, str, str, dict[str, bytes]]:
+    """A node establishing only proven networks, and two cookie-speaking networks established
+    on one protected socket: the node, the two resolvers' hosts, and the query each asks with
+    its valid cookie."""
     node = await start_node(dns_listen=("127.0.0.1:0",), dns_establish_with_cookie=True)
     assert node.dns is not None and node.dns.split
     fair = listener(node)
@@ -583,6 +575,24 @@ async def test_a_flood_forged_in_an_established_networks_name_is_told_by_its_coo
         fair.tick()
     assert sender_network(victim) in fair.established
     assert sender_network(other) in fair.established
+    return node, victim, other, asks
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_a_flood_forged_in_an_established_networks_name_is_told_by_its_cookie(
+    start_node: StartNode,
+) -> None:
+    """Two cookie-speaking networks are established on one protected socket. A forger sends
+    2,000 queries from the first network's addresses, without a cookie (it never sees ours),
+    while each network's resolver asks 20 with its cookie. Before, the forged datagrams were
+    the first network's: past its share of a batch, its own queries were dropped with them
+    and, at the tick, it was demoted, which is what the forger wanted. Now, on a protected
+    socket behind, a datagram without a valid cookie in the name of a network whose clients
+    bring one is dropped as read (counted as unproven; UNPROVEN_ALLOWANCE of them a tick are
+    answered all the same): both resolvers get every answer and keep their place."""
+    node, victim, other, asks = await two_cookie_networks(start_node)
+    fair = listener(node)
+    assert fair.established is not None
     port = port_of(node)
     forger_host = "127.0.5.66"  # the victim's /24: its queries land where the victim's do
     with sender(forger_host) as forger, sender(victim) as v, sender(other) as o:
@@ -599,3 +609,31 @@ async def test_a_flood_forged_in_an_established_networks_name_is_told_by_its_coo
     fair.tick()
     assert sender_network(victim) in fair.established
     assert fair.established.changes[DEMOTED] == 0
+
+
+@pytest.mark.usefixtures("manual_ticks")
+async def test_a_client_whose_cookie_went_bad_is_handed_a_new_one_while_its_socket_is_behind(
+    start_node: StartNode,
+) -> None:
+    """A cookie-speaking network's own resolver keeps its protected socket behind (2,000
+    queries at once, each with its valid cookie); meanwhile another client of the network asks
+    with a client cookie alone (it restarted, or is new to the network's address pool). Its
+    query is unproven, and with no allowance it went unanswered for as long as the socket
+    stayed behind; now a few unproven queries a tick are answered, each with a fresh cookie."""
+    node, victim, _, asks = await two_cookie_networks(start_node)
+    port = port_of(node)
+    restarted = "127.0.5.9"
+    fresh_ask = dns.message.make_query(
+        "chat.gtm.example.", "A", use_edns=0, options=[dns.edns.GenericOption(10, bytes(8))]
+    ).to_wire()
+    with sender(victim) as v, sender(restarted) as c:
+        for i in range(2000):
+            v.sendto(with_id(asks[victim], i), ("127.0.0.1", port))
+            if i % 500 == 250:
+                c.sendto(with_id(fresh_ask, 63_000 + i // 500), ("127.0.0.1", port))
+        answers = await receive(c, 4)
+    assert sorted(int.from_bytes(a[:2], "big") for a in answers) == list(range(63_000, 63_004))
+    for answer in answers:
+        reply = dns.message.from_wire(answer)
+        (cookie,) = (o.to_wire() for o in reply.options if o.otype == dns.edns.OptionType.COOKIE)
+        assert cookie[:8] == bytes(8) and len(cookie) == 24  # a server cookie to come back with

@@ -265,17 +265,27 @@ def test_the_cookie_read_alone_is_the_one_the_parser_reads(
     base: bytes, edits: list[tuple[int, int]], cut: int
 ) -> None:
     """cookie_option (a protected socket's check behind a flood) never reads a cookie the
-    parser would not: for any mutation of real cookie queries, whatever it finds is the
-    parsed query's own cookie; and on the unmutated queries it finds it."""
+    parser would not, and misses none the parser reads in a plain query: for any mutation of
+    real cookie queries, whatever it finds is the parsed query's own cookie."""
     data = bytearray(base)
     for pos, value in edits:
         if pos < len(data):
             data[pos] = value
     packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
     found = cookie_option(packet)
+    parsed = parse_query(packet)
     if found is not None:
-        parsed = parse_query(packet)
         assert isinstance(parsed, Query | Reject) and parsed.edns is not None
         assert parsed.edns.cookie == found, (packet, parsed)
     if not edits and not cut:
         assert found is not None
+    # The other way: a plain query (one question as sent, an OPT alone after it) whose cookie
+    # the parser reads is never one cookie_option misses (it would be dropped as unproven).
+    if (
+        isinstance(parsed, Query)
+        and parsed.edns is not None
+        and parsed.edns.cookie is not None
+        and packet[4:12] == b"\x00\x01\x00\x00\x00\x00\x00\x01"
+        and packet[12 : 12 + len(parsed.qname)] == parsed.qname
+    ):
+        assert found == parsed.edns.cookie, packet
