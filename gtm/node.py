@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,10 +276,26 @@ def shared_cookie_secret(settings: Settings) -> Settings:
     return settings.model_copy(update={"dns_cookie_secret": SecretStr(new_secret().strip())})
 
 
-def serve_workers(settings: Settings) -> None:
+def _watch_workers(children: list[Any], lost: list[str]) -> None:
+    """Wait for the first worker to end; one that failed (not a clean stop) stops this
+    process, so that the node ends and its supervisor starts it again whole. A worker gone
+    leaves the port's socket group, and the kernel moves others' sockets into its places: the
+    split group's layout (gtm.geodns.groups) no longer holds, nor do its clients' caches."""
+    by_sentinel = {child.sentinel: child for child in children}
+    for ended in multiprocessing.connection.wait(list(by_sentinel)):
+        child = by_sentinel[ended]
+        if child.exitcode != 0:  # it has ended: reaped here, its status kept for the stop
+            lost.append(f"{child.name} exited with {child.exitcode}")
+            log.error("gtm.worker_exited", worker=child.name, exitcode=child.exitcode)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+
+def serve_workers(settings: Settings) -> int:
     """``settings.workers`` processes on the same DNS and HTTP ports (SO_REUSEPORT): the kernel
     spreads clients over them by address and port. This process is worker 0; the schema is
-    migrated once, here, before any worker starts."""
+    migrated once, here, before any worker starts. The exit status: 0 after a clean stop, 1
+    when a worker failed (the others are stopped with it: :func:`_watch_workers`)."""
     migrated = False
     if settings.migrate_on_start:
         try:
@@ -305,6 +323,10 @@ def serve_workers(settings: Settings) -> None:
     if shares is not None:
         for share in shares[1:]:
             close_share(share)
+    lost: list[str] = []
+    threading.Thread(
+        target=_watch_workers, args=(children, lost), name="gtm-worker-watch", daemon=True
+    ).start()
     try:
         serve_forever(
             worker_settings(settings, 0),
@@ -319,3 +341,4 @@ def serve_workers(settings: Settings) -> None:
             child.join(timeout=30)
             if child.is_alive():
                 child.kill()
+    return 1 if lost else 0

@@ -110,7 +110,9 @@ def serve(
             # Before anything starts: a signed zone whose keys cannot be used is never served.
             load_keys(settings.dnssec_key_file, settings.dnssec_publish_key_files)
         if settings.workers > 1:
-            serve_workers(settings)
+            status = serve_workers(settings)
+            if status:
+                raise typer.Exit(status)  # a worker failed: the node stopped with it
         else:
             serve_forever(settings)
     except GTMError as exc:

@@ -141,3 +141,44 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
         assert answered == list(range(60_000, 60_050))
         # The flood did overflow the first worker's general sockets.
         assert metric(metrics, "gtm_dns_receive_dropped_total") > 0
+
+
+def test_a_worker_that_dies_stops_the_node_with_a_failure(tmp_path: Path) -> None:
+    """A worker killed (SIGKILL, as the OOM killer would) leaves the port's socket group, and
+    the kernel moves others' sockets into its places: the group's layout no longer holds.
+    Before, the first process went on serving as if nothing had happened; now it stops, and
+    exits 1, so that its supervisor (systemd's Restart=on-failure) starts the node again whole."""
+    port = free_tcp_udp_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--workers", "2"),
+        ],
+        env=serve_env(tmp_path),
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while sum("gtm.ready" in line for line in list(lines)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        (worker,) = (
+            pid
+            for pid in family_of(proc.pid)[1:]
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=DEADLINE_S) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        proc.stderr.close()
+    assert any("gtm.worker_exited" in line for line in lines), "".join(lines)
