@@ -276,7 +276,7 @@ def shared_cookie_secret(settings: Settings) -> Settings:
     return settings.model_copy(update={"dns_cookie_secret": SecretStr(new_secret().strip())})
 
 
-def _watch_workers(children: list[Any], lost: list[str]) -> None:
+def _watch_workers(children: list[Any], lost: list[str], stopping: threading.Event) -> None:
     """Wait for the first worker to end; one that failed (not a clean stop) stops this
     process, so that the node ends and its supervisor starts it again whole. A worker gone
     leaves the port's socket group, and the kernel moves others' sockets into its places: the
@@ -284,6 +284,8 @@ def _watch_workers(children: list[Any], lost: list[str]) -> None:
     by_sentinel = {child.sentinel: child for child in children}
     for ended in multiprocessing.connection.wait(list(by_sentinel)):
         child = by_sentinel[ended]
+        if stopping.is_set():
+            return  # the node is stopping: it ended its workers (and reaps them)
         if child.exitcode != 0:  # it has ended: reaped here, its status kept for the stop
             lost.append(f"{child.name} exited with {child.exitcode}")
             log.error("gtm.worker_exited", worker=child.name, exitcode=child.exitcode)
@@ -318,26 +320,34 @@ def serve_workers(settings: Settings) -> int:
         )
         for i in range(1, settings.workers)
     ]
-    for child in children:
-        child.start()  # its sockets and the map are duplicated into it as it is spawned
-    if shares is not None:
-        for share in shares[1:]:
-            close_share(share)
     lost: list[str] = []
-    threading.Thread(
-        target=_watch_workers, args=(children, lost), name="gtm-worker-watch", daemon=True
-    ).start()
+    stopping = threading.Event()
+    # Every worker started is stopped below, whatever fails after it started: a child left
+    # running would hold this process at its exit (multiprocessing joins its children).
     try:
+        for child in children:
+            child.start()  # its sockets and the map are duplicated into it as it is spawned
+        if shares is not None:
+            for share in shares[1:]:
+                close_share(share)
+        threading.Thread(
+            target=_watch_workers,
+            args=(children, lost, stopping),
+            name="gtm-worker-watch",
+            daemon=True,
+        ).start()
         serve_forever(
             worker_settings(settings, 0),
             reuse_port=True,
             groups=shares[0] if shares is not None else None,
         )
     finally:
-        for child in children:
+        stopping.set()  # the workers' ends from here on are this stop's
+        started = [child for child in children if child.pid is not None]
+        for child in started:
             if child.is_alive():
                 os.kill(child.pid or 0, signal.SIGTERM)
-        for child in children:
+        for child in started:
             child.join(timeout=30)
             if child.is_alive():
                 child.kill()
