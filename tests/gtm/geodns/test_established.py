@@ -171,6 +171,17 @@ async def establish(node: Node, source: str) -> None:
     assert sender_network(source) in fair.established
 
 
+def sharing_a_protected_socket(fair: FairUdp, host: str) -> str:
+    """A host of another network (127.0.x.1) given the same protected socket as ``host``'s."""
+    assert fair.split is not None
+    mine = protected_index(sender_network(host), fair.split.protected)
+    return next(
+        f"127.0.{third}.1"
+        for third in range(6, 250)
+        if protected_index(sender_network(f"127.0.{third}.1"), fair.split.protected) == mine
+    )
+
+
 async def flood_from_many_then(node: Node, legit_from: str) -> socket.socket:
     """FLOOD_NETWORKS networks send FLOOD_EACH cached queries each, then ``legit_from`` sends 50,
     all before the server reads one. Returns the legitimate sender (the caller closes it)."""
@@ -274,13 +285,7 @@ async def test_an_established_network_that_floods_its_protected_socket_is_demote
     fair = listener(node)
     assert fair.split is not None and fair.established is not None
     flooder = "127.0.5.1"
-    # Another network whose protected socket is the flooder's.
-    other = next(
-        f"127.0.{third}.1"
-        for third in range(6, 250)
-        if protected_index(sender_network(f"127.0.{third}.1"), fair.split.protected)
-        == protected_index(sender_network(flooder), fair.split.protected)
-    )
+    other = sharing_a_protected_socket(fair, flooder)
     for _ in range(AGE_TICKS):
         await prime(node, flooder)
         await prime(node, other)
@@ -562,12 +567,7 @@ async def two_cookie_networks(start_node: StartNode) -> tuple[Node, str, str, di
     fair = listener(node)
     assert fair.split is not None and fair.established is not None
     victim = "127.0.5.1"
-    other = next(
-        f"127.0.{third}.1"
-        for third in range(6, 250)
-        if protected_index(sender_network(f"127.0.{third}.1"), fair.split.protected)
-        == protected_index(sender_network(victim), fair.split.protected)
-    )
+    other = sharing_a_protected_socket(fair, victim)
     asks = {host: await cookie_query(node, host) for host in (victim, other)}
     for _ in range(AGE_TICKS):
         for host, wire in asks.items():

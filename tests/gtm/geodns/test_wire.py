@@ -162,6 +162,16 @@ def test_random_bytes_never_raise(data: bytes) -> None:
     assert_verdict(data, parse_query(data))
 
 
+def mutated(base: bytes, edits: list[tuple[int, int]], cut: int) -> bytes:
+    """``base`` with each (position, octet) of ``edits`` written where it falls inside, then
+    its last ``cut`` octets cut (unless that would leave nothing)."""
+    data = bytearray(base)
+    for pos, value in edits:
+        if pos < len(data):
+            data[pos] = value
+    return bytes(data[: len(data) - cut] if cut < len(data) else data)
+
+
 VALID = [
     wire_of(),
     wire_of(use_edns=0, options=[dns.edns.ECSOption("2001:db8::", 48)]),
@@ -176,11 +186,7 @@ VALID = [
     st.integers(0, 80),
 )
 def test_mutated_queries_never_raise(base: bytes, edits: list[tuple[int, int]], cut: int) -> None:
-    data = bytearray(base)
-    for pos, value in edits:
-        if pos < len(data):
-            data[pos] = value
-    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    packet = mutated(base, edits, cut)
     assert_verdict(packet, parse_query(packet))
 
 
@@ -228,11 +234,7 @@ def test_the_short_path_agrees_with_the_general_parser(
 ) -> None:
     from gtm.geodns.wire import _parse_general
 
-    data = bytearray(base)
-    for pos, value in edits:
-        if pos < len(data):
-            data[pos] = value
-    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    packet = mutated(base, edits, cut)
     general = _parse_general(packet)
     assert parse_query(packet) == general
     assert parse_query(packet) == general  # again, now with the memos primed
@@ -267,11 +269,7 @@ def test_the_cookie_read_alone_is_the_one_the_parser_reads(
     """cookie_option (a protected socket's check behind a flood) never reads a cookie the
     parser would not, and misses none the parser reads in a plain query: for any mutation of
     real cookie queries, whatever it finds is the parsed query's own cookie."""
-    data = bytearray(base)
-    for pos, value in edits:
-        if pos < len(data):
-            data[pos] = value
-    packet = bytes(data[: len(data) - cut] if cut < len(data) else data)
+    packet = mutated(base, edits, cut)
     found = cookie_option(packet)
     parsed = parse_query(packet)
     if found is not None:

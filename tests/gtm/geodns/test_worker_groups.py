@@ -42,15 +42,18 @@ def with_id(qid: int) -> bytes:
 
 
 @contextmanager
-def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, list[str]]]:
-    """``gtm serve --workers 2``: the process, its DNS and metrics ports, and its log lines
-    (read by a thread, so that the pipe never fills)."""
-    port, metrics = free_tcp_udp_port(), free_tcp_udp_port()
+def two_workers(
+    tmp_path: Path, *, metrics: int | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
+    """``gtm serve --workers 2`` until both workers are ready: the process, its DNS port and
+    its log lines (read by a thread, so that the pipe never fills). Stopped on the way out if
+    it still runs (SIGTERM); its exit status is then ``proc.returncode``."""
+    port = free_tcp_udp_port()
+    extra = ("--metrics", f"127.0.0.1:{metrics}") if metrics is not None else ()
     proc = subprocess.Popen(
         [
             sys.executable,
-            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}"),
-            *("--metrics", f"127.0.0.1:{metrics}", "--workers", "2"),
+            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--workers", "2", *extra),
         ],
         env=serve_env(tmp_path) | {"GTM_DNS_UDP_SOCKETS": str(PER_WORKER)},
         cwd=ROOT,
@@ -66,12 +69,18 @@ def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, in
         while sum("gtm.ready" in line for line in list(lines)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
-        yield proc, port, metrics, lines
+        yield proc, port, lines
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        reader.join(timeout=10)
-        proc.stderr.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=10)
+            proc.stderr.close()
 
 
 def metric(metrics: int, name: str) -> float:
@@ -99,7 +108,8 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
         for third in range(5, 250)
         if split_index(f"127.0.{third}.1", PER_WORKER // 2, PER_WORKER // 2, 2) < PER_WORKER
     )
-    with two_workers(tmp_path) as (proc, port, metrics, lines):
+    metrics = free_tcp_udp_port()
+    with two_workers(tmp_path, metrics=metrics) as (proc, port, lines):
         assert not any("dns.established_refused" in line for line in lines), "".join(lines)
         # Asked steadily, the network is established within a few calm one-second ticks.
         deadline = time.monotonic() + DEADLINE_S
@@ -141,6 +151,7 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
         assert answered == list(range(60_000, 60_050))
         # The flood did overflow the first worker's general sockets.
         assert metric(metrics, "gtm_dns_receive_dropped_total") > 0
+    assert proc.returncode == 0  # a clean stop
 
 
 def test_a_worker_that_dies_stops_the_node_with_a_failure(tmp_path: Path) -> None:
@@ -148,26 +159,7 @@ def test_a_worker_that_dies_stops_the_node_with_a_failure(tmp_path: Path) -> Non
     the kernel moves others' sockets into its places: the group's layout no longer holds.
     Before, the first process went on serving as if nothing had happened; now it stops, and
     exits 1, so that its supervisor (systemd's Restart=on-failure) starts the node again whole."""
-    port = free_tcp_udp_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--workers", "2"),
-        ],
-        env=serve_env(tmp_path),
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        while sum("gtm.ready" in line for line in list(lines)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)
+    with two_workers(tmp_path) as (proc, _, lines):
         (worker,) = (
             pid
             for pid in family_of(proc.pid)[1:]
@@ -175,10 +167,4 @@ def test_a_worker_that_dies_stops_the_node_with_a_failure(tmp_path: Path) -> Non
         )
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=DEADLINE_S) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=10)
-        proc.stderr.close()
     assert any("gtm.worker_exited" in line for line in lines), "".join(lines)
