@@ -90,20 +90,26 @@ class ServerCookies:
         head = bytes((VERSION, 0, 0, 0)) + _STAMP.pack(now & 0xFFFFFFFF)
         return head + self._hash(self._secret, client_cookie, head, client)
 
+    def _valid_age(self, option: bytes, client: IPAddress, seconds: int) -> int | None:
+        """The age of the server cookie ``option`` brings when it is ours for ``client`` and in
+        date at ``seconds``; None when it is not."""
+        server = option[CLIENT_LEN:]
+        if len(server) != SERVER_LEN or server[0] != VERSION:
+            return None
+        head = server[:8]
+        age = _age(_STAMP.unpack_from(head, 4)[0], seconds)
+        if not -SKEW_S <= age <= LIFETIME_S:
+            return None
+        client_cookie = option[:CLIENT_LEN]
+        for key in self._keys:
+            if secrets.compare_digest(self._hash(key, client_cookie, head, client), server[8:]):
+                return age
+        return None
+
     def valid(self, option: bytes, client: IPAddress, now: float) -> bool:
         """Whether ``option`` (a well-formed COOKIE option) brings a server cookie of ours for
         ``client``, in date at ``now``: :meth:`check`'s verdict alone, with no cookie made."""
-        server = option[CLIENT_LEN:]
-        if len(server) != SERVER_LEN or server[0] != VERSION:
-            return False
-        head = server[:8]
-        if not -SKEW_S <= _age(_STAMP.unpack_from(head, 4)[0], int(now)) <= LIFETIME_S:
-            return False
-        client_cookie = option[:CLIENT_LEN]
-        return any(
-            secrets.compare_digest(self._hash(key, client_cookie, head, client), server[8:])
-            for key in self._keys
-        )
+        return self._valid_age(option, client, int(now)) is not None
 
     def check(self, option: bytes, client: IPAddress, now: float) -> Checked:
         """The verdict on a well-formed COOKIE option (the parser checked its length:
@@ -111,8 +117,8 @@ class ServerCookies:
         to answer with."""
         seconds = int(now)
         client_cookie = option[:CLIENT_LEN]
-        if self.valid(option, client, now):
-            age = _age(_STAMP.unpack_from(option, CLIENT_LEN + 4)[0], seconds)
+        age = self._valid_age(option, client, seconds)
+        if age is not None:
             if age < RENEW_S:
                 # Echoed as received: the response stays a function of the query.
                 return Checked(option, True, now + (RENEW_S - age))

@@ -98,25 +98,21 @@ def bind_worker_groups(
             for w in range(workers):
                 mine = socks[w * per_worker : (w + 1) * per_worker]
                 shares[w][listen] = WorkerGroup(mine, split if w == 0 else split.joined(w))
-    except _NotShared as refused:
+    except BaseException as exc:
         for sock in opened:
             sock.close()
         for split in splits:
             split.close()
+        if not isinstance(exc, _NotShared):
+            raise
         log.warning(
             "dns.established_refused",
             workers=workers,
-            error=str(refused),
+            error=str(exc),
             detail="each worker binds its own sockets, hashed: every sender network shares "
             "them, a flood from many networks with them",
         )
         return None
-    except BaseException:
-        for sock in opened:
-            sock.close()
-        for split in splits:
-            split.close()
-        raise
     return shares
 
 

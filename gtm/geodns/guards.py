@@ -13,10 +13,19 @@ from gtm.geodns.admission import sender_network
 from gtm.geodns.budget import Generations
 from gtm.geodns.cookies import CLIENT_LEN, LIFETIME_S, Checked, ServerCookies, with_cookie
 from gtm.geodns.entries import Exact
+from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import Limit
 from gtm.geodns.rejects import reject_response, slip_response
 from gtm.geodns.stats import DnsStats
-from gtm.geodns.wire import Query, Rcode, Reject, cookie_option, parse_query, peer_address
+from gtm.geodns.wire import (
+    Edns,
+    Query,
+    Rcode,
+    Reject,
+    cookie_option,
+    parse_query,
+    peer_address,
+)
 from gtm.runtime import Runtime
 
 IPAddress = IPv4Address | IPv6Address
@@ -34,6 +43,7 @@ class Guards:
     # client cookie but no valid server cookie is answered BADCOOKIE (RFC 7873 §5.2.3).
     cookies: ServerCookies | None
     require_cookie: bool
+    identity: ServerIdentity | None
     _udp: dict[str, dict[bytes, Exact]]
     _proven: Generations[Hashable, float]  # network -> until when it is proven (prove)
     _cookied: Generations[Hashable, float]  # network -> until when a cookie proved it
@@ -90,6 +100,25 @@ class Guards:
             and self.cookies.valid(option, peer_address(host), self.clock())
         )
 
+    def _rejected(self, reject: Reject, client: IPAddress, udp: bool, now: float) -> bytes | None:
+        """The answer to a packet the parser rejected (gtm.geodns.rejects), with the NSID when
+        configured and asked for. FORMERR, NOTIMP and BADVERS carry a cookie too (RFC 7873
+        §5.2.2-3): a client that retries with another version, or over another path, has it
+        already."""
+        server_id = self.identity.server_id if self.identity is not None else None
+        out = reject_response(self.runtime, self.stats, reject, client, udp, server_id)
+        return self._with_cookie_for(out, reject.edns, client, now)
+
+    def _with_cookie_for(
+        self, out: bytes | None, edns: Edns | None, client: IPAddress, now: float
+    ) -> bytes | None:
+        """``out``, an answer that is not the zone's (an error, a slip), with the cookie its
+        query's COOKIE option gets (checked and counted), when cookies are on and it brought
+        one."""
+        if out is None or self.cookies is None or edns is None or edns.cookie is None:
+            return out
+        return with_cookie(out, self._check_cookie(edns.cookie, client, now))
+
     def _bad_cookie(self, query: Query, client: IPAddress, checked: Checked) -> bytes | None:
         """BADCOOKIE with a new server cookie, for a UDP query without a valid one while
         cookies are required: the client asks again with it (or over TCP)."""
@@ -137,8 +166,6 @@ class Guards:
             return None
         client = peer_address(host)
         out = slip_response(self.runtime, self.stats, limited, client)
-        if self.cookies is None or limited.edns is None or limited.edns.cookie is None:
-            return out
         # The slip hands out a server cookie: the client's retry that brings it back passes
         # the limiter (above), over UDP, with no need for TCP.
-        return with_cookie(out, self._check_cookie(limited.edns.cookie, client, self.clock()))
+        return self._with_cookie_for(out, limited.edns, client, self.clock())

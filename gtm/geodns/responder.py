@@ -53,7 +53,6 @@ from gtm.geodns.guards import PROVEN_NETWORKS, Guards
 from gtm.geodns.identity import QCLASS_CH, ServerIdentity
 from gtm.geodns.precision import holds_network_wide, patchable, widened
 from gtm.geodns.ratelimit import Limit, ResponseRateLimiter
-from gtm.geodns.rejects import reject_response
 from gtm.geodns.render import compress, rcode_name, udp_limit
 from gtm.geodns.shapes import Face, Placed, Shape, fold_bucket, with_client
 from gtm.geodns.stats import DnsStats
@@ -463,14 +462,7 @@ class Responder(EcsPath, Guards):
             self._advance(snapshot, now)
         parsed = parse_query(wire)
         if isinstance(parsed, Reject):
-            server_id = self.identity.server_id if self.identity is not None else None
-            out = reject_response(self.runtime, self.stats, parsed, client, udp, server_id)
-            edns = parsed.edns
-            if out is None or self.cookies is None or edns is None or edns.cookie is None:
-                return out
-            # FORMERR, NOTIMP and BADVERS carry a cookie too (RFC 7873 §5.2.2-3): a client
-            # that retries with another version, or over another path, has it already.
-            return with_cookie(out, self._check_cookie(edns.cookie, client, now))
+            return self._rejected(parsed, client, udp, now)
         query = parsed
         limit = udp_limit(query.edns) if udp else None
         ecs = query.edns.ecs if query.edns is not None else None
