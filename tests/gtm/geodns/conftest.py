@@ -13,6 +13,7 @@ import pytest
 import yaml
 from sqlalchemy import text
 
+from gtm.geodns import udp as udp_listener
 from gtm.node import Node, run_node
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
@@ -124,3 +125,10 @@ async def audited(node: Node, sql: str, params: dict[str, Any] | None = None) ->
     await node.runtime.writer.flush()
     async with node.runtime.engine.connect() as conn:
         return list((await conn.execute(text(sql), params or {})).all())
+
+
+@pytest.fixture
+def manual_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The established set's timer out of the way (gtm.geodns.udp): each test runs the ticks
+    it means."""
+    monkeypatch.setattr(udp_listener, "TICK_S", 3600.0)
