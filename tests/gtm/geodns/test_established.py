@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import dns.asyncquery
@@ -174,6 +175,19 @@ def sharing_a_protected_socket(fair: FairUdp, host: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def flood_senders() -> Iterator[list[socket.socket]]:
+    """FLOOD_NETWORKS UDP senders, one in each /24 127.1.x (closed on the way out)."""
+    floods = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOOD_NETWORKS)]
+    try:
+        for i, f in enumerate(floods):
+            f.bind((f"127.1.{i}.1", 0))
+        yield floods
+    finally:
+        for f in floods:
+            f.close()
+
+
 async def flood_from_many_then(node: Node, legit_from: str) -> socket.socket:
     """FLOOD_NETWORKS networks send FLOOD_EACH cached queries each, then ``legit_from`` sends 50,
     all before the server reads one. Returns the legitimate sender (the caller closes it)."""
@@ -182,18 +196,12 @@ async def flood_from_many_then(node: Node, legit_from: str) -> socket.socket:
     legit.setblocking(False)
     legit.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     legit.bind((legit_from, 0))
-    floods = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOOD_NETWORKS)]
-    try:
-        for i, f in enumerate(floods):
-            f.bind((f"127.1.{i}.1", 0))
+    with flood_senders() as floods:
         for k in range(FLOOD_EACH):
             for f in floods:
                 f.sendto(with_id(CACHED, k), target)
         for i in range(50):
             legit.sendto(with_id(CACHED, 60_000 + i), target)
-    finally:
-        for f in floods:
-            f.close()
     return legit
 
 

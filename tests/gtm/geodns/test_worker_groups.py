@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 from tests.support.ports import free_tcp_udp_port
 
 from .test_dig import serve_env
-from .test_established import FLOOD_NETWORKS
+from .test_established import flood_senders
 
 PER_WORKER = 8  # GTM_DNS_UDP_SOCKETS: 4 protected, then 4 general, in each worker
 # 163,840 datagrams: some 20,000 for each of the 8 general sockets (and, with the sockets
@@ -125,10 +125,7 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
         legit = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         legit.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         legit.bind((legit_host, 0))
-        floods = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOOD_NETWORKS)]
-        try:
-            for i, f in enumerate(floods):
-                f.bind((f"127.1.{i}.1", 0))
+        with legit, flood_senders() as floods:
             # Neither worker reads while the flood and the legitimate queries are sent: every
             # general socket overflows, whatever the machine's speed.
             for pid in processes:
@@ -144,10 +141,6 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
                     os.kill(pid, signal.SIGCONT)
             legit.settimeout(DEADLINE_S)
             answered = sorted(int.from_bytes(legit.recv(512)[:2], "big") for _ in range(50))
-        finally:
-            legit.close()
-            for f in floods:
-                f.close()
         assert answered == list(range(60_000, 60_050))
         # The flood did overflow the first worker's general sockets.
         assert metric(metrics, "gtm_dns_receive_dropped_total") > 0
