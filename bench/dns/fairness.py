@@ -2,7 +2,8 @@
 
     python bench/dns/fairness.py [--seconds 6] [--floods ecs-200k names-200k ecs-2m]
                                  [--senders 1 256] [--share 0.2] [--budget-mb 64]
-                                 [--legit-rate N] [--json FILE]
+                                 [--legit-rate N] [--rounds 1] [--json FILE]
+                                 [--modes fair fair-hashed fair-1socket off rig gdnsd powerdns]
 
 Legitimate clients: dnsperf from their own sender (127.0.2.1), chat.gtm.example A with ECS
 from 5,000 known /24s (warmed first: every answer cached), paced at ``--share`` of the
@@ -27,6 +28,13 @@ a ratio of the p99 alone (targets, from the issue: >= 95% and <= 2x), the flood'
 rate and goodput (answers/s it got), the server's peak RSS and heap growth against the DNS
 budget. dnsperf times a reply when its receiving thread gets to it, on a core shared with the
 flooder: its tail is partly the client's, in both modes alike.
+
+Two kinds of rows tell what that rig costs by itself and what servers nobody here wrote get
+on it. ``rig``: the same GTM server and loads, but the flood goes to a UDP socket that this
+script binds and never reads, so the server does no flood work at all: the legitimate p99's
+rise is then the flood's cost to the machine (the sender's core, the kernel's delivery),
+which no server can avoid on it. ``gdnsd``, ``powerdns``: the same loads against the
+reference servers of ``bench/dns/run.py`` (where installed), flooded like GTM.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -52,8 +61,11 @@ from bench.dns.flood import AnonSampler, peak_rss_mb, write_set  # noqa: E402
 from bench.dns.run import (  # noqa: E402
     CLIENT_CPU,
     TIMEOUT_S,
+    Server,
     field,
+    gdnsd_server,
     gtm_server,
+    pdns_server,
     percentiles,
     pinned,
     running,
@@ -65,6 +77,8 @@ LEGIT_FROM = "127.0.2.1"
 # and established ones to sockets of their own (the default), the same hashed only
 # (GTM_DNS_ESTABLISHED_NETWORKS=0), in one socket (GTM_DNS_UDP_SOCKETS=1), and off.
 MODES = ("fair", "fair-hashed", "fair-1socket", "off")
+# Rows beside them (the module's docstring): the rig's own cost and the reference servers.
+CONTROLS = ("rig", "gdnsd", "powerdns")
 FLOODS = ("ecs-200k", "names-200k", "ecs-2m", "tcp-names-200k", "malformed-200k")
 SIZES = {
     "ecs-200k": 200_000,
@@ -280,6 +294,26 @@ def start_flood(
     )
 
 
+def server_for(
+    work: Path, geoip: Path, name: str, mode: str, args: argparse.Namespace
+) -> Server | None:
+    """The server a row measures: GTM with the mode's settings, or a reference server (None
+    where it is not installed)."""
+    if mode in ("gdnsd", "powerdns"):
+        make = gdnsd_server if mode == "gdnsd" else pdns_server
+        (work / name).mkdir()
+        return make(work / name, geoip)
+    server = gtm_server(work, geoip, name)
+    assert server.env is not None
+    server.env["GTM_DNS_CACHE_BUDGET_MB"] = str(args.budget_mb)
+    server.env["GTM_DNS_FAIR_ADMISSION"] = "false" if mode == "off" else "true"
+    if mode == "fair-1socket":
+        server.env["GTM_DNS_UDP_SOCKETS"] = "1"  # every sender network in one receive buffer
+    if mode == "fair-hashed":
+        server.env["GTM_DNS_ESTABLISHED_NETWORKS"] = "0"  # every network hashed, as before
+    return server
+
+
 def one_server(
     work: Path,
     geoip: Path,
@@ -290,15 +324,15 @@ def one_server(
     senders: int,
     rate: int,
     args: argparse.Namespace,
-) -> dict[str, Any]:
-    server = gtm_server(work, geoip, name)
-    assert server.env is not None
-    server.env["GTM_DNS_CACHE_BUDGET_MB"] = str(args.budget_mb)
-    server.env["GTM_DNS_FAIR_ADMISSION"] = "false" if mode == "off" else "true"
-    if mode == "fair-1socket":
-        server.env["GTM_DNS_UDP_SOCKETS"] = "1"  # every sender network in one receive buffer
-    if mode == "fair-hashed":
-        server.env["GTM_DNS_ESTABLISHED_NETWORKS"] = "0"  # every network hashed, as before
+) -> dict[str, Any] | None:
+    server = server_for(work, geoip, name, mode, args)
+    if server is None:
+        return None
+    # The rig's row: the flood goes to a socket bound here and never read (the module's
+    # docstring); the kernel drops what its buffer cannot hold, as it does for a server.
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    flood_port = sink.getsockname()[1] if mode == "rig" else server.port
     row: dict[str, Any] = {}
     with running(server):
         legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
@@ -308,7 +342,7 @@ def one_server(
             )
             flood_out = work / f"{name}-flood.json"
             proc = start_flood(
-                server.port, flood_set, args.seconds + 2, senders, flood_out, args.flood_rate
+                flood_port, flood_set, args.seconds + 2, senders, flood_out, args.flood_rate
             )
             time.sleep(1)  # the flood under way before the legitimate load starts
             server_drops = udp_drops(port=server.port)
@@ -327,6 +361,7 @@ def one_server(
             row["flood"]["server_buffer_drops"] = udp_drops(port=server.port) - server_drops
             row["flood"]["client_buffer_drops"] = client_drops.peak
             proc.wait(timeout=args.seconds + 60)
+        sink.close()
         row["flooder"] = json.loads(flood_out.read_text())
         row["admission"] = admission_metrics(server.metrics_port)
         row["rss_mb"] = peak_rss_mb(server.pid)
@@ -356,9 +391,11 @@ def main() -> None:
         "--modes",
         nargs="*",
         default=list(MODES),
-        choices=list(MODES),
-        help="admission: fair (a socket per sender network's hash), fair-1socket, off",
+        choices=list(MODES + CONTROLS),
+        help="admission: fair (a socket per sender network's hash), fair-1socket, off; "
+        "controls: rig (the flood to an unread socket), gdnsd, powerdns",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="each row this many times")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     geoip = default_database_path()
@@ -375,17 +412,26 @@ def main() -> None:
                 capacity = legit_dnsperf(server.port, legit, 5, work / "cap.out", None)["qps"]
             rate = max(100, int(capacity * args.share))
         print(f"legitimate load paced at {rate}/s", flush=True)
-        for flood_name in args.floods:
-            flood_set = write_set(
-                work / f"{flood_name}.bin", flood_name.removeprefix("tcp-"), SIZES[flood_name]
-            )
-            for senders in args.senders:
-                for mode in args.modes:
-                    name = f"{flood_name}-{senders}-{mode}"
-                    row = one_server(work, geoip, name, mode, legit, flood_set, senders, rate, args)
-                    row |= {"flood_set": flood_name, "senders": senders, "mode": mode}
-                    results.append(row)
-                    print(json.dumps(row), flush=True)
+        sets = {
+            name: write_set(work / f"{name}.bin", name.removeprefix("tcp-"), SIZES[name])
+            for name in args.floods
+        }
+        # Rounds interleave the rows (every mode, then every mode again): what the shared
+        # machine does meanwhile falls on each of them alike.
+        for n in range(args.rounds):
+            for flood_name, flood_set in sets.items():
+                for senders in args.senders:
+                    for mode in args.modes:
+                        name = f"{flood_name}-{senders}-{mode}-{n}"
+                        row = one_server(
+                            work, geoip, name, mode, legit, flood_set, senders, rate, args
+                        )
+                        if row is None:
+                            print(f"{mode}: not installed, skipped", flush=True)
+                            continue
+                        row |= {"flood_set": flood_name, "senders": senders, "mode": mode}
+                        results.append(row | {"round": n + 1})
+                        print(json.dumps(row), flush=True)
     report(results, rate, capacity, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -421,7 +467,35 @@ def report(
             f"| {r['admission'].get('gtm_dns_established_networks', 0):.0f} "
             f"| {r['rss_mb']:.0f} | {r['heap_growth_mb']:.0f} |"
         )
-    print("\ntargets: legitimate answered >= 95% of sent; p99 flooded <= 2x p99 alone")
+    if args.rounds > 1:
+        summary(results)
+    print(
+        "\ntargets: legitimate answered >= 95% of sent; p99 flooded <= 2x p99 alone"
+        "\nrig: the flood sent to a socket nobody reads (no server work); gdnsd, powerdns: "
+        "reference servers under the same loads"
+    )
+
+
+def summary(results: list[dict[str, Any]]) -> None:
+    """Each row's rounds in one line: the median p99 ratio and its range, the least share of
+    legitimate queries answered under the flood."""
+    rows: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in results:
+        rows.setdefault((r["flood_set"], r["senders"], r["mode"]), []).append(r)
+    print(
+        "\n| flood | senders | admission | rounds | legit answered flooded, least "
+        "| p99 ratio, median | p99 ratio, range | rounds within 2x |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|"
+    )
+    for (flood_set, senders, mode), runs in rows.items():
+        ratios = sorted(r["flood"]["p99_ms"] / r["alone"]["p99_ms"] for r in runs)
+        least = min(r["flood"]["answered"] / r["flood"]["sent"] for r in runs)
+        within = sum(ratio <= 2 for ratio in ratios)
+        print(
+            f"| {flood_set} | {senders} | {mode} | {len(runs)} | {least:.1%} "
+            f"| {statistics.median(ratios):.2f} | {ratios[0]:.2f}-{ratios[-1]:.2f} "
+            f"| {within} of {len(runs)} |"
+        )
 
 
 if __name__ == "__main__":
