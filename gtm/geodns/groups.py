@@ -10,6 +10,13 @@ that layout (:func:`gtm.geodns.steering.split_program` with ``workers``), and ha
 its sockets and the map's descriptor (:func:`handoff`, :func:`received`). The program hashes
 each sender network to one worker's general sockets, so that worker alone establishes it, on
 one of its own protected sockets; its siblings never see it.
+
+Each worker's TCP listener is bound here too, one a worker in the same order, and a classic
+program steers each network's connections to the worker that reads its datagrams
+(:func:`gtm.geodns.steering.worker_index`): a query over TCP proves its network
+(``GTM_DNS_ESTABLISH_WITH_COOKIE``) to the one worker that may establish it. Left to the
+kernel's hash of addresses and ports, a connection would reach that worker one time in
+``GTM_WORKERS``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from gtm.geodns import bpf
+from gtm.geodns import bpf, steering
 from gtm.geodns.steering import SplitGroup
 from gtm.listen import parse_listen
 
@@ -58,13 +65,35 @@ def widen_receive_buffer(sock: Any) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)
 
 
+TCP_BACKLOG = 1024  # connections waiting to be accepted, per listener
+
+
+def bind_tcp(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    """A non-blocking TCP listener on ``host``:``port`` in the port's reuseport group."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(TCP_BACKLOG)  # a TCP listener joins the group as it listens: in order
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @dataclass
 class WorkerGroup:
-    """One worker's share of a listen address's split group: its sockets (protected first)
-    and the group's map as that worker sees it."""
+    """One worker's share of a listen address's split group: its sockets (protected first),
+    the group's map as that worker sees it, and its TCP listener (None where the kernel
+    refused the program that steers connections: it then binds its own)."""
 
     socks: list[socket.socket]
     split: SplitGroup
+    tcp: socket.socket | None = None
 
 
 def bind_worker_groups(
@@ -95,9 +124,15 @@ def bind_worker_groups(
                     str(exc).split("\n")[0] + " (the eBPF program needs CAP_BPF)"
                 ) from None
             splits.append(split)
+            listeners = _tcp_listeners(host, port, family, workers, general)
+            opened += listeners
             for w in range(workers):
                 mine = socks[w * per_worker : (w + 1) * per_worker]
-                shares[w][listen] = WorkerGroup(mine, split if w == 0 else split.joined(w))
+                shares[w][listen] = WorkerGroup(
+                    mine,
+                    split if w == 0 else split.joined(w),
+                    listeners[w] if listeners else None,
+                )
     except BaseException as exc:
         for sock in opened:
             sock.close()
@@ -114,6 +149,28 @@ def bind_worker_groups(
         )
         return None
     return shares
+
+
+def _tcp_listeners(
+    host: str, port: int, family: socket.AddressFamily, workers: int, general: int
+) -> list[socket.socket]:
+    """One TCP listener a worker, in worker order, each network's connections steered to the
+    worker whose general sockets its datagrams reach; none (logged) where the kernel refuses
+    the program, and each worker binds its own."""
+    listeners = [bind_tcp(host, port, family) for _ in range(workers)]
+    if steering.attach(listeners[0], general * workers, general):
+        return listeners
+    for sock in listeners:
+        sock.close()
+    log.warning(
+        "dns.tcp_steering_refused",
+        host=host,
+        port=port,
+        detail="the kernel spreads connections over the workers by addresses and ports: a "
+        "query over TCP proves its network to the worker that reads its datagrams one time "
+        "in the number of workers",
+    )
+    return []
 
 
 class _NotShared(Exception):
@@ -136,8 +193,8 @@ def _descriptor(duplicated: Any) -> int:
 
 
 # What a worker's process is handed: by listen address, its sockets (passed as descriptors
-# when the process is spawned, as the map's is) and the group's map and layout.
-Handoff = dict[str, tuple[list[socket.socket], Any, int, int, int, int]]
+# when the process is spawned, as the map's is), the group's map and layout, its TCP listener.
+Handoff = dict[str, tuple[list[socket.socket], Any, int, int, int, int, socket.socket | None]]
 
 
 def handoff(share: dict[str, WorkerGroup]) -> Handoff:
@@ -151,6 +208,7 @@ def handoff(share: dict[str, WorkerGroup]) -> Handoff:
             group.split.general,
             group.split.base,
             group.split.workers,
+            group.tcp,
         )
         for listen, group in share.items()
     }
@@ -159,12 +217,12 @@ def handoff(share: dict[str, WorkerGroup]) -> Handoff:
 def received(handed: Handoff) -> dict[str, WorkerGroup]:
     """The share a worker's process was handed (:func:`handoff`)."""
     out: dict[str, WorkerGroup] = {}
-    for listen, (socks, map_fd, protected, general, base, workers) in handed.items():
-        for sock in socks:
+    for listen, (socks, map_fd, protected, general, base, workers, tcp) in handed.items():
+        for sock in (*socks, *([tcp] if tcp is not None else [])):
             sock.setblocking(False)
         table = bpf.HashMap(map_fd, 8, 4)
         split = SplitGroup(table, -1, protected, general, base=base, workers=workers)
-        out[listen] = WorkerGroup(list(socks), split)
+        out[listen] = WorkerGroup(list(socks), split, tcp)
     return out
 
 
@@ -173,3 +231,5 @@ def close_share(share: dict[str, WorkerGroup]) -> None:
     for group in share.values():
         for sock in group.socks:
             sock.close()
+        if group.tcp is not None:
+            group.tcp.close()

@@ -26,7 +26,7 @@ from gtm.geodns.budget import Budget
 from gtm.geodns.cookies import load_cookies
 from gtm.geodns.dnssec import make_signer
 from gtm.geodns.established import EstablishedNetworks
-from gtm.geodns.groups import WorkerGroup, bind_udp, widen_receive_buffer
+from gtm.geodns.groups import TCP_BACKLOG, WorkerGroup, bind_udp, widen_receive_buffer
 from gtm.geodns.identity import ServerIdentity
 from gtm.geodns.ratelimit import ResponseRateLimiter
 from gtm.geodns.responder import Responder
@@ -157,19 +157,25 @@ class DnsServer:
         for listen in self.listens:
             host, port = parse_listen(listen)
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            # The sockets the first of the workers bound for this one (gtm.geodns.groups).
+            share = self.groups.pop(listen, None)
             # TCP first, so that with port 0 UDP can take the same port number.
-            server = await asyncio.start_server(
-                self.tcp.serve,
-                host,
-                port,
-                family=family,
-                reuse_port=self.reuse_port or None,
-                backlog=1024,
-            )
+            if share is not None and share.tcp is not None:
+                server = await asyncio.start_server(
+                    self.tcp.serve, sock=share.tcp, backlog=TCP_BACKLOG
+                )
+            else:
+                server = await asyncio.start_server(
+                    self.tcp.serve,
+                    host,
+                    port,
+                    family=family,
+                    reuse_port=self.reuse_port or None,
+                    backlog=TCP_BACKLOG,
+                )
             self._tcp.append(server)
             port = server.sockets[0].getsockname()[1]
             if self.fair:
-                share = self.groups.pop(listen, None)
                 split: steering.SplitGroup | None
                 if share is not None:
                     socks, split = share.socks, share.split

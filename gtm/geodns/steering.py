@@ -47,6 +47,7 @@ _LD_B_ABS = 0x30
 _RSH_K = 0x74
 _MUL_K = 0x24
 _MOD_K = 0x94
+_DIV_K = 0x34
 _XOR_X = 0xAC
 _TAX = 0x07
 _JEQ_K = 0x15
@@ -57,20 +58,23 @@ def _ins(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
 
-def program(sockets: int) -> bytes:
+def program(sockets: int, per: int = 1) -> bytes:
     """The steering program for a group of ``sockets`` sockets, as ``struct sock_filter``s.
 
     IPv4: the /24 (source address >> 8), hashed. IPv6: the /56 (the first source word, mixed
     with the next three octets), hashed. The hash keeps the multiplication's high 16 bits,
-    then takes them modulo the group's size."""
-    if sockets < 1:
-        raise ValueError("a group has at least one socket")
+    then takes them modulo the group's size. With ``per``, the group is ``sockets // per``
+    sockets, each standing for ``per`` slots of the hash: the one of :func:`worker_index`."""
+    if sockets < 1 or per < 1 or sockets % per:
+        raise ValueError("a group has at least one socket, and whole ones")
+    tail = [_ins(_DIV_K, 0, 0, per)] if per > 1 else []
     ipv4 = [
         _ins(_LD_W_ABS, 0, 0, _NET + 12),  # A = source address
         _ins(_RSH_K, 0, 0, 8),  # its /24
         _ins(_MUL_K, 0, 0, _GOLDEN),
         _ins(_RSH_K, 0, 0, 16),
         _ins(_MOD_K, 0, 0, sockets),
+        *tail,
         _ins(_RET_A, 0, 0, 0),
     ]
     ipv6 = [
@@ -83,6 +87,7 @@ def program(sockets: int) -> bytes:
         _ins(_MUL_K, 0, 0, _GOLDEN),
         _ins(_RSH_K, 0, 0, 16),
         _ins(_MOD_K, 0, 0, sockets),
+        *tail,
         _ins(_RET_A, 0, 0, 0),
     ]
     head = [
@@ -112,10 +117,18 @@ def _hash(key: int) -> int:
     return a >> 16
 
 
-def attach(sock: socket.socket, sockets: int) -> bool:
-    """Attach the steering program for a group of ``sockets`` to ``sock``'s reuseport group
-    (one socket attaches it for all). False, with nothing changed, where the kernel refuses."""
-    code = program(sockets)
+def worker_index(host: str, general: int, workers: int) -> int:
+    """The worker whose general sockets :func:`split_index` picks for ``host``: the one a
+    group of one socket a worker (its TCP listeners, :mod:`gtm.geodns.groups`) steers
+    ``host`` to with ``program(general * workers, general)``."""
+    return socket_index(host, general * workers) // general
+
+
+def attach(sock: socket.socket, sockets: int, per: int = 1) -> bool:
+    """Attach the steering program for a group of ``sockets`` (:func:`program`) to ``sock``'s
+    reuseport group (one socket attaches it for all). False, with nothing changed, where the
+    kernel refuses."""
+    code = program(sockets, per)
     buffer = ctypes.create_string_buffer(code, len(code))
     # struct sock_fprog { unsigned short len; struct sock_filter *filter; }: the kernel copies
     # the program during the call, so the buffer need only outlive it.

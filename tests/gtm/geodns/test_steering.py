@@ -9,6 +9,7 @@ own ``lo``."""
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from gtm.geodns.steering import (
     socket_index,
     split_index,
     split_program,
+    worker_index,
 )
 from tests.support.ports import free_tcp_udp_port
 
@@ -289,5 +291,47 @@ def test_a_group_bound_for_two_workers_gives_each_network_to_one_worker() -> Non
             assert landed(socks) == [index]
     finally:
         first.split.close()
-        for sock in socks:
-            sock.close()
+        for sock in (*socks, first.tcp, second.tcp):
+            if sock is not None:
+                sock.close()
+
+
+def test_a_group_bound_for_two_workers_gives_a_networks_connections_to_its_reader() -> None:
+    """gtm.geodns.groups binds each worker's TCP listener too, in order, with a program that
+    steers each network's connections to the worker whose general sockets its datagrams
+    reach: a query over TCP then proves the network (GTM_DNS_ESTABLISH_WITH_COOKIE) to the
+    one worker that may establish it. Before, each worker bound its own listener, and the
+    kernel's hash of addresses and ports sent a connection there one time in two."""
+    port = free_tcp_udp_port()
+    shares = bind_worker_groups((f"127.0.0.1:{port}",), workers=2, per_worker=4, capacity=64)
+    assert shares is not None
+    (first,), (second,) = (list(share.values()) for share in shares)
+    listeners = [first.tcp, second.tcp]
+    try:
+        assert first.tcp is not None and second.tcp is not None
+        readers = set()
+        for net in range(40):
+            source = f"127.0.{net}.1"
+            reader = 0 if split_index(source, 2, 2, workers=2) < 4 else 1
+            assert worker_index(source, 2, 2) == reader
+            readers.add(reader)
+            for _ in range(2):  # a new source port each time: the same worker
+                with socket.create_connection(
+                    ("127.0.0.1", port), timeout=5, source_address=(source, 0)
+                ):
+                    ready, _, _ = select.select(listeners, [], [], 5)
+                    assert [listeners.index(sock) for sock in ready] == [reader], source
+                    ready[0].accept()[0].close()
+        assert readers == {0, 1}
+    finally:
+        first.split.close()
+        for sock in (*first.socks, *second.socks, *listeners):
+            if sock is not None:
+                sock.close()
+
+
+def test_a_program_for_workers_divides_the_hash_among_them() -> None:
+    # One more instruction a branch: the slot's worker.
+    assert len(program(8, 4)) // 8 == len(program(8)) // 8 + 2
+    with pytest.raises(ValueError, match="whole"):
+        program(6, 4)

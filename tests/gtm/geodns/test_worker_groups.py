@@ -22,7 +22,7 @@ import dns.message
 import dns.query
 import httpx
 
-from gtm.geodns.steering import split_index
+from gtm.geodns.steering import split_index, worker_index
 from tests.conftest import ROOT
 from tests.support.ports import free_tcp_udp_port
 
@@ -43,7 +43,7 @@ def with_id(qid: int) -> bytes:
 
 @contextmanager
 def two_workers(
-    tmp_path: Path, *, metrics: int | None = None
+    tmp_path: Path, *, metrics: int | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
     """``gtm serve --workers 2`` until both workers are ready: the process, its DNS port and
     its log lines (read by a thread, so that the pipe never fills). Stopped on the way out if
@@ -55,7 +55,7 @@ def two_workers(
             sys.executable,
             *("-m", "gtm", "serve", "--dns", f"127.0.0.1:{port}", "--workers", "2", *extra),
         ],
-        env=serve_env(tmp_path) | {"GTM_DNS_UDP_SOCKETS": str(PER_WORKER)},
+        env=serve_env(tmp_path) | {"GTM_DNS_UDP_SOCKETS": str(PER_WORKER)} | (env or {}),
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
@@ -147,17 +147,94 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
     assert proc.returncode == 0  # a clean stop
 
 
+def spawned_worker(pid: int) -> int:
+    """The worker the first process ``pid`` spawned (not multiprocessing's helpers)."""
+    (worker,) = (
+        child
+        for child in family_of(pid)[1:]
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    )
+    return worker
+
+
+def connection_owners(port: int) -> dict[tuple[str, int], int]:
+    """The process holding each established TCP connection to ``port``, by the client's
+    address and port (``ss``)."""
+    out = subprocess.run(
+        ["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    owners = {}
+    for line in out.splitlines():
+        fields = line.split()
+        peer, users = fields[3], fields[-1]
+        host, _, peer_port = peer.rpartition(":")
+        owners[(host, int(peer_port))] = int(users.split("pid=")[1].split(",")[0])
+    return owners
+
+
+def test_with_proof_required_a_tcp_query_proves_its_network_to_the_worker_reading_it(
+    tmp_path: Path,
+) -> None:
+    """With GTM_DNS_ESTABLISH_WITH_COOKIE, a query over TCP proves its network, but only to
+    the worker that takes the connection, and only the worker reading the network's datagrams
+    may establish it. The first process binds each worker's TCP listener with a program that
+    steers a network's connections to that worker (gtm.geodns.groups). Before, each worker
+    bound its own listener, and the kernel spread connections by addresses and ports: the
+    proof reached the network's reader one time in two."""
+    general = PER_WORKER // 2
+    by_worker: dict[int, list[str]] = {0: [], 1: []}
+    for third in range(5, 250):
+        source = f"127.0.{third}.1"
+        mine = by_worker[worker_index(source, general, 2)]
+        if len(mine) < 4:
+            mine.append(source)
+    metrics = free_tcp_udp_port()
+    env = {"GTM_DNS_ESTABLISH_WITH_COOKIE": "true"}
+    with two_workers(tmp_path, metrics=metrics, env=env) as (proc, port, lines):
+        assert not any("steering_refused" in line for line in lines), "".join(lines)
+        pids = [proc.pid, spawned_worker(proc.pid)]
+        connections = []
+        try:
+            for worker, sources in by_worker.items():
+                for source in sources:
+                    conn = socket.create_connection(
+                        ("127.0.0.1", port), timeout=5, source_address=(source, 0)
+                    )
+                    connections.append((worker, conn))
+                    reply = dns.query.tcp(
+                        dns.message.from_wire(QUERY), "127.0.0.1", timeout=5, sock=conn
+                    )
+                    assert reply.answer
+            owners = connection_owners(port)
+            held = [(worker, owners.get(conn.getsockname())) for worker, conn in connections]
+            assert held == [(worker, pids[worker]) for worker, _ in connections]
+        finally:
+            for _, conn in connections:
+                conn.close()
+        # The proof took: a network of the first worker (whose metrics are served), asking
+        # over UDP without a cookie, is established.
+        source = by_worker[0][0]
+        deadline = time.monotonic() + DEADLINE_S
+        while metric(metrics, "gtm_dns_established_networks") < 1:
+            assert time.monotonic() < deadline, "the network proven over TCP never established"
+            reply = dns.query.udp(
+                dns.message.from_wire(QUERY), "127.0.0.1", port=port, source=source, timeout=5
+            )
+            assert reply.answer
+            time.sleep(0.2)
+    assert proc.returncode == 0
+
+
 def test_a_worker_that_dies_stops_the_node_with_a_failure(tmp_path: Path) -> None:
     """A worker killed (SIGKILL, as the OOM killer would) leaves the port's socket group, and
     the kernel moves others' sockets into its places: the group's layout no longer holds.
     Before, the first process went on serving as if nothing had happened; now it stops, and
     exits 1, so that its supervisor (systemd's Restart=on-failure) starts the node again whole."""
     with two_workers(tmp_path) as (proc, _, lines):
-        (worker,) = (
-            pid
-            for pid in family_of(proc.pid)[1:]
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        )
-        os.kill(worker, signal.SIGKILL)
+        os.kill(spawned_worker(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=DEADLINE_S) == 1
     assert any("gtm.worker_exited" in line for line in lines), "".join(lines)
