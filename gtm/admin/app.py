@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from gtm.admin import console, events
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
@@ -117,6 +117,16 @@ def create_app(ctx: AdminContext) -> FastAPI:
         # The control log in the database was cut back, forked or edited: nothing is decided
         # from it until it is repaired (gtm_control_log_broken says so to the operators).
         return _error(503, "control_log_refused", str(exc), [])
+
+    @app.exception_handler(DBAPIError)
+    async def database_unavailable(request: Request, exc: DBAPIError) -> JSONResponse:
+        # The database away, or silent past a call's deadline (gtm.audit.deadline): nothing
+        # was decided, and asking again later may work. Any other database error is a bug.
+        if not (exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)):
+            raise exc
+        response = _error(503, "database_unavailable", "the database did not answer", [])
+        response.headers["retry-after"] = "5"
+        return response
 
     @app.exception_handler(LifecycleError)
     async def lifecycle_error(request: Request, exc: LifecycleError) -> JSONResponse:

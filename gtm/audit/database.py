@@ -16,6 +16,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from gtm.audit.deadline import deadline_every_call
 from gtm.errors import ConfigError, Problem
 
 _SQLITE = {"sqlite", "sqlite+aiosqlite", "sqlite+pysqlite"}
@@ -136,6 +137,8 @@ def make_async_engine(
     engine = create_async_engine(target, **kwargs)
     if target.drivername.startswith("sqlite"):
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    else:
+        deadline_every_call(engine, silence_s=silence_s, statement_s=statement_s)
     return engine
 
 

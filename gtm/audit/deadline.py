@@ -142,6 +142,71 @@ async def watched(conn: AsyncConnection, after_s: float) -> AsyncIterator[Watch]
         watch.cancel()
 
 
+def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: float) -> None:
+    """A deadline on every call ``engine`` makes on its connections (DESIGN.md rule 10), for
+    the users that watch none of their own (the admin API and its loops, the control log, the
+    fleet's reads): past it, the call's socket is shut down, so it fails at once with an error
+    the callers already handle, and its connection is discarded.
+
+    The kernel's ``tcp_user_timeout`` and keepalives (gtm.audit.database) give up a black-holed
+    route, but not a peer that keeps acknowledging while it never answers: a server whose
+    process is frozen, a proxy in between that swallows what it is sent. Each statement may
+    take ``statement_s`` (the server's own ``statement_timeout``) plus ``silence_s``; a commit
+    or a rollback the same; the pool's ping before it hands out a kept connection, ``silence_s``
+    (a ``SELECT 1``). No deadline when both are 0, as with the other network deadlines."""
+    after_s = statement_s + silence_s
+    if after_s <= 0:
+        return
+    sync = engine.sync_engine
+    dialect = sync.dialect
+    key = "gtm_call_watch"
+
+    def arm(driver_connection: object, seconds: float) -> Watch | None:
+        try:
+            return Watch(_socket_of(driver_connection), seconds)
+        except RuntimeError:  # no running loop (a connection closed by the collector)
+            return None
+
+    def before_execute(conn: Any, *_: object) -> None:
+        conn.info[key] = arm(conn.connection.driver_connection, after_s)
+
+    def after_execute(conn: Any, *_: object) -> None:
+        watch = conn.info.pop(key, None)
+        if watch is not None:
+            watch.cancel()
+
+    def failed(context: Any) -> None:
+        conn = context.connection
+        watch = conn.info.pop(key, None) if conn is not None else None
+        if watch is not None:
+            watch.cancel()
+            if watch.fired:  # its socket is shut: the connection must go, whatever the error
+                context.is_disconnect = True
+
+    def within(call: Any, seconds: float) -> Any:
+        def bounded(dbapi_connection: Any) -> Any:
+            watch = arm(dialect.get_driver_connection(dbapi_connection), seconds)
+            try:
+                return call(dbapi_connection)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+
+        return bounded
+
+    event.listen(sync, "before_cursor_execute", before_execute)
+    event.listen(sync, "after_cursor_execute", after_execute)
+    event.listen(sync, "handle_error", failed)
+    # The dialect's own calls that run no statement through a cursor event: this engine's
+    # dialect alone (each engine has its own instance).
+    for name, seconds in (
+        ("do_commit", after_s),
+        ("do_rollback", after_s),
+        ("do_ping", silence_s or after_s),
+    ):
+        setattr(dialect, name, within(getattr(dialect, name), seconds))
+
+
 def release(exc: BaseException) -> None:
     """Let go of what a failed database call's frames hold. A connection attempt that timed
     out keeps its half-open socket referenced from its frame, which the exception's traceback

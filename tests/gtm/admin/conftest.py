@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
 from gtm.admin import principals, signer
 from gtm.admin.permissions import Role
@@ -26,6 +27,8 @@ from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES, ROOT
 from tests.support.axe import axe_script  # noqa: F401 (the walkthrough's fixture)
 from tests.support.browser import browser  # noqa: F401 (the console tests' fixture)
+from tests.support.postgres import postgres_database
+from tests.support.tcp_proxy import TcpProxy
 
 
 @dataclass
@@ -108,6 +111,18 @@ def loosen_eu(name: str, text: str) -> str:
 
 
 AdminFactory = Callable[..., contextlib.AbstractAsyncContextManager[Admin]]
+
+
+@pytest.fixture
+def postgres() -> Iterator[str]:
+    """A database of its own on the test PostgreSQL (tests marked ``postgres``)."""
+    with postgres_database() as url:
+        yield url
+
+
+def through(url: str, proxy: TcpProxy) -> str:
+    """``url`` with its server reached through ``proxy``."""
+    return make_url(url).set(host="127.0.0.1", port=proxy.port).render_as_string(False)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ shown as each member holds it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ from gtm.fleet.shared_state import NodeStatus
 from gtm.runtime import Runtime
 from gtm.settings import Settings
 from tests.conftest import DEMO, POLICIES
-from tests.gtm.admin.conftest import AdminFactory
+from tests.gtm.admin.conftest import AdminFactory, through
 from tests.gtm.admin.test_lifecycle import eu_answer, loose_proposal
-from tests.support.postgres import postgres_database
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import eventually
 
@@ -54,17 +52,6 @@ async def test_rollout_names_the_nodes_that_lag(start_admin: AdminFactory) -> No
             rollout = (await b.get(f"/v1/proposals/{p['id']}/rollout")).json()
             assert rollout["complete"] is True
             assert rollout["acknowledged"] == ["admin-test", "node-z"]
-
-
-@pytest.fixture
-def postgres() -> Iterator[str]:
-    with postgres_database() as url:
-        yield url
-
-
-def through(url: str, proxy: TcpProxy) -> str:
-    """``url`` with its server reached through ``proxy``."""
-    return make_url(url).set(host="127.0.0.1", port=proxy.port).render_as_string(False)
 
 
 @pytest.mark.postgres
