@@ -4,6 +4,7 @@
                                  [--senders 1 256] [--share 0.2] [--budget-mb 64]
                                  [--legit-rate N] [--rounds 1] [--json FILE]
                                  [--modes fair fair-hashed fair-1socket off rig gdnsd powerdns]
+                                 [--server-cpus 0] [--client-cpus 1] [--flood-cpus 1]
 
 Legitimate clients: dnsperf from their own sender (127.0.2.1), chat.gtm.example A with ECS
 from 5,000 known /24s (warmed first: every answer cached), paced at ``--share`` of the
@@ -22,7 +23,8 @@ legitimate sender among them, on sockets of their own; ``fair-hashed``: the same
 established networks, GTM_DNS_ESTABLISHED_NETWORKS=0, every network hashed over all the
 sockets; ``fair-1socket``: every sender in one socket, GTM_DNS_UDP_SOCKETS=1; ``off``: every
 datagram answered in the order read, in one socket), a fresh server
-(pinned to CPU 0; both clients on CPU 1) serves, in one run: the legitimate load alone, then
+(pinned to CPU 0, both clients on CPU 1, unless ``--server-cpus``, ``--client-cpus`` and
+``--flood-cpus`` say otherwise) serves, in one run: the legitimate load alone, then
 the same load with the flood. Reported: legitimate answers / sent, their p99 with the flood as
 a ratio of the p99 alone (targets, from the issue: >= 95% and <= 2x), the flood's sending
 rate and goodput (answers/s it got), the server's peak RSS and heap growth against the DNS
@@ -60,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from bench.dns.flood import AnonSampler, peak_rss_mb, write_set  # noqa: E402
 from bench.dns.run import (  # noqa: E402
     CLIENT_CPU,
+    SERVER_CPU,
     TIMEOUT_S,
     Server,
     field,
@@ -89,6 +92,11 @@ SIZES = {
 }
 
 
+# Where the clients run: ``--client-cpus`` and ``--flood-cpus`` (both CPU 1 by default, beside
+# each other, on this two-core machine); the server on ``--server-cpus`` (CPU 0).
+CPUS = {"client": CLIENT_CPU, "flood": CLIENT_CPU}
+
+
 def legit_dnsperf(
     port: int, data: Path, seconds: float, out: Path, rate: int | None
 ) -> dict[str, float]:
@@ -105,7 +113,7 @@ def legit_dnsperf(
     with out.open("w") as f:
         # stderr: a warning per answer that came after its query timed out; they are counted.
         subprocess.run(
-            pinned(CLIENT_CPU, argv),
+            pinned(CPUS["client"], argv),
             stdout=f,
             stderr=subprocess.DEVNULL,
             timeout=seconds + 30,
@@ -290,7 +298,7 @@ def start_flood(
     argv = [sys.executable, __file__, "flood", str(port), str(data), str(seconds), str(senders)]
     argv.append(str(rate))
     return subprocess.Popen(
-        pinned(CLIENT_CPU, ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
+        pinned(CPUS["flood"], ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
     )
 
 
@@ -328,6 +336,7 @@ def one_server(
     server = server_for(work, geoip, name, mode, args)
     if server is None:
         return None
+    server.cpus = args.server_cpus
     # The rig's row: the flood goes to a socket bound here and never read (the module's
     # docstring); the kernel drops what its buffer cannot hold, as it does for a server.
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -396,8 +405,14 @@ def main() -> None:
         "controls: rig (the flood to an unread socket), gdnsd, powerdns",
     )
     parser.add_argument("--rounds", type=int, default=1, help="each row this many times")
+    # On a machine with cores to spare, the flood's sender off the legitimate client's core
+    # takes the rig's own cost (the `rig` row) out of the legitimate p99.
+    parser.add_argument("--server-cpus", default=SERVER_CPU, help="taskset list (default 0)")
+    parser.add_argument("--client-cpus", default=CLIENT_CPU, help="dnsperf's (default 1)")
+    parser.add_argument("--flood-cpus", default=CLIENT_CPU, help="the flooder's (default 1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    CPUS.update(client=args.client_cpus, flood=args.flood_cpus)
     geoip = default_database_path()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gtm-fairness-") as tmp:
@@ -444,7 +459,8 @@ def report(
         f"\n{args.seconds:g} s per run; legitimate load {rate}/s "
         + (f"({args.share:.0%} of {capacity:.0f}/s measured)" if capacity else "(as given)")
         + f" from {LEGIT_FROM}, 5,000 known /24s; "
-        f"server on CPU 0, clients on CPU 1; DNS budget {args.budget_mb:g} MiB; flood "
+        f"server on CPUs {args.server_cpus}, dnsperf on {args.client_cpus}, the flooder on "
+        f"{args.flood_cpus}; DNS budget {args.budget_mb:g} MiB; flood "
         f"{f'{args.flood_rate:g}/s' if args.flood_rate else 'at full speed'}\n"
     )
     print(
