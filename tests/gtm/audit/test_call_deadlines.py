@@ -11,6 +11,8 @@ connection is discarded, and the next call goes through on a new one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
@@ -28,12 +30,19 @@ SILENCE_S = 0.5  # the engine's deadlines here: 1 s a statement, 0.5 s the pool'
 STATEMENT_S = 0.5
 
 
-async def _through_a_proxy(postgres_url: str) -> tuple[TcpProxy, AsyncEngine]:
+@contextlib.asynccontextmanager
+async def _through_a_proxy(postgres_url: str) -> AsyncIterator[tuple[TcpProxy, AsyncEngine]]:
+    """A proxy in front of the server, and an engine (the test's deadlines) through it."""
     server = make_url(postgres_url)
     proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
     await proxy.start()
     through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
-    return proxy, make_async_engine(through, silence_s=SILENCE_S, statement_s=STATEMENT_S)
+    engine = make_async_engine(through, silence_s=SILENCE_S, statement_s=STATEMENT_S)
+    try:
+        yield proxy, engine
+    finally:
+        await engine.dispose()
+        await proxy.stop()
 
 
 async def _select_one(engine: AsyncEngine) -> int:
@@ -42,8 +51,7 @@ async def _select_one(engine: AsyncEngine) -> int:
 
 
 async def test_a_statement_sent_into_silence_fails_at_its_deadline(postgres_url: str) -> None:
-    proxy, engine = await _through_a_proxy(postgres_url)
-    try:
+    async with _through_a_proxy(postgres_url) as (proxy, engine):
         async with engine.connect() as conn:
             assert await conn.scalar(text("SELECT 1")) == 1
             proxy.blackhole()
@@ -52,14 +60,10 @@ async def test_a_statement_sent_into_silence_fails_at_its_deadline(postgres_url:
             assert caught.value.connection_invalidated  # never handed out again
         proxy.heal()
         assert await asyncio.wait_for(_select_one(engine), BOUND_S) == 1  # a new connection
-    finally:
-        await engine.dispose()
-        await proxy.stop()
 
 
 async def test_a_kept_connection_gone_silent_is_pinged_out_and_replaced(postgres_url: str) -> None:
-    proxy, engine = await _through_a_proxy(postgres_url)
-    try:
+    async with _through_a_proxy(postgres_url) as (proxy, engine):
         assert await _select_one(engine) == 1  # its connection goes back to the pool
         proxy.blackhole()  # the kept connection goes silent...
         proxy.heal()  # ...while new ones pass again
@@ -67,14 +71,10 @@ async def test_a_kept_connection_gone_silent_is_pinged_out_and_replaced(postgres
         # silence, is cut at its deadline, and the pool opens a new connection instead.
         assert await asyncio.wait_for(_select_one(engine), BOUND_S) == 1
         assert proxy.accepted == 2
-    finally:
-        await engine.dispose()
-        await proxy.stop()
 
 
 async def test_a_commit_sent_into_silence_fails_at_its_deadline(postgres_url: str) -> None:
-    proxy, engine = await _through_a_proxy(postgres_url)
-    try:
+    async with _through_a_proxy(postgres_url) as (proxy, engine):
         conn = await engine.connect()
         try:
             await conn.execute(text("SELECT 1"))  # a transaction begun
@@ -83,6 +83,3 @@ async def test_a_commit_sent_into_silence_fails_at_its_deadline(postgres_url: st
                 await asyncio.wait_for(conn.commit(), BOUND_S)
         finally:
             await asyncio.wait_for(conn.close(), BOUND_S)  # its rollback meets a shut socket
-    finally:
-        await engine.dispose()
-        await proxy.stop()

@@ -92,6 +92,19 @@ def metric(metrics: int, name: str) -> float:
     raise AssertionError(f"no {name} in the first worker's metrics")
 
 
+def ask_until_established(metrics: int, port: int, source: str) -> None:
+    """Ask over UDP from ``source`` (no cookie) until the first worker has a network
+    established; each query answered meanwhile."""
+    deadline = time.monotonic() + DEADLINE_S
+    while metric(metrics, "gtm_dns_established_networks") < 1:
+        assert time.monotonic() < deadline, f"{source}'s network never established"
+        reply = dns.query.udp(
+            dns.message.from_wire(QUERY), "127.0.0.1", port=port, source=source, timeout=5
+        )
+        assert reply.answer
+        time.sleep(0.2)
+
+
 def family_of(pid: int) -> list[int]:
     """``pid`` and its children (the spawned worker, multiprocessing's helpers)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -112,14 +125,7 @@ def test_two_workers_keep_an_established_networks_queries_through_a_flood(
     with two_workers(tmp_path, metrics=metrics) as (proc, port, lines):
         assert not any("dns.established_refused" in line for line in lines), "".join(lines)
         # Asked steadily, the network is established within a few calm one-second ticks.
-        deadline = time.monotonic() + DEADLINE_S
-        while metric(metrics, "gtm_dns_established_networks") < 1:
-            assert time.monotonic() < deadline, "the legitimate network never established"
-            reply = dns.query.udp(
-                dns.message.from_wire(QUERY), "127.0.0.1", port=port, source=legit_host, timeout=5
-            )
-            assert reply.answer
-            time.sleep(0.2)
+        ask_until_established(metrics, port, legit_host)
         target = ("127.0.0.1", port)
         processes = family_of(proc.pid)
         legit = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -217,15 +223,7 @@ def test_with_proof_required_a_tcp_query_proves_its_network_to_the_worker_readin
                 conn.close()
         # The proof took: a network of the first worker (whose metrics are served), asking
         # over UDP without a cookie, is established.
-        source = by_worker[0][0]
-        deadline = time.monotonic() + DEADLINE_S
-        while metric(metrics, "gtm_dns_established_networks") < 1:
-            assert time.monotonic() < deadline, "the network proven over TCP never established"
-            reply = dns.query.udp(
-                dns.message.from_wire(QUERY), "127.0.0.1", port=port, source=source, timeout=5
-            )
-            assert reply.answer
-            time.sleep(0.2)
+        ask_until_established(metrics, port, by_worker[0][0])
     assert proc.returncode == 0
 
 
