@@ -339,9 +339,24 @@ def one_server(
     server.cpus = args.server_cpus
     # The rig's row: the flood goes to a socket bound here and never read (the module's
     # docstring); the kernel drops what its buffer cannot hold, as it does for a server.
-    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sink.bind(("127.0.0.1", 0))
-    flood_port = sink.getsockname()[1] if mode == "rig" else server.port
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind(("127.0.0.1", 0))
+        flood_port = sink.getsockname()[1] if mode == "rig" else server.port
+        return measured(server, flood_port, legit, flood_set, senders, rate, name, work, args)
+
+
+def measured(
+    server: Server,
+    flood_port: int,
+    legit: Path,
+    flood_set: Path,
+    senders: int,
+    rate: int,
+    name: str,
+    work: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One row: the legitimate load alone, then beside the flood sent to ``flood_port``."""
     row: dict[str, Any] = {}
     with running(server):
         legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
@@ -370,7 +385,6 @@ def one_server(
             row["flood"]["server_buffer_drops"] = udp_drops(port=server.port) - server_drops
             row["flood"]["client_buffer_drops"] = client_drops.peak
             proc.wait(timeout=args.seconds + 60)
-        sink.close()
         row["flooder"] = json.loads(flood_out.read_text())
         row["admission"] = admission_metrics(server.metrics_port)
         row["rss_mb"] = peak_rss_mb(server.pid)
@@ -477,7 +491,7 @@ def report(
             f"| {alone['answered'] / alone['sent']:.1%} "
             f"| {flooded['answered'] / flooded['sent']:.1%} "
             f"| {alone['p99_ms']:.2f} | {flooded['p99_ms']:.2f} "
-            f"| {flooded['p99_ms'] / alone['p99_ms']:.2f} "
+            f"| {flooded['p99_ms'] / max(alone['p99_ms'], 0.001):.2f} "
             f"| {f['sent'] / f['seconds']:.0f} | {f['answered'] / f['seconds']:.0f} "
             f"| {flooded['server_buffer_drops']:.0f} | {flooded['server_cpu']:.2f} "
             f"| {r['admission'].get('gtm_dns_established_networks', 0):.0f} "
@@ -504,7 +518,7 @@ def summary(results: list[dict[str, Any]]) -> None:
         "|---|---:|---|---:|---:|---:|---:|---:|"
     )
     for (flood_set, senders, mode), runs in rows.items():
-        ratios = sorted(r["flood"]["p99_ms"] / r["alone"]["p99_ms"] for r in runs)
+        ratios = sorted(r["flood"]["p99_ms"] / max(r["alone"]["p99_ms"], 0.001) for r in runs)
         least = min(r["flood"]["answered"] / r["flood"]["sent"] for r in runs)
         within = sum(ratio <= 2 for ratio in ratios)
         print(

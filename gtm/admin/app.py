@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from gtm.admin import console, events
 from gtm.admin.auth import AdminContext, Forbidden, Unauthenticated
@@ -119,12 +120,16 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return _error(503, "control_log_refused", str(exc), [])
 
     @app.exception_handler(DBAPIError)
-    async def database_unavailable(request: Request, exc: DBAPIError) -> JSONResponse:
-        # The database away, or silent past a call's deadline (gtm.audit.deadline): nothing
-        # was decided, and asking again later may work. Any other database error is a bug.
-        if not (exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)):
+    @app.exception_handler(PoolTimeout)
+    async def database_unavailable(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # The database away, silent past a call's deadline (gtm.audit.deadline), every pooled
+        # connection busy, or a transient failure (a deadlock, a serialization failure):
+        # asking again later may work. Any other database error is a bug (500).
+        transient = isinstance(exc, PoolTimeout | OperationalError | InterfaceError)
+        if not (transient or getattr(exc, "connection_invalidated", False)):
             raise exc
-        response = _error(503, "database_unavailable", "the database did not answer", [])
+        message = "the database could not complete the call; try again"
+        response = _error(503, "database_unavailable", message, [])
         response.headers["retry-after"] = "5"
         return response
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import socket
 import traceback
 import weakref
@@ -62,9 +63,24 @@ class Watch:
             self._handle = None
 
     def _fire(self) -> None:
+        if self.fd is not None and _answered(self.fd):
+            # The peer's answer is waiting, not yet read: the process was slow to get to it
+            # (a stalled loop), the peer was not silent. Read before the next deadline.
+            self._handle = self._loop.call_later(self.after_s, self._fire)
+            return
         self.fired = True
         if self.fd is not None:
             _shut(self.fd)
+
+
+def _answered(fd: int) -> bool:
+    """Whether something waits to be read on ``fd`` (poll: any descriptor number)."""
+    poller = select.poll()
+    try:
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    except OSError:
+        return False
 
 
 def _shut(fd: int) -> None:
@@ -142,6 +158,11 @@ async def watched(conn: AsyncConnection, after_s: float) -> AsyncIterator[Watch]
         watch.cancel()
 
 
+# A statement's deadline when the server has no statement timeout (0 in the settings), as the
+# audit's calls have (gtm.runtime): long statements are not cut, and still none waits for ever.
+UNTIMED_STATEMENT_S = 3600.0
+
+
 def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: float) -> None:
     """A deadline on every call ``engine`` makes on its connections (DESIGN.md rule 10), for
     the users that watch none of their own (the admin API and its loops, the control log, the
@@ -151,15 +172,15 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
     The kernel's ``tcp_user_timeout`` and keepalives (gtm.audit.database) give up a black-holed
     route, but not a peer that keeps acknowledging while it never answers: a server whose
     process is frozen, a proxy in between that swallows what it is sent. Each statement may
-    take ``statement_s`` (the server's own ``statement_timeout``) plus ``silence_s``; a commit
-    or a rollback the same; the pool's ping before it hands out a kept connection, ``silence_s``
-    (a ``SELECT 1``). No deadline when both are 0, as with the other network deadlines."""
-    after_s = statement_s + silence_s
-    if after_s <= 0:
-        return
+    take ``statement_s`` (the server's own ``statement_timeout``; :data:`UNTIMED_STATEMENT_S`
+    where that is 0) plus ``silence_s``; a commit or a rollback the same; the pool's ping
+    before it hands out a kept connection, ``silence_s`` (a ``SELECT 1``)."""
+    after_s = (statement_s or UNTIMED_STATEMENT_S) + silence_s
     sync = engine.sync_engine
     dialect = sync.dialect
-    key = "gtm_call_watch"
+    # Each statement's watch, by its execution context (alive from before the statement to
+    # after it, and handed to the error handler: its cursor is not, in SQLAlchemy 2.1).
+    watches: dict[int, Watch] = {}
 
     def arm(driver_connection: object, seconds: float) -> Watch | None:
         try:
@@ -167,30 +188,42 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
         except RuntimeError:  # no running loop (a connection closed by the collector)
             return None
 
-    def before_execute(conn: Any, *_: object) -> None:
-        conn.info[key] = arm(conn.connection.driver_connection, after_s)
+    def before_execute(conn: Any, _cursor: Any, _s: Any, _p: Any, context: Any, _m: Any) -> None:
+        # The connection is live here (it is executing): reading it reconnects nothing.
+        watch = arm(conn.connection.driver_connection, after_s)
+        if watch is not None:
+            stale = watches.pop(id(context), None)
+            if stale is not None:
+                stale.cancel()
+            watches[id(context)] = watch
 
-    def after_execute(conn: Any, *_: object) -> None:
-        watch = conn.info.pop(key, None)
+    def after_execute(_conn: Any, _cursor: Any, _s: Any, _p: Any, context: Any, _m: Any) -> None:
+        watch = watches.pop(id(context), None)
         if watch is not None:
             watch.cancel()
+            if watch.fired:  # shut as the answer came: this connection cannot go on
+                raise DeadlineExceeded(f"no progress for {after_s:g} s: the connection was cut")
 
     def failed(context: Any) -> None:
-        conn = context.connection
-        watch = conn.info.pop(key, None) if conn is not None else None
+        # Never through context.connection's own connection: on a connection already
+        # invalidated that would connect again, in the middle of this error.
+        execution = context.execution_context
+        watch = watches.pop(id(execution), None) if execution is not None else None
         if watch is not None:
             watch.cancel()
-            if watch.fired:  # its socket is shut: the connection must go, whatever the error
-                context.is_disconnect = True
+        cut = watch is not None and watch.fired
+        if cut or isinstance(context.original_exception, DeadlineExceeded):
+            context.is_disconnect = True  # its socket is shut: the connection must go
 
-    def within(call: Any, seconds: float) -> Any:
+    def within(call: Any, seconds: float, cut: Any) -> Any:
         def bounded(dbapi_connection: Any) -> Any:
             watch = arm(dialect.get_driver_connection(dbapi_connection), seconds)
             try:
-                return call(dbapi_connection)
+                result = call(dbapi_connection)
             finally:
                 if watch is not None:
                     watch.cancel()
+            return cut if watch is not None and watch.fired and cut is not None else result
 
         return bounded
 
@@ -198,13 +231,15 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
     event.listen(sync, "after_cursor_execute", after_execute)
     event.listen(sync, "handle_error", failed)
     # The dialect's own calls that run no statement through a cursor event: this engine's
-    # dialect alone (each engine has its own instance).
-    for name, seconds in (
-        ("do_commit", after_s),
-        ("do_rollback", after_s),
-        ("do_ping", silence_s or after_s),
+    # dialect alone (each engine has its own instance). A ping whose socket was shut as its
+    # answer came says the connection is gone (False), so the pool opens another; a commit or
+    # rollback returns as it did, and the connection's next use finds it closed.
+    for name, seconds, cut in (
+        ("do_commit", after_s, None),
+        ("do_rollback", after_s, None),
+        ("do_ping", silence_s or after_s, False),
     ):
-        setattr(dialect, name, within(getattr(dialect, name), seconds))
+        setattr(dialect, name, within(getattr(dialect, name), seconds, cut))
 
 
 def release(exc: BaseException) -> None:

@@ -157,7 +157,14 @@ def _tcp_listeners(
     """One TCP listener a worker, in worker order, each network's connections steered to the
     worker whose general sockets its datagrams reach; none (logged) where the kernel refuses
     the program, and each worker binds its own."""
-    listeners = [bind_tcp(host, port, family) for _ in range(workers)]
+    listeners: list[socket.socket] = []
+    try:
+        for _ in range(workers):
+            listeners.append(bind_tcp(host, port, family))
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
     if steering.attach(listeners[0], general * workers, general):
         return listeners
     for sock in listeners:

@@ -31,7 +31,7 @@ async def test_a_silent_database_gets_503_and_the_api_recovers_after_the_heal(
     proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
     await proxy.start()
     try:
-        deadlines = {"database_silence_s": 0.5, "database_statement_timeout_s": 0.5}
+        deadlines = {"database_silence_s": 1.0, "database_statement_timeout_s": 2.0}
         async with start_admin(database_url=through(postgres, proxy), **deadlines) as admin:
             alice = await admin.token("alice", Role.AUDITOR)
             async with admin.client(alice) as a:

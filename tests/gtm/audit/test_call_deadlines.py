@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,23 +23,27 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gtm.audit.database import make_async_engine
+from gtm.audit.deadline import Watch
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.postgres
 
 BOUND_S = 30.0  # what a call may take here before the test calls it hung
-SILENCE_S = 0.5  # the engine's deadlines here: 1 s a statement, 0.5 s the pool's ping
-STATEMENT_S = 0.5
+SILENCE_S = 1.0  # the engine's deadlines here: 3 s a statement, 1 s the pool's ping
+STATEMENT_S = 2.0
 
 
 @contextlib.asynccontextmanager
-async def _through_a_proxy(postgres_url: str) -> AsyncIterator[tuple[TcpProxy, AsyncEngine]]:
+async def _through_a_proxy(
+    postgres_url: str, statement_s: float = STATEMENT_S
+) -> AsyncIterator[tuple[TcpProxy, AsyncEngine]]:
     """A proxy in front of the server, and an engine (the test's deadlines) through it."""
     server = make_url(postgres_url)
     proxy = TcpProxy(server.host or "127.0.0.1", server.port or 5432)
     await proxy.start()
     through = server.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
-    engine = make_async_engine(through, silence_s=SILENCE_S, statement_s=STATEMENT_S)
+    engine = make_async_engine(through, silence_s=SILENCE_S, statement_s=statement_s)
     try:
         yield proxy, engine
     finally:
@@ -83,3 +89,38 @@ async def test_a_commit_sent_into_silence_fails_at_its_deadline(postgres_url: st
                 await asyncio.wait_for(conn.commit(), BOUND_S)
         finally:
             await asyncio.wait_for(conn.close(), BOUND_S)  # its rollback meets a shut socket
+
+
+async def test_without_a_statement_timeout_a_long_statement_is_not_cut(postgres_url: str) -> None:
+    """``statement_s`` 0 is no statement timeout on the server: the client's deadline then
+    leaves room for long statements (gtm.audit.deadline.UNTIMED_STATEMENT_S), not the
+    silence alone, which would cut a healthy statement longer than it."""
+    async with (
+        _through_a_proxy(postgres_url, statement_s=0) as (_, engine),
+        engine.connect() as conn,
+    ):
+        await conn.execute(text(f"SELECT pg_sleep({SILENCE_S * 2})"))  # raises if cut
+        assert await conn.scalar(text("SELECT 1")) == 1  # and the connection goes on
+
+
+async def test_a_deadline_due_while_the_answer_waits_unread_does_not_cut() -> None:
+    """The process may be slow to read an answer that came (its loop stalled): that is no
+    silence of the peer's. A deadline due then is moved on, not fired; with nothing waiting
+    it fires and shuts the socket."""
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+        watch = Watch(ours.fileno(), 0.05)
+        due = watch._handle
+        peer.send(b"an answer")
+        time.sleep(0.2)  # noqa: ASYNC251 (the loop stalls past the deadline, the answer unread)
+        await eventually(
+            lambda: watch._handle is not due or watch.fired, BOUND_S, "the due deadline run"
+        )
+        assert not watch.fired  # moved on: a new deadline
+        assert ours.recv(64) == b"an answer"  # the socket was left alone
+        await eventually(lambda: watch.fired, BOUND_S, "the deadline with nothing waiting")
+        assert ours.recv(64) == b""  # shut: nothing more is read from it
+        with pytest.raises(BrokenPipeError):
+            peer.send(b"late")  # nor written to it
+        watch.cancel()

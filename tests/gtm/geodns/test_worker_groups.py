@@ -24,6 +24,7 @@ import httpx
 
 from gtm.geodns.steering import split_index, worker_index
 from tests.conftest import ROOT
+from tests.support.dns_peers import require
 from tests.support.ports import free_tcp_udp_port
 
 from .test_dig import serve_env
@@ -167,7 +168,7 @@ def connection_owners(port: int) -> dict[tuple[str, int], int]:
     """The process holding each established TCP connection to ``port``, by the client's
     address and port (``ss``)."""
     out = subprocess.run(
-        ["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+        [require("ss"), "-Htnp", "state", "established", f"( sport = :{port} )"],
         capture_output=True,
         text=True,
         check=True,
