@@ -185,9 +185,11 @@ def test_the_split_program_refuses_a_group_without_both_halves() -> None:
 
 NAMESPACE_CHECK = textwrap.dedent(
     """
-    import socket, subprocess, sys
+    import select, socket, subprocess, sys
     from gtm.geodns.admission import sender_network
-    from gtm.geodns.steering import socket_index
+    from gtm.geodns.groups import bind_worker_groups
+    from gtm.geodns.steering import socket_index, worker_index
+    from tests.support.ports import free_tcp_udp_port
     from tests.gtm.geodns.test_steering import (
         SOCKETS, group, landed, send_from, split_expected, split_group
     )
@@ -219,6 +221,18 @@ NAMESPACE_CHECK = textwrap.dedent(
             got, expected = landed(socks), split_expected(host, members)
             if got != [expected]:
                 sys.exit(f"split: {host}: landed on {got}, expected {expected}")
+    # Two workers' TCP listeners (gtm.geodns.groups): a /56's connections go to the worker
+    # whose general sockets its datagrams reach.
+    shares = bind_worker_groups(("[::1]:" + str(free_tcp_udp_port()),), 2, 4, 64)
+    listeners = [next(iter(share.values())).tcp for share in shares]
+    port = listeners[0].getsockname()[1]
+    for host in hosts:
+        with socket.create_connection(("::1", port), timeout=5, source_address=(host, 0)):
+            ready, _, _ = select.select(listeners, [], [], 5)
+            got, expected = [listeners.index(s) for s in ready], worker_index(host, 2, 2)
+            if got != [expected]:
+                sys.exit(f"tcp: {host}: accepted by {got}, expected worker {expected}")
+            ready[0].accept()[0].close()
     print("ok", len(hosts))
     """
 )
