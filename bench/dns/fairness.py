@@ -92,13 +92,8 @@ SIZES = {
 }
 
 
-# Where the clients run: ``--client-cpus`` and ``--flood-cpus`` (both CPU 1 by default, beside
-# each other, on this two-core machine); the server on ``--server-cpus`` (CPU 0).
-CPUS = {"client": CLIENT_CPU, "flood": CLIENT_CPU}
-
-
 def legit_dnsperf(
-    port: int, data: Path, seconds: float, out: Path, rate: int | None
+    port: int, data: Path, seconds: float, out: Path, rate: int | None, cpus: str = CLIENT_CPU
 ) -> dict[str, float]:
     """dnsperf from the legitimate sender: closed loop (``rate`` None) or paced and timed."""
     argv = [
@@ -113,7 +108,7 @@ def legit_dnsperf(
     with out.open("w") as f:
         # stderr: a warning per answer that came after its query timed out; they are counted.
         subprocess.run(
-            pinned(CPUS["client"], argv),
+            pinned(cpus, argv),
             stdout=f,
             stderr=subprocess.DEVNULL,
             timeout=seconds + 30,
@@ -293,12 +288,18 @@ def tcp_flood(port: int, data: Path, seconds: float) -> dict[str, float]:
 
 
 def start_flood(
-    port: int, data: Path, seconds: float, senders: int, out: Path, rate: float = 0
+    port: int,
+    data: Path,
+    seconds: float,
+    senders: int,
+    out: Path,
+    rate: float = 0,
+    cpus: str = CLIENT_CPU,
 ) -> Any:
     argv = [sys.executable, __file__, "flood", str(port), str(data), str(seconds), str(senders)]
     argv.append(str(rate))
     return subprocess.Popen(
-        pinned(CPUS["flood"], ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
+        pinned(cpus, ["nice", "-n", "10", *argv]), stdout=out.open("w"), cwd=ROOT
     )
 
 
@@ -358,22 +359,29 @@ def measured(
 ) -> dict[str, Any]:
     """One row: the legitimate load alone, then beside the flood sent to ``flood_port``."""
     row: dict[str, Any] = {}
+    cpus = args.client_cpus  # dnsperf's
     with running(server):
-        legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None)
+        legit_dnsperf(server.port, legit, 3, work / f"{name}-warm.out", None, cpus)
         with AnonSampler(server.pid) as anon:
             row["alone"] = legit_dnsperf(
-                server.port, legit, args.seconds, work / f"{name}-alone.out", rate
+                server.port, legit, args.seconds, work / f"{name}-alone.out", rate, cpus
             )
             flood_out = work / f"{name}-flood.json"
             proc = start_flood(
-                flood_port, flood_set, args.seconds + 2, senders, flood_out, args.flood_rate
+                flood_port,
+                flood_set,
+                args.seconds + 2,
+                senders,
+                flood_out,
+                args.flood_rate,
+                args.flood_cpus,
             )
             time.sleep(1)  # the flood under way before the legitimate load starts
             server_drops = udp_drops(port=server.port)
             cpu_before, wall_before = cpu_seconds(server.pid), time.monotonic()
             with DropSampler() as client_drops:
                 row["flood"] = legit_dnsperf(
-                    server.port, legit, args.seconds, work / f"{name}-with.out", rate
+                    server.port, legit, args.seconds, work / f"{name}-with.out", rate, cpus
                 )
             # The server's share of a core meanwhile: below 1, it waited for the CPU (the
             # machine is shared), not for work.
@@ -426,7 +434,6 @@ def main() -> None:
     parser.add_argument("--flood-cpus", default=CLIENT_CPU, help="the flooder's (default 1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    CPUS.update(client=args.client_cpus, flood=args.flood_cpus)
     geoip = default_database_path()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gtm-fairness-") as tmp:
@@ -436,9 +443,11 @@ def main() -> None:
         capacity = 0.0
         if rate is None:
             server = gtm_server(work, geoip, "capacity")
+            server.cpus = args.server_cpus
             with running(server):
-                legit_dnsperf(server.port, legit, 3, work / "cap-warm.out", None)
-                capacity = legit_dnsperf(server.port, legit, 5, work / "cap.out", None)["qps"]
+                cpus = args.client_cpus
+                legit_dnsperf(server.port, legit, 3, work / "cap-warm.out", None, cpus)
+                capacity = legit_dnsperf(server.port, legit, 5, work / "cap.out", None, cpus)["qps"]
             rate = max(100, int(capacity * args.share))
         print(f"legitimate load paced at {rate}/s", flush=True)
         sets = {
