@@ -66,7 +66,7 @@ class Watch:
         if self.fd is not None and _answered(self.fd):
             # The peer's answer is waiting, not yet read: the process was slow to get to it
             # (a stalled loop), the peer was not silent. Read before the next deadline.
-            self._handle = self._loop.call_later(self.after_s, self._fire)
+            self.progress()
             return
         self.fired = True
         if self.fd is not None:
@@ -198,11 +198,11 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
             watches[id(context)] = watch
 
     def after_execute(_conn: Any, _cursor: Any, _s: Any, _p: Any, context: Any, _m: Any) -> None:
+        # A call that returned was never cut: a deadline due while its answer waited unread
+        # was moved on (Watch._fire), and once the answer is read the call returns at once.
         watch = watches.pop(id(context), None)
         if watch is not None:
             watch.cancel()
-            if watch.fired:  # shut as the answer came: this connection cannot go on
-                raise DeadlineExceeded(f"no progress for {after_s:g} s: the connection was cut")
 
     def failed(context: Any) -> None:
         # Never through context.connection's own connection: on a connection already
@@ -211,19 +211,17 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
         watch = watches.pop(id(execution), None) if execution is not None else None
         if watch is not None:
             watch.cancel()
-        cut = watch is not None and watch.fired
-        if cut or isinstance(context.original_exception, DeadlineExceeded):
-            context.is_disconnect = True  # its socket is shut: the connection must go
+            if watch.fired:
+                context.is_disconnect = True  # its socket is shut: the connection must go
 
-    def within(call: Any, seconds: float, cut: Any) -> Any:
+    def within(call: Any, seconds: float) -> Any:
         def bounded(dbapi_connection: Any) -> Any:
             watch = arm(dialect.get_driver_connection(dbapi_connection), seconds)
             try:
-                result = call(dbapi_connection)
+                return call(dbapi_connection)
             finally:
                 if watch is not None:
                     watch.cancel()
-            return cut if watch is not None and watch.fired and cut is not None else result
 
         return bounded
 
@@ -231,15 +229,14 @@ def deadline_every_call(engine: AsyncEngine, *, silence_s: float, statement_s: f
     event.listen(sync, "after_cursor_execute", after_execute)
     event.listen(sync, "handle_error", failed)
     # The dialect's own calls that run no statement through a cursor event: this engine's
-    # dialect alone (each engine has its own instance). A ping whose socket was shut as its
-    # answer came says the connection is gone (False), so the pool opens another; a commit or
-    # rollback returns as it did, and the connection's next use finds it closed.
-    for name, seconds, cut in (
-        ("do_commit", after_s, None),
-        ("do_rollback", after_s, None),
-        ("do_ping", silence_s or after_s, False),
+    # dialect alone (each engine has its own instance). A cut ping fails as a disconnect, so
+    # the pool opens another connection.
+    for name, seconds in (
+        ("do_commit", after_s),
+        ("do_rollback", after_s),
+        ("do_ping", silence_s or after_s),
     ):
-        setattr(dialect, name, within(getattr(dialect, name), seconds, cut))
+        setattr(dialect, name, within(getattr(dialect, name), seconds))
 
 
 def release(exc: BaseException) -> None:
